@@ -1,0 +1,342 @@
+/*
+ * kdtree.h - the public C ABI of libkdtree, the native core for DDTree speculative decoding.
+ *
+ * DDTree (Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
+ * Trees", arXiv 2604.12989) builds a draft tree from a drafter's per-position
+ * distributions with a best-first heap over cumulative log-probabilities, lets the target
+ * score every node under an ancestor-only tree attention mask, then walks the tree along
+ * the target's own choices. The exact rule every builder follows is in the project's
+ * spec, `ddtree-tree-build.md`; section names below ("spec: ...") refer to it.
+ *
+ * Conventions (every function):
+ *   - Every function returns a kdt_status; KDT_OK is 0. On failure kdt_last_error()
+ *     (thread-local) holds a message naming what is wrong and where.
+ *   - Outputs are caller-allocated; sizes come from the *_bytes queries. On failure no
+ *     output buffer has been written ("fully written or untouched").
+ *   - Counts, strides and indices are 64-bit. Read-only inputs are const.
+ *   - The library never prints, aborts or exits.
+ *
+ * This header compiles as C99 and as C++.
+ */
+#ifndef KDTREE_H
+#define KDTREE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Version ---------------------------------------------------------------------- */
+#define KDT_VERSION_MAJOR 0
+#define KDT_VERSION_MINOR 1
+#define KDT_VERSION_PATCH 0
+/* Bumped whenever a struct layout, enum value or function signature changes. The Python
+ * loader refuses a library whose kdt_abi_version() differs from the one it was written
+ * against. */
+#define KDT_ABI_VERSION 1
+
+#if defined(_WIN32)
+#  if defined(KDT_BUILDING_LIBRARY)
+#    define KDT_API __declspec(dllexport)
+#  else
+#    define KDT_API __declspec(dllimport)
+#  endif
+#elif defined(__GNUC__) || defined(__clang__)
+#  define KDT_API __attribute__((visibility("default")))
+#else
+#  define KDT_API
+#endif
+
+/* ---- Status ----------------------------------------------------------------------- */
+/* Fixed, append-only values. */
+typedef enum kdt_status {
+    KDT_OK = 0,
+    KDT_ERR_INVALID_ARGUMENT = 1, /* a scalar argument is out of its documented range    */
+    KDT_ERR_NULL_POINTER = 2,     /* a required pointer is NULL                           */
+    KDT_ERR_SHAPE = 3,            /* sizes disagree (e.g. output capacity vs. input)      */
+    KDT_ERR_VALUE = 4,            /* bad data: NaN, +inf, unsorted row, duplicate id ...  */
+    KDT_ERR_OUT_OF_RANGE = 5,     /* an index or token id outside its valid range         */
+    KDT_ERR_OVERFLOW = 6,         /* a size computation overflows 64 bits                 */
+    KDT_ERR_OUT_OF_MEMORY = 7,    /* an allocation failed                                 */
+    KDT_ERR_IO = 8,               /* a file could not be opened, read or written          */
+    KDT_ERR_FORMAT = 9,           /* a KDTR file is malformed (which field: last error)   */
+    KDT_ERR_UNSUPPORTED = 10,     /* unknown version or dtype, feature not built          */
+    KDT_ERR_NOT_FOUND = 11,       /* a named array is not in a KDTR file                  */
+    KDT_ERR_BUFFER_TOO_SMALL = 12,/* a workspace is smaller than its size query says      */
+    KDT_ERR_NO_DEVICE = 13,       /* reserved: no CUDA device or driver                   */
+    KDT_ERR_CUDA = 14,            /* reserved: a CUDA runtime call failed                 */
+    KDT_ERR_INTERNAL = 15         /* a bug in kdtree; please report it                    */
+} kdt_status;
+
+/* Static, never-NULL text for a status ("KDT_ERR_VALUE: invalid value"); unknown values
+ * give "unknown status". */
+KDT_API const char* kdt_status_string(int32_t status);
+
+/* Thread-local detail of the last failure on this thread ("" if none). The pointer stays
+ * valid until the next kdtree call on the same thread. */
+KDT_API const char* kdt_last_error(void);
+
+/* "MAJOR.MINOR.PATCH" of the loaded library (static text). */
+KDT_API const char* kdt_version(void);
+
+/* KDT_ABI_VERSION of the loaded library. */
+KDT_API int32_t kdt_abi_version(void);
+
+/* ---- Draft trees (spec: "Outputs", "Fixed-size (padded) output") ------------------ */
+
+/*
+ * Caller-allocated outputs of the tree builder for `batch` requests with budget N.
+ * Every per-node array has N + 1 rows per request: row 0 is the root, rows 1..n the
+ * emitted draft nodes in pop order (n = num_nodes[b] <= N), rows n+1..N padding.
+ * Each array is C-contiguous, request-major. Any pointer except num_nodes may be NULL:
+ * that output is then not computed. The builder rewrites every row of every non-NULL
+ * array on every call, padding included.
+ *
+ *  field            dtype     shape                root row           padding rows
+ *  num_nodes        int32     [B]                  -                  -
+ *  tokens           int32     [B, N+1]             root token or pad  pad token
+ *  depths           int32     [B, N+1]             0                  0
+ *  parents          int32     [B, N+1]             -1                 -1
+ *  logw             float64   [B, N+1]             0.0                -inf
+ *  positions        int64     [B, N+1]             root position      root position
+ *  visibility       uint8     [B, N+1, N+1]        [1, 0, ...]        1 on its diagonal
+ *  visibility_bits  uint32    [B, N+1, W]          bit 0              its diagonal bit
+ *  first_child      int32     [B, N+1]             first child or -1  -1
+ *  next_sibling     int32     [B, N+1]             -1                 -1
+ *
+ * logw: the node's cumulative log-probability (natural log) in float64, computed in the
+ * spec's operation order. positions = root position + depth (padding: depth 0).
+ * visibility[b][i][j] is 1 exactly when j == i or j is an ancestor of i (the
+ * ancestor-only tree attention mask); visibility_bits packs each row little-endian into
+ * W = ceil((N+1)/32) uint32 words, bit (j % 32) of word j / 32 = column j, unused high
+ * bits 0. first_child / next_sibling list each node's children in increasing node number
+ * (= decreasing score); -1 means none.
+ */
+typedef struct kdt_trees {
+    int64_t batch;             /* B: number of requests the arrays hold                  */
+    int64_t budget;            /* N: draft nodes per request, root excluded (>= 0)       */
+    int32_t* num_nodes;        /* [B] draft nodes emitted (root excluded); required      */
+    int32_t* tokens;           /* [B, N+1] or NULL                                       */
+    int32_t* depths;           /* [B, N+1] or NULL                                       */
+    int32_t* parents;          /* [B, N+1] or NULL                                       */
+    double* logw;              /* [B, N+1] or NULL                                       */
+    int64_t* positions;        /* [B, N+1] or NULL                                       */
+    uint8_t* visibility;       /* [B, N+1, N+1] or NULL (0/1 bytes)                      */
+    uint32_t* visibility_bits; /* [B, N+1, ceil((N+1)/32)] or NULL                      */
+    int32_t* first_child;      /* [B, N+1] or NULL                                       */
+    int32_t* next_sibling;     /* [B, N+1] or NULL                                       */
+} kdt_trees;
+
+/* Identifies one array of kdt_trees for kdt_trees_field_bytes. Fixed values. */
+typedef enum kdt_trees_field {
+    KDT_FIELD_NUM_NODES = 0,
+    KDT_FIELD_TOKENS = 1,
+    KDT_FIELD_DEPTHS = 2,
+    KDT_FIELD_PARENTS = 3,
+    KDT_FIELD_LOGW = 4,
+    KDT_FIELD_POSITIONS = 5,
+    KDT_FIELD_VISIBILITY = 6,
+    KDT_FIELD_VISIBILITY_BITS = 7,
+    KDT_FIELD_FIRST_CHILD = 8,
+    KDT_FIELD_NEXT_SIBLING = 9
+} kdt_trees_field;
+
+/* Exact byte size of one kdt_trees array for `batch` requests and budget `budget`.
+ * Returns KDT_ERR_INVALID_ARGUMENT (negative size, unknown field), KDT_ERR_NULL_POINTER,
+ * KDT_ERR_OVERFLOW. */
+KDT_API kdt_status kdt_trees_field_bytes(int64_t batch, int64_t budget, int32_t field,
+                                         size_t* bytes);
+
+/* Number of uint32 words per visibility_bits row: ceil((budget + 1) / 32). Returns
+ * KDT_ERR_INVALID_ARGUMENT for a negative budget. */
+KDT_API kdt_status kdt_visibility_words(int64_t budget, int64_t* words);
+
+/*
+ * Input of the tree builder: the drafter's top-K for the next L positions of B requests.
+ *
+ *   logprobs   float32 [B, L, K]  row (b, d) is the distribution of the token at depth
+ *                                 d + 1 below the root, sorted non-increasing; natural-log
+ *                                 probabilities (-inf allowed: never emitted).
+ *   token_ids  int32   [B, L, K]  token id of each entry; >= 0, < vocab_size when
+ *                                 vocab_size > 0; no duplicate id within a row's used part.
+ *   root_tokens    int32 [B] or NULL: written to row 0 of `tokens` (NULL: pad_token).
+ *   root_positions int64 [B] or NULL: position of the root (NULL: 0).
+ *
+ * Only the "used part" [L, K'] with K' = min(K, N) is read and validated.
+ */
+typedef struct kdt_draft {
+    int64_t batch;                 /* B >= 0                                              */
+    int64_t depth;                 /* L >= 0 (the depth limit, block size - 1)            */
+    int64_t width;                 /* K >= 0 (top-k entries per position)                 */
+    const float* logprobs;         /* [B, L, K]; may be NULL only when B*L*K == 0         */
+    const int32_t* token_ids;      /* [B, L, K]; may be NULL only when B*L*K == 0         */
+    const int32_t* root_tokens;    /* [B] or NULL                                         */
+    const int64_t* root_positions; /* [B] or NULL                                         */
+    int64_t vocab_size;            /* > 0: ids must be < vocab_size; 0: upper bound unchecked */
+    int32_t pad_token;             /* token written to padding rows (and a NULL root); -1 usual */
+} kdt_draft;
+
+/* Bytes of workspace kdt_trees_build_cpu needs for one call with this budget, depth and
+ * width (independent of the batch size). Returns KDT_ERR_INVALID_ARGUMENT (negative),
+ * KDT_ERR_NULL_POINTER, KDT_ERR_OVERFLOW. */
+KDT_API kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth, int64_t width,
+                                                   size_t* bytes);
+
+/*
+ * Builds B draft trees on the CPU (spec: "Best-first expansion"), bit-identical to the
+ * spec for any budget, depth and width, ties included: float64 scores in the spec's
+ * operation order, heap keys (-logw, rank path).
+ *
+ * draft:     the inputs (see kdt_draft). out->batch must equal draft->batch; out->budget
+ *            is the budget N (>= 0; N = 0 gives root-only trees).
+ * workspace: NULL (the library allocates and frees what it needs), or a buffer of at least
+ *            kdt_trees_build_workspace_bytes(N, L, K) bytes, aligned to 8 bytes.
+ *
+ * Every input of every request is validated before any output is written. Returns
+ *   KDT_ERR_NULL_POINTER      draft, out, out->num_nodes, or a needed input array NULL
+ *   KDT_ERR_INVALID_ARGUMENT  negative batch, depth, width, budget or vocab_size
+ *   KDT_ERR_SHAPE             out->batch != draft->batch
+ *   KDT_ERR_VALUE             NaN or +inf log-prob, a row not sorted non-increasing, a
+ *                             duplicate token id in a row ("request b, depth d, rank r: ...")
+ *   KDT_ERR_OUT_OF_RANGE      a negative token id, or one >= vocab_size
+ *   KDT_ERR_BUFFER_TOO_SMALL  workspace_bytes below the query's answer
+ *   KDT_ERR_OVERFLOW, KDT_ERR_OUT_OF_MEMORY
+ * Departure from the published code (spec: "Degenerate and invalid inputs"): a -inf
+ * candidate is never emitted or expanded. A negative budget is an error, not a root-only
+ * tree (a padded output cannot have N + 1 <= 0 rows).
+ */
+KDT_API kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* workspace,
+                                       size_t workspace_bytes);
+
+/* ---- Verification (spec: "Verification") ----------------------------------------- */
+
+/*
+ * Greedy (or sampled: the walk is the same) verification walk for B trees.
+ *
+ * trees:          built trees; reads batch, budget, num_nodes, tokens, first_child and
+ *                 next_sibling (all required), which are checked for consistency (links
+ *                 in range, no cycles) before anything is written.
+ * target_tokens:  int32 [B, N+1]: the token the target chose at every node (argmax of its
+ *                 logits, or one sample); entries of padding rows are ignored; entries at
+ *                 visited nodes must be >= 0.
+ * stop_tokens:    int32 [num_stop_tokens] or NULL (num_stop_tokens = 0): an accepted draft
+ *                 token in this set ends the walk there and no bonus token is emitted.
+ * max_commit:     int64 [B] or NULL (no cap): the most tokens (accepted + bonus) request b
+ *                 may commit this round, >= 0. The accepted path is truncated so that
+ *                 accepted + bonus <= max_commit[b]; with a cap c >= 1 that cuts the path,
+ *                 the path keeps c - 1 draft nodes and the bonus is the target's token at
+ *                 its last node (the same c tokens the uncut path would commit first).
+ * path_capacity:  columns of accepted_nodes, >= 1; must be at least the accepted path's
+ *                 length + 1 (L + 1 always suffices for trees of depth limit L).
+ *
+ * Outputs:
+ *   accepted_nodes int32 [B, path_capacity]: node indices of the accepted path, root (0)
+ *                  first, then -1.
+ *   accept_length  int32 [B]: accepted draft nodes (root excluded).
+ *   bonus_token    int32 [B]: the target's token at the last accepted node, or -1 when
+ *                  none is committed (a stop token was accepted, or the cap is 0).
+ * Committed tokens this round: tokens of accepted_nodes[1..accept_length], then the bonus
+ * token when >= 0.
+ *
+ * Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (negative sizes, caps or
+ * path_capacity < 1), KDT_ERR_VALUE (inconsistent tree links, a negative target token at
+ * a visited node), KDT_ERR_SHAPE (an accepted path longer than path_capacity - 1).
+ */
+KDT_API kdt_status kdt_verify_greedy_cpu(const kdt_trees* trees, const int32_t* target_tokens,
+                                         const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                         const int64_t* max_commit, int64_t path_capacity,
+                                         int32_t* accepted_nodes, int32_t* accept_length,
+                                         int32_t* bonus_token);
+
+/* ---- Top-k log-probs from logits --------------------------------------------------- */
+
+/*
+ * For each of `rows` rows of float32 logits (row r starts at logits + r * row_stride
+ * elements, vocab entries each), the k largest entries as log-probs:
+ * logprob = logit - logsumexp(row over all vocab entries), in float32 (the exp-sum is
+ * accumulated in float64), sorted descending, ties ordered by lower token id.
+ *
+ * out_logprobs float32 [rows, k], out_ids int32 [rows, k].
+ * Requires 0 <= k <= vocab, vocab <= INT32_MAX, row_stride >= vocab.
+ * Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_VALUE ("row r, column c:
+ * NaN logit" / "+inf logit" / "row r: every logit is -inf"). A -inf logit gives a -inf
+ * log-prob. Source: spec "Input" (lp = top_k(logits) - logsumexp(logits)).
+ */
+KDT_API kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t vocab,
+                                         int64_t row_stride, int64_t k, float* out_logprobs,
+                                         int32_t* out_ids);
+
+/* ---- KDTR: the container of named arrays (docs/kdtr-format.md) --------------------- */
+
+/* Element types of KDTR arrays. Fixed values (they are the format's dtype codes). */
+typedef enum kdt_dtype {
+    KDT_DTYPE_BOOL = 1,
+    KDT_DTYPE_INT8 = 2,
+    KDT_DTYPE_INT16 = 3,
+    KDT_DTYPE_INT32 = 4,
+    KDT_DTYPE_INT64 = 5,
+    KDT_DTYPE_UINT8 = 6,
+    KDT_DTYPE_UINT16 = 7,
+    KDT_DTYPE_UINT32 = 8,
+    KDT_DTYPE_UINT64 = 9,
+    KDT_DTYPE_FLOAT16 = 10,
+    KDT_DTYPE_BFLOAT16 = 11,
+    KDT_DTYPE_FLOAT32 = 12,
+    KDT_DTYPE_FLOAT64 = 13
+} kdt_dtype;
+
+/* Bytes per element of a dtype. KDT_ERR_UNSUPPORTED for an unknown code. */
+KDT_API kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes);
+
+/* One array of a KDTR file. Pointers are owned by the file object (reader) or the caller
+ * (writer) and stay valid until kdt_kdtr_close. */
+typedef struct kdt_kdtr_array {
+    const char* name;     /* UTF-8, NUL-terminated, unique within a file             */
+    int32_t dtype;        /* kdt_dtype                                               */
+    int32_t ndim;         /* 0 .. KDT_KDTR_MAX_NDIM                                  */
+    const int64_t* shape; /* [ndim] (NULL allowed when ndim == 0); every extent >= 0 */
+    const void* data;     /* product(shape) * dtype size bytes, C order, little-endian */
+    uint64_t nbytes;      /* product(shape) * dtype size                             */
+} kdt_kdtr_array;
+
+#define KDT_KDTR_MAX_NDIM 32
+
+/* An opened, fully validated KDTR file held in memory. */
+typedef struct kdt_kdtr_file kdt_kdtr_file;
+
+/* Reads and validates the whole file at `path` (every length, count, offset, shape product,
+ * version and dtype is checked before anything is allocated for it). Returns KDT_ERR_IO,
+ * KDT_ERR_FORMAT (kdt_last_error names the field and byte offset), KDT_ERR_UNSUPPORTED
+ * (unknown major version or dtype), KDT_ERR_OUT_OF_MEMORY, KDT_ERR_NULL_POINTER. On
+ * failure *out is set to NULL. */
+KDT_API kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out);
+
+/* As kdt_kdtr_open, from `size` bytes at `data` (copied; the caller keeps ownership). */
+KDT_API kdt_status kdt_kdtr_open_memory(const void* data, size_t size, kdt_kdtr_file** out);
+
+/* Frees a file object (NULL is allowed). */
+KDT_API void kdt_kdtr_close(kdt_kdtr_file* file);
+
+/* Number of arrays in the file. */
+KDT_API kdt_status kdt_kdtr_count(const kdt_kdtr_file* file, int64_t* count);
+
+/* The index-th array (0-based, file order). KDT_ERR_OUT_OF_RANGE for a bad index. */
+KDT_API kdt_status kdt_kdtr_get(const kdt_kdtr_file* file, int64_t index, kdt_kdtr_array* out);
+
+/* The array called `name`. KDT_ERR_NOT_FOUND when absent. */
+KDT_API kdt_status kdt_kdtr_find(const kdt_kdtr_file* file, const char* name,
+                                 kdt_kdtr_array* out);
+
+/* Writes `count` arrays to `path` (replacing it) as a KDTR file. Validates every array
+ * (name non-empty and unique, dtype known, ndim range, shape >= 0, nbytes consistent, no
+ * overflow) before creating the file. Returns KDT_ERR_NULL_POINTER,
+ * KDT_ERR_INVALID_ARGUMENT, KDT_ERR_UNSUPPORTED, KDT_ERR_OVERFLOW, KDT_ERR_IO. */
+KDT_API kdt_status kdt_kdtr_save(const char* path, const kdt_kdtr_array* arrays, int64_t count);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KDTREE_H */

@@ -1,0 +1,493 @@
+/* The batched CPU draft-tree builder (spec: ddtree-tree-build.md, "Best-first expansion").
+ *
+ * For each request: validate the used part [L, K'] of the drafter's top-K, then pop
+ * candidates from a binary heap keyed by (-logw, rank path) until N nodes are emitted or
+ * the heap is empty. Rank paths are never stored: two candidates with equal scores are
+ * ordered by walking both up the emitted tree (O(depth), only on exact score ties). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* A candidate: the node (parent, rank) at `depth` with score `logw`. */
+typedef struct kdt_cand {
+    double logw;
+    int32_t parent;
+    int32_t rank;
+    int32_t depth;
+    int32_t unused;
+} kdt_cand;
+
+/* Largest budget: node indices are int32 and N + 2 heap slots must fit. */
+#define KDT_MAX_BUDGET ((int64_t)INT32_MAX - 2)
+
+/* Per-request scratch carved out of the workspace. */
+typedef struct kdt_scratch {
+    kdt_cand* heap;      /* [N + 2]                    */
+    int32_t* node_rank;  /* [N + 1] rank of node i     */
+    int32_t* node_par;   /* [N + 1] parent of node i   */
+    int32_t* last_child; /* [N + 1] for sibling links  */
+    int32_t* hash;       /* [hash_size] duplicate-id set */
+    size_t hash_size;    /* power of two >= 2 K', or 0 */
+} kdt_scratch;
+
+static size_t align8(size_t x) { return (x + 7u) & ~(size_t)7u; }
+
+/* Power of two >= 2 * width (0 when width == 0), or 0 with *ok = 0 on overflow. */
+static size_t hash_slots(int64_t width, int* ok) {
+    size_t need, slots = 1;
+    *ok = 1;
+    if (width <= 0) return 0;
+    if (!kdt_mul_size((size_t)width, 2u, &need)) {
+        *ok = 0;
+        return 0;
+    }
+    while (slots < need) {
+        if (slots > SIZE_MAX / 2) {
+            *ok = 0;
+            return 0;
+        }
+        slots *= 2;
+    }
+    return slots;
+}
+
+/* Bytes of the scratch for budget N and effective width K' (see kdt_scratch). */
+static kdt_status scratch_bytes(int64_t budget, int64_t eff_width, size_t* bytes) {
+    size_t rows = (size_t)budget + 1u, heap_bytes, ints, hash_bytes, total;
+    int ok;
+    size_t slots = hash_slots(eff_width, &ok);
+    if (!ok || !kdt_mul_size(rows + 1u, sizeof(kdt_cand), &heap_bytes) ||
+        !kdt_mul_size(rows, 3u * sizeof(int32_t), &ints) ||
+        !kdt_mul_size(slots, sizeof(int32_t), &hash_bytes)) {
+        return kdt_fail(KDT_ERR_OVERFLOW, "workspace size for budget %lld overflows",
+                        (long long)budget);
+    }
+    total = align8(heap_bytes);
+    if (!kdt_add_size(total, align8(ints), &total) || !kdt_add_size(total, hash_bytes, &total) ||
+        !kdt_add_size(total, 8u, &total)) {
+        return kdt_fail(KDT_ERR_OVERFLOW, "workspace size for budget %lld overflows",
+                        (long long)budget);
+    }
+    *bytes = total;
+    return KDT_OK;
+}
+
+static void scratch_carve(void* base, int64_t budget, int64_t eff_width, kdt_scratch* s) {
+    size_t rows = (size_t)budget + 1u;
+    int ok;
+    uintptr_t p = ((uintptr_t)base + 7u) & ~(uintptr_t)7u;
+    s->heap = (kdt_cand*)p;
+    p += align8((rows + 1u) * sizeof(kdt_cand));
+    s->node_rank = (int32_t*)p;
+    s->node_par = s->node_rank + rows;
+    s->last_child = s->node_par + rows;
+    p += align8(rows * 3u * sizeof(int32_t));
+    s->hash = (int32_t*)p;
+    s->hash_size = hash_slots(eff_width, &ok);
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth, int64_t width,
+                                           size_t* bytes) {
+    if (bytes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bytes is NULL");
+    if (budget < 0 || depth < 0 || width < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "budget (%lld), depth (%lld) and width (%lld) must be >= 0",
+                        (long long)budget, (long long)depth, (long long)width);
+    }
+    if (budget > KDT_MAX_BUDGET) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld exceeds the maximum %lld",
+                        (long long)budget, (long long)KDT_MAX_BUDGET);
+    }
+    kdt_status st = scratch_bytes(budget, min64(width, budget), bytes);
+    return st == KDT_OK ? kdt_ok() : st;
+}
+
+kdt_status kdt_visibility_words(int64_t budget, int64_t* words) {
+    if (words == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "words is NULL");
+    if (budget < 0 || budget > KDT_MAX_BUDGET) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld is outside [0, %lld]",
+                        (long long)budget, (long long)KDT_MAX_BUDGET);
+    }
+    *words = (budget + 1 + 31) / 32;
+    return kdt_ok();
+}
+
+kdt_status kdt_trees_field_bytes(int64_t batch, int64_t budget, int32_t field, size_t* bytes) {
+    size_t rows, cells, elem, count;
+    if (bytes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bytes is NULL");
+    if (batch < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "batch %lld is negative", (long long)batch);
+    }
+    if (budget < 0 || budget > KDT_MAX_BUDGET) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld is outside [0, %lld]",
+                        (long long)budget, (long long)KDT_MAX_BUDGET);
+    }
+    rows = (size_t)budget + 1u;
+    switch (field) {
+        case KDT_FIELD_NUM_NODES: cells = 1; elem = 4; break;
+        case KDT_FIELD_TOKENS:
+        case KDT_FIELD_DEPTHS:
+        case KDT_FIELD_PARENTS:
+        case KDT_FIELD_FIRST_CHILD:
+        case KDT_FIELD_NEXT_SIBLING: cells = rows; elem = 4; break;
+        case KDT_FIELD_LOGW:
+        case KDT_FIELD_POSITIONS: cells = rows; elem = 8; break;
+        case KDT_FIELD_VISIBILITY:
+            if (!kdt_mul_size(rows, rows, &cells)) goto overflow;
+            elem = 1;
+            break;
+        case KDT_FIELD_VISIBILITY_BITS:
+            if (!kdt_mul_size(rows, (rows + 31u) / 32u, &cells)) goto overflow;
+            elem = 4;
+            break;
+        default:
+            return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "unknown kdt_trees_field %d", (int)field);
+    }
+    if (!kdt_mul_size((size_t)batch, cells, &count) || !kdt_mul_size(count, elem, bytes)) {
+        goto overflow;
+    }
+    return kdt_ok();
+overflow:
+    return kdt_fail(KDT_ERR_OVERFLOW, "field %d for batch %lld, budget %lld overflows size_t",
+                    (int)field, (long long)batch, (long long)budget);
+}
+
+/* ---- Validation -------------------------------------------------------------------- */
+
+/* Checks one row's used part: values (no NaN / +inf, non-increasing) then ids (range,
+ * duplicates). Depth is reported 1-based (row d is depth d + 1). */
+static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_width,
+                               int64_t vocab, int64_t b, int64_t d, kdt_scratch* s) {
+    for (int64_t r = 0; r < eff_width; r++) {
+        float v = lp[r];
+        if (isnan(v)) {
+            return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: NaN log-probability",
+                            (long long)b, (long long)(d + 1), (long long)r);
+        }
+        if (isinf(v) && v > 0) {
+            return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: +inf log-probability",
+                            (long long)b, (long long)(d + 1), (long long)r);
+        }
+        if (r > 0 && v > lp[r - 1]) {
+            return kdt_fail(KDT_ERR_VALUE,
+                            "request %lld, depth %lld, rank %lld: log-probabilities not sorted "
+                            "non-increasing (%.9g after %.9g)",
+                            (long long)b, (long long)(d + 1), (long long)r, (double)v,
+                            (double)lp[r - 1]);
+        }
+    }
+    if (s->hash_size > 0) memset(s->hash, 0xff, s->hash_size * sizeof(int32_t));
+    for (int64_t r = 0; r < eff_width; r++) {
+        int32_t id = ids[r];
+        if (id < 0 || (vocab > 0 && (int64_t)id >= vocab)) {
+            if (vocab > 0) {
+                return kdt_fail(KDT_ERR_OUT_OF_RANGE,
+                                "request %lld, depth %lld, rank %lld: token id %d outside [0, %lld)",
+                                (long long)b, (long long)(d + 1), (long long)r, (int)id,
+                                (long long)vocab);
+            }
+            return kdt_fail(KDT_ERR_OUT_OF_RANGE,
+                            "request %lld, depth %lld, rank %lld: negative token id %d",
+                            (long long)b, (long long)(d + 1), (long long)r, (int)id);
+        }
+        size_t mask = s->hash_size - 1u;
+        size_t slot = ((uint32_t)id * 2654435761u) & mask;
+        while (s->hash[slot] >= 0) {
+            if (s->hash[slot] == id) {
+                return kdt_fail(KDT_ERR_VALUE,
+                                "request %lld, depth %lld, rank %lld: duplicate token id %d in row",
+                                (long long)b, (long long)(d + 1), (long long)r, (int)id);
+            }
+            slot = (slot + 1u) & mask;
+        }
+        s->hash[slot] = id;
+    }
+    return KDT_OK;
+}
+
+/* ---- The heap ---------------------------------------------------------------------- */
+
+/* Rank-path order (spec: keys compare by ranks lexicographically, a proper prefix first).
+ * Walks both candidates up the emitted tree to their first difference. */
+static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
+    int32_t pa = a->parent, ra = a->rank, da = a->depth;
+    int32_t pb = b->parent, rb = b->rank, db = b->depth;
+    while (da > db) {
+        ra = s->node_rank[pa];
+        pa = s->node_par[pa];
+        da--;
+    }
+    while (db > da) {
+        rb = s->node_rank[pb];
+        pb = s->node_par[pb];
+        db--;
+    }
+    if (pa == pb && ra == rb) return a->depth < b->depth; /* one path is a prefix */
+    while (pa != pb) {
+        ra = s->node_rank[pa];
+        pa = s->node_par[pa];
+        rb = s->node_rank[pb];
+        pb = s->node_par[pb];
+    }
+    return ra < rb;
+}
+
+/* Key order: larger logw first (smaller -logw), then rank path. */
+static int cand_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
+    if (a->logw > b->logw) return 1;
+    if (a->logw < b->logw) return 0;
+    return path_less(a, b, s);
+}
+
+static void heap_push(kdt_scratch* s, size_t* size, kdt_cand c) {
+    size_t i = (*size)++;
+    kdt_cand* h = s->heap;
+    while (i > 0) {
+        size_t up = (i - 1u) / 2u;
+        if (!cand_less(&c, &h[up], s)) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = c;
+}
+
+static kdt_cand heap_pop(kdt_scratch* s, size_t* size) {
+    kdt_cand* h = s->heap;
+    kdt_cand top = h[0];
+    kdt_cand last = h[--(*size)];
+    size_t n = *size, i = 0;
+    for (;;) {
+        size_t l = 2u * i + 1u, best;
+        if (l >= n) break;
+        best = l;
+        if (l + 1u < n && cand_less(&h[l + 1u], &h[l], s)) best = l + 1u;
+        if (!cand_less(&h[best], &last, s)) break;
+        h[i] = h[best];
+        i = best;
+    }
+    if (n > 0) h[i] = last;
+    return top;
+}
+
+/* ---- Building ---------------------------------------------------------------------- */
+
+/* Builds request b into row block b of `out` (all rows rewritten). */
+static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scratch* s) {
+    const int64_t L = draft->depth, K = draft->width, N = out->budget;
+    const int64_t Kp = min64(K, N);
+    const size_t rows = (size_t)N + 1u;
+    const size_t words = (rows + 31u) / 32u;
+    const float* lp = draft->logprobs ? draft->logprobs + (size_t)b * (size_t)L * (size_t)K : NULL;
+    const int32_t* ids = draft->token_ids ? draft->token_ids + (size_t)b * (size_t)L * (size_t)K : NULL;
+    const int64_t root_pos = draft->root_positions ? draft->root_positions[b] : 0;
+    const int32_t pad = draft->pad_token;
+    const size_t base = (size_t)b * rows;
+    int32_t* tokens = out->tokens ? out->tokens + base : NULL;
+    int32_t* depths = out->depths ? out->depths + base : NULL;
+    int32_t* parents = out->parents ? out->parents + base : NULL;
+    double* logw = out->logw ? out->logw + base : NULL;
+    int64_t* positions = out->positions ? out->positions + base : NULL;
+    uint8_t* vis = out->visibility ? out->visibility + base * rows : NULL;
+    uint32_t* bits = out->visibility_bits ? out->visibility_bits + base * words : NULL;
+    int32_t* first_child = out->first_child ? out->first_child + base : NULL;
+    int32_t* next_sibling = out->next_sibling ? out->next_sibling + base : NULL;
+    size_t heap_size = 0;
+    int64_t n = 0;
+
+    for (size_t i = 0; i < rows; i++) s->last_child[i] = -1;
+    if (first_child) for (size_t i = 0; i < rows; i++) first_child[i] = -1;
+    if (next_sibling) for (size_t i = 0; i < rows; i++) next_sibling[i] = -1;
+    s->node_rank[0] = 0;
+    s->node_par[0] = -1;
+
+    /* Root row. */
+    if (tokens) tokens[0] = draft->root_tokens ? draft->root_tokens[b] : pad;
+    if (depths) depths[0] = 0;
+    if (parents) parents[0] = -1;
+    if (logw) logw[0] = 0.0;
+    if (positions) positions[0] = root_pos;
+    if (vis) {
+        memset(vis, 0, rows);
+        vis[0] = 1;
+    }
+    if (bits) {
+        memset(bits, 0, words * sizeof(uint32_t));
+        bits[0] = 1u;
+    }
+
+    if (N > 0 && L > 0 && Kp > 0 && !isinf(lp[0])) {
+        kdt_cand first = {(double)lp[0], 0, 0, 1, 0};
+        heap_push(s, &heap_size, first);
+    }
+    while (heap_size > 0 && n < N) {
+        kdt_cand c = heap_pop(s, &heap_size);
+        const int32_t i = (int32_t)++n;
+        const int32_t p = c.parent;
+        const float* row = lp + (size_t)(c.depth - 1) * (size_t)K;
+        s->node_rank[i] = c.rank;
+        s->node_par[i] = p;
+        if (tokens) tokens[i] = ids[(size_t)(c.depth - 1) * (size_t)K + (size_t)c.rank];
+        if (depths) depths[i] = c.depth;
+        if (parents) parents[i] = p;
+        if (logw) logw[i] = c.logw;
+        if (positions) positions[i] = root_pos + c.depth;
+        if (s->last_child[p] < 0) {
+            if (first_child) first_child[p] = i;
+        } else if (next_sibling) {
+            next_sibling[s->last_child[p]] = i;
+        }
+        s->last_child[p] = i;
+        if (vis) {
+            memcpy(vis + (size_t)i * rows, vis + (size_t)p * rows, rows);
+            vis[(size_t)i * rows + (size_t)i] = 1;
+        }
+        if (bits) {
+            memcpy(bits + (size_t)i * words, bits + (size_t)p * words, words * sizeof(uint32_t));
+            bits[(size_t)i * words + (size_t)i / 32u] |= 1u << ((uint32_t)i % 32u);
+        }
+        /* Next sibling: subtract first, then add (spec: "Node scores"). */
+        if ((int64_t)c.rank + 1 < Kp) {
+            double w = (c.logw - (double)row[c.rank]) + (double)row[c.rank + 1];
+            if (!isinf(w)) {
+                kdt_cand sib = {w, p, c.rank + 1, c.depth, 0};
+                heap_push(s, &heap_size, sib);
+            }
+        }
+        /* First child. */
+        if ((int64_t)c.depth < L) {
+            double w = c.logw + (double)row[K];
+            if (!isinf(w)) {
+                kdt_cand child = {w, i, 0, c.depth + 1, 0};
+                heap_push(s, &heap_size, child);
+            }
+        }
+    }
+    out->num_nodes[b] = (int32_t)n;
+
+    /* Padding rows. */
+    for (size_t i = (size_t)n + 1u; i < rows; i++) {
+        if (tokens) tokens[i] = pad;
+        if (depths) depths[i] = 0;
+        if (parents) parents[i] = -1;
+        if (logw) logw[i] = -INFINITY;
+        if (positions) positions[i] = root_pos;
+        if (vis) {
+            memset(vis + i * rows, 0, rows);
+            vis[i * rows + i] = 1;
+        }
+        if (bits) {
+            memset(bits + i * words, 0, words * sizeof(uint32_t));
+            bits[i * words + i / 32u] = 1u << (i % 32u);
+        }
+    }
+}
+
+kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* workspace,
+                               size_t workspace_bytes) {
+    kdt_status st;
+    size_t need;
+    void* owned = NULL;
+    kdt_scratch s;
+    int64_t B, L, K, N, Kp;
+
+    if (draft == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "draft is NULL");
+    if (out == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "out is NULL");
+    B = draft->batch;
+    L = draft->depth;
+    K = draft->width;
+    N = out->budget;
+    if (B < 0 || L < 0 || K < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "draft batch (%lld), depth (%lld) and width (%lld) must be >= 0",
+                        (long long)B, (long long)L, (long long)K);
+    }
+    if (N < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld is negative", (long long)N);
+    }
+    if (N > KDT_MAX_BUDGET) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld exceeds the maximum %lld",
+                        (long long)N, (long long)KDT_MAX_BUDGET);
+    }
+    if (L > INT32_MAX - 1) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "depth %lld exceeds %d", (long long)L,
+                        INT32_MAX - 1);
+    }
+    if (draft->vocab_size < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "vocab_size %lld is negative (0 means unchecked)",
+                        (long long)draft->vocab_size);
+    }
+    if (out->batch != B) {
+        return kdt_fail(KDT_ERR_SHAPE, "out->batch (%lld) != draft->batch (%lld)",
+                        (long long)out->batch, (long long)B);
+    }
+    if (out->num_nodes == NULL && B > 0) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "out->num_nodes is NULL");
+    }
+    {
+        size_t cells;
+        if (!kdt_mul_size((size_t)B, (size_t)L, &cells) || !kdt_mul_size(cells, (size_t)K, &cells)) {
+            return kdt_fail(KDT_ERR_OVERFLOW, "draft size B*L*K overflows");
+        }
+        if (cells > 0 && (draft->logprobs == NULL || draft->token_ids == NULL)) {
+            return kdt_fail(KDT_ERR_NULL_POINTER, "draft->%s is NULL",
+                            draft->logprobs == NULL ? "logprobs" : "token_ids");
+        }
+    }
+    /* Every non-NULL output must be addressable: check the largest one's size. */
+    if (out->visibility != NULL) {
+        st = kdt_trees_field_bytes(B, N, KDT_FIELD_VISIBILITY, &need);
+        if (st != KDT_OK) return st;
+    }
+    Kp = min64(K, N);
+
+    /* Validate everything before writing anything. */
+    st = scratch_bytes(N, Kp, &need);
+    if (st != KDT_OK) return st;
+    if (workspace == NULL) {
+        owned = malloc(need);
+        if (owned == NULL) {
+            return kdt_fail(KDT_ERR_OUT_OF_MEMORY, "could not allocate %zu bytes of workspace", need);
+        }
+        workspace = owned;
+    } else if (workspace_bytes < need) {
+        return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL, "workspace has %zu bytes, %zu needed",
+                        workspace_bytes, need);
+    }
+    scratch_carve(workspace, N, Kp, &s);
+
+    for (int64_t b = 0; b < B; b++) {
+        if (draft->root_positions) {
+            int64_t rp = draft->root_positions[b];
+            if (rp < 0 || rp > INT64_MAX - L) {
+                st = kdt_fail(KDT_ERR_OUT_OF_RANGE,
+                              "request %lld: root position %lld outside [0, INT64_MAX - depth]",
+                              (long long)b, (long long)rp);
+                goto done;
+            }
+        }
+        if (draft->root_tokens) {
+            int32_t rt = draft->root_tokens[b];
+            if (rt < 0 || (draft->vocab_size > 0 && rt >= draft->vocab_size)) {
+                st = kdt_fail(KDT_ERR_OUT_OF_RANGE, "request %lld: root token %d outside [0, %lld)",
+                              (long long)b, (int)rt,
+                              (long long)(draft->vocab_size > 0 ? draft->vocab_size : INT32_MAX));
+                goto done;
+            }
+        }
+        for (int64_t d = 0; d < L && Kp > 0; d++) {
+            size_t off = ((size_t)b * (size_t)L + (size_t)d) * (size_t)K;
+            st = validate_row(draft->logprobs + off, draft->token_ids + off, Kp, draft->vocab_size,
+                              b, d, &s);
+            if (st != KDT_OK) goto done;
+        }
+    }
+    for (int64_t b = 0; b < B; b++) build_one(draft, out, b, &s);
+    st = kdt_ok();
+done:
+    free(owned);
+    return st;
+}

@@ -1,0 +1,249 @@
+"""Loads libkdtree.so through ctypes and declares every C symbol once.
+
+Search order: the ``KDTREE_LIBRARY`` environment variable (a file path), then the CMake
+build folder of this checkout (``<repo>/build``), then this package's folder. The ABI
+version is checked before any other symbol is declared. Every function returning a
+``kdt_status`` gets one ``errcheck`` that raises :class:`KdtreeError` with the library's
+``kdt_last_error()`` text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+ABI_VERSION = 1  # KDT_ABI_VERSION in include/kdtree.h
+
+_NAMES = {"linux": "libkdtree.so", "darwin": "libkdtree.dylib", "win32": "kdtree.dll"}
+LIBRARY_NAME = _NAMES.get(sys.platform, "libkdtree.so")
+
+# kdt_status values (include/kdtree.h); tests/test_bindings.py compares them with the .so.
+STATUS_NAMES = {
+    0: "KDT_OK",
+    1: "KDT_ERR_INVALID_ARGUMENT",
+    2: "KDT_ERR_NULL_POINTER",
+    3: "KDT_ERR_SHAPE",
+    4: "KDT_ERR_VALUE",
+    5: "KDT_ERR_OUT_OF_RANGE",
+    6: "KDT_ERR_OVERFLOW",
+    7: "KDT_ERR_OUT_OF_MEMORY",
+    8: "KDT_ERR_IO",
+    9: "KDT_ERR_FORMAT",
+    10: "KDT_ERR_UNSUPPORTED",
+    11: "KDT_ERR_NOT_FOUND",
+    12: "KDT_ERR_BUFFER_TOO_SMALL",
+    13: "KDT_ERR_NO_DEVICE",
+    14: "KDT_ERR_CUDA",
+    15: "KDT_ERR_INTERNAL",
+}
+
+
+class KdtreeError(ValueError):
+    """A libkdtree call failed. ``status`` is the kdt_status value, ``status_name`` its
+    enum name, and the message is the library's ``kdt_last_error()`` text."""
+
+    def __init__(self, status: int, message: str, function: str = ""):
+        self.status = int(status)
+        self.status_name = STATUS_NAMES.get(self.status, f"status {self.status}")
+        self.function = function
+        where = f"{function}: " if function else ""
+        super().__init__(f"{where}{self.status_name}: {message}")
+
+
+class LibraryNotFoundError(ImportError):
+    """libkdtree could not be loaded; the message lists every path tried."""
+
+
+# ---- ctypes mirrors of the ABI structs (include/kdtree.h) ------------------------------
+
+c_int32_p = ctypes.POINTER(ctypes.c_int32)
+c_int64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+class KdtTrees(ctypes.Structure):
+    """struct kdt_trees."""
+
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("budget", ctypes.c_int64),
+        ("num_nodes", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("depths", ctypes.c_void_p),
+        ("parents", ctypes.c_void_p),
+        ("logw", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("visibility", ctypes.c_void_p),
+        ("visibility_bits", ctypes.c_void_p),
+        ("first_child", ctypes.c_void_p),
+        ("next_sibling", ctypes.c_void_p),
+    ]
+
+
+class KdtDraft(ctypes.Structure):
+    """struct kdt_draft."""
+
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("depth", ctypes.c_int64),
+        ("width", ctypes.c_int64),
+        ("logprobs", ctypes.c_void_p),
+        ("token_ids", ctypes.c_void_p),
+        ("root_tokens", ctypes.c_void_p),
+        ("root_positions", ctypes.c_void_p),
+        ("vocab_size", ctypes.c_int64),
+        ("pad_token", ctypes.c_int32),
+    ]
+
+
+class KdtKdtrArray(ctypes.Structure):
+    """struct kdt_kdtr_array."""
+
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", c_int64_p),
+        ("data", ctypes.c_void_p),
+        ("nbytes", ctypes.c_uint64),
+    ]
+
+
+_vp = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_sz = ctypes.c_size_t
+
+# name -> (restype, argtypes); "status" marks a kdt_status return checked by errcheck.
+# Each line mirrors the C prototype in include/kdtree.h.
+SIGNATURES: dict[str, tuple[object, list]] = {
+    # const char* kdt_status_string(int32_t status)
+    "kdt_status_string": (ctypes.c_char_p, [_i32]),
+    # const char* kdt_last_error(void)
+    "kdt_last_error": (ctypes.c_char_p, []),
+    # const char* kdt_version(void)
+    "kdt_version": (ctypes.c_char_p, []),
+    # int32_t kdt_abi_version(void)
+    "kdt_abi_version": (_i32, []),
+    # kdt_status kdt_trees_field_bytes(int64_t batch, int64_t budget, int32_t field, size_t* bytes)
+    "kdt_trees_field_bytes": ("status", [_i64, _i64, _i32, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_visibility_words(int64_t budget, int64_t* words)
+    "kdt_visibility_words": ("status", [_i64, c_int64_p]),
+    # kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth, int64_t width,
+    #                                            size_t* bytes)
+    "kdt_trees_build_workspace_bytes": ("status", [_i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* workspace,
+    #                                size_t workspace_bytes)
+    "kdt_trees_build_cpu": (
+        "status",
+        [ctypes.POINTER(KdtDraft), ctypes.POINTER(KdtTrees), _vp, _sz],
+    ),
+    # kdt_status kdt_verify_greedy_cpu(const kdt_trees* trees, const int32_t* target_tokens,
+    #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
+    #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
+    #     int32_t* bonus_token)
+    "kdt_verify_greedy_cpu": (
+        "status",
+        [ctypes.POINTER(KdtTrees), _vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
+    ),
+    # kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t vocab,
+    #     int64_t row_stride, int64_t k, float* out_logprobs, int32_t* out_ids)
+    "kdt_topk_logprobs_cpu": ("status", [_vp, _i64, _i64, _i64, _i64, _vp, _vp]),
+    # kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes)
+    "kdt_dtype_size": ("status", [_i32, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out)
+    "kdt_kdtr_open": ("status", [ctypes.c_char_p, ctypes.POINTER(_vp)]),
+    # kdt_status kdt_kdtr_open_memory(const void* data, size_t size, kdt_kdtr_file** out)
+    "kdt_kdtr_open_memory": ("status", [_vp, _sz, ctypes.POINTER(_vp)]),
+    # void kdt_kdtr_close(kdt_kdtr_file* file)
+    "kdt_kdtr_close": (None, [_vp]),
+    # kdt_status kdt_kdtr_count(const kdt_kdtr_file* file, int64_t* count)
+    "kdt_kdtr_count": ("status", [_vp, c_int64_p]),
+    # kdt_status kdt_kdtr_get(const kdt_kdtr_file* file, int64_t index, kdt_kdtr_array* out)
+    "kdt_kdtr_get": ("status", [_vp, _i64, ctypes.POINTER(KdtKdtrArray)]),
+    # kdt_status kdt_kdtr_find(const kdt_kdtr_file* file, const char* name, kdt_kdtr_array* out)
+    "kdt_kdtr_find": ("status", [_vp, ctypes.c_char_p, ctypes.POINTER(KdtKdtrArray)]),
+    # kdt_status kdt_kdtr_save(const char* path, const kdt_kdtr_array* arrays, int64_t count)
+    "kdt_kdtr_save": ("status", [ctypes.c_char_p, ctypes.POINTER(KdtKdtrArray), _i64]),
+}
+
+
+def candidate_paths() -> list[Path]:
+    """Where the loader looks, in order."""
+    paths: list[Path] = []
+    env = os.environ.get("KDTREE_LIBRARY")
+    if env:
+        paths.append(Path(env))
+    here = Path(__file__).resolve().parent
+    paths.append(here.parent.parent / "build" / LIBRARY_NAME)
+    paths.append(here / LIBRARY_NAME)
+    return paths
+
+
+def _make_errcheck(lib: ctypes.CDLL):
+    def errcheck(result, func, args):
+        if result != 0:
+            message = lib.kdt_last_error().decode("utf-8", "replace")
+            raise KdtreeError(result, message, func.__name__)
+        return result
+
+    return errcheck
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.kdt_abi_version.restype = ctypes.c_int32
+    lib.kdt_abi_version.argtypes = []
+    found = lib.kdt_abi_version()
+    if found != ABI_VERSION:
+        raise LibraryNotFoundError(
+            f"libkdtree ABI version {found} does not match the Python package's {ABI_VERSION}; "
+            "rebuild the library (nox -s build) or point KDTREE_LIBRARY at a matching one"
+        )
+    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        raise LibraryNotFoundError(
+            f"{lib._name} lacks symbols {missing}; it is older than this package: rebuild it"
+        )
+    errcheck = None
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        if restype == "status":
+            fn.restype = ctypes.c_int32
+            if errcheck is None:
+                lib.kdt_last_error.restype = ctypes.c_char_p
+                lib.kdt_last_error.argtypes = []
+                errcheck = _make_errcheck(lib)
+            fn.errcheck = errcheck
+        else:
+            fn.restype = restype
+    return lib
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The loaded, fully declared library (loaded once). Raises LibraryNotFoundError
+    listing every path tried, or on an ABI mismatch."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    tried = []
+    for path in candidate_paths():
+        if not path.is_file():
+            tried.append(f"{path} (not found)")
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            tried.append(f"{path} ({exc})")
+            continue
+        _LIB = _declare(lib)
+        _LIB._kdtree_path = str(path)  # type: ignore[attr-defined]
+        return _LIB
+    raise LibraryNotFoundError(
+        "could not load libkdtree; build it with `nox -s build` (or cmake -S . -B build && "
+        "cmake --build build) or set KDTREE_LIBRARY. Tried:\n  " + "\n  ".join(tried)
+    )

@@ -1,0 +1,78 @@
+"""Result types shared by the native bindings and the pure-Python reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class TreeBatch:
+    """Draft trees for ``B`` requests with budget ``N`` (spec: "Outputs", "Fixed-size
+    (padded) output"). Every per-node array has ``N + 1`` rows per request: row 0 is the
+    root, rows ``1..num_nodes[b]`` the draft nodes in pop order (decreasing score), the
+    rest padding.
+
+    Fields (numpy arrays, C-contiguous):
+        num_nodes        int32   [B]            draft nodes per request (root excluded)
+        tokens           int32   [B, N+1]       root token (or pad) / node token / pad
+        depths           int32   [B, N+1]       0 for root and padding
+        parents          int32   [B, N+1]       -1 for root and padding
+        logw             float64 [B, N+1]       cumulative log-prob; root 0.0, padding -inf
+        positions        int64   [B, N+1]       root position + depth
+        visibility       bool    [B, N+1, N+1]  ancestor-only tree attention mask
+        visibility_bits  uint32  [B, N+1, W]    the mask bit-packed, W = ceil((N+1)/32),
+                                                bit j % 32 of word j // 32 = column j
+        first_child      int32   [B, N+1]       first child node or -1
+        next_sibling     int32   [B, N+1]       next sibling node or -1
+        budget           int                    N
+        depth            int                    L, the depth limit the trees were built with
+    """
+
+    num_nodes: np.ndarray
+    tokens: np.ndarray
+    depths: np.ndarray
+    parents: np.ndarray
+    logw: np.ndarray
+    positions: np.ndarray
+    visibility: np.ndarray
+    visibility_bits: np.ndarray
+    first_child: np.ndarray
+    next_sibling: np.ndarray
+    budget: int
+    depth: int
+
+    @property
+    def batch(self) -> int:
+        """Number of requests ``B``."""
+        return int(self.num_nodes.shape[0])
+
+
+@dataclass
+class Acceptance:
+    """Result of the verification walk for ``B`` requests (spec: "Verification").
+
+    Fields:
+        accepted_nodes  int32 [B, L+1]  node indices of the accepted path, root (0) first,
+                                        then -1 padding
+        accept_length   int32 [B]       accepted draft nodes (root excluded)
+        bonus_token     int32 [B]       the target's token at the last accepted node, or -1
+                                        when none is committed (stop token accepted, cap 0)
+
+    Committed tokens for request b: ``trees.tokens[b, accepted_nodes[b, 1:1+accept_length[b]]]``
+    followed by ``bonus_token[b]`` when it is >= 0.
+    """
+
+    accepted_nodes: np.ndarray
+    accept_length: np.ndarray
+    bonus_token: np.ndarray
+
+    def committed(self, trees: TreeBatch, b: int = 0) -> list[int]:
+        """The tokens request ``b`` commits this round (accepted draft tokens, then bonus)."""
+        n = int(self.accept_length[b])
+        nodes = self.accepted_nodes[b, 1 : 1 + n]
+        out = [int(t) for t in trees.tokens[b, nodes]]
+        if int(self.bonus_token[b]) >= 0:
+            out.append(int(self.bonus_token[b]))
+        return out
