@@ -8,15 +8,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "internal.h"
 
 /* A candidate: the node (parent, rank) at `depth` with score `logw`. */
+/* A candidate: the child of rank `rank` of emitted node `parent`, with score `logw`
+ * (its depth is the parent's plus one). 16 bytes, so heap moves are two words. */
 typedef struct kdt_cand {
     double logw;
     int32_t parent;
     int32_t rank;
-    int32_t depth;
-    int32_t unused;
 } kdt_cand;
 
 /* Largest budget: node indices are int32 and N + 2 heap slots must fit. */
@@ -27,19 +31,21 @@ typedef struct kdt_scratch {
     kdt_cand* heap;      /* [N + 2]                    */
     int32_t* node_rank;  /* [N + 1] rank of node i     */
     int32_t* node_par;   /* [N + 1] parent of node i   */
+    int32_t* node_depth; /* [N + 1] depth of node i    */
     int32_t* last_child; /* [N + 1] for sibling links  */
-    int32_t* hash;       /* [hash_size] duplicate-id set */
-    size_t hash_size;    /* power of two >= 2 K', or 0 */
+    uint64_t* hash;      /* [hash_size] duplicate-id set: (stamp << 32) | id */
+    size_t hash_size;    /* power of two >= 4 K', or 0 */
+    uint32_t stamp;      /* marks the entries of the current row; 0 = empty */
 } kdt_scratch;
 
 static size_t align8(size_t x) { return (x + 7u) & ~(size_t)7u; }
 
-/* Power of two >= 2 * width (0 when width == 0), or 0 with *ok = 0 on overflow. */
+/* Power of two >= 4 * width (0 when width == 0), or 0 with *ok = 0 on overflow. */
 static size_t hash_slots(int64_t width, int* ok) {
     size_t need, slots = 1;
     *ok = 1;
     if (width <= 0) return 0;
-    if (!kdt_mul_size((size_t)width, 2u, &need)) {
+    if (!kdt_mul_size((size_t)width, 4u, &need)) {
         *ok = 0;
         return 0;
     }
@@ -59,8 +65,8 @@ static kdt_status scratch_bytes(int64_t budget, int64_t eff_width, size_t* bytes
     int ok;
     size_t slots = hash_slots(eff_width, &ok);
     if (!ok || !kdt_mul_size(rows + 1u, sizeof(kdt_cand), &heap_bytes) ||
-        !kdt_mul_size(rows, 3u * sizeof(int32_t), &ints) ||
-        !kdt_mul_size(slots, sizeof(int32_t), &hash_bytes)) {
+        !kdt_mul_size(rows, 4u * sizeof(int32_t), &ints) ||
+        !kdt_mul_size(slots, sizeof(uint64_t), &hash_bytes)) {
         return kdt_fail(KDT_ERR_OVERFLOW, "workspace size for budget %lld overflows",
                         (long long)budget);
     }
@@ -82,10 +88,13 @@ static void scratch_carve(void* base, int64_t budget, int64_t eff_width, kdt_scr
     p += align8((rows + 1u) * sizeof(kdt_cand));
     s->node_rank = (int32_t*)p;
     s->node_par = s->node_rank + rows;
-    s->last_child = s->node_par + rows;
-    p += align8(rows * 3u * sizeof(int32_t));
-    s->hash = (int32_t*)p;
+    s->node_depth = s->node_par + rows;
+    s->last_child = s->node_depth + rows;
+    p += align8(rows * 4u * sizeof(int32_t));
+    s->hash = (uint64_t*)p;
     s->hash_size = hash_slots(eff_width, &ok);
+    s->stamp = 0;
+    if (s->hash_size > 0) memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
 }
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -162,26 +171,54 @@ overflow:
  * duplicates). Depth is reported 1-based (row d is depth d + 1). */
 static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_width,
                                int64_t vocab, int64_t b, int64_t d, kdt_scratch* s) {
-    for (int64_t r = 0; r < eff_width; r++) {
-        float v = lp[r];
-        if (isnan(v)) {
-            return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: NaN log-probability",
-                            (long long)b, (long long)(d + 1), (long long)r);
+    /* Fast path: one branch-free pass (vectorisable) decides whether the row is clean; the
+     * slow loop below only runs to name the first bad entry. NaN fails every comparison. */
+    int bad = !(lp[0] < INFINITY);
+    int64_t r = 1;
+#if defined(__SSE2__)
+    {
+        const __m128 inf = _mm_set1_ps(INFINITY);
+        __m128 acc = _mm_setzero_ps();
+        for (; r + 4 <= eff_width; r += 4) {
+            __m128 cur = _mm_loadu_ps(lp + r), prev = _mm_loadu_ps(lp + r - 1);
+            /* cmpnle/cmpnlt are true for NaN: unsorted, NaN or +inf all set a lane. */
+            acc = _mm_or_ps(acc, _mm_or_ps(_mm_cmpnle_ps(cur, prev), _mm_cmpnlt_ps(cur, inf)));
         }
-        if (isinf(v) && v > 0) {
-            return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: +inf log-probability",
-                            (long long)b, (long long)(d + 1), (long long)r);
-        }
-        if (r > 0 && v > lp[r - 1]) {
-            return kdt_fail(KDT_ERR_VALUE,
-                            "request %lld, depth %lld, rank %lld: log-probabilities not sorted "
-                            "non-increasing (%.9g after %.9g)",
-                            (long long)b, (long long)(d + 1), (long long)r, (double)v,
-                            (double)lp[r - 1]);
+        bad |= _mm_movemask_ps(acc) != 0;
+    }
+#endif
+    for (; r < eff_width; r++) bad |= !(lp[r] <= lp[r - 1]) | !(lp[r] < INFINITY);
+    if (bad) {
+        for (r = 0; r < eff_width; r++) {
+            float v = lp[r];
+            if (isnan(v)) {
+                return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: NaN log-probability",
+                                (long long)b, (long long)(d + 1), (long long)r);
+            }
+            if (isinf(v) && v > 0) {
+                return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: +inf log-probability",
+                                (long long)b, (long long)(d + 1), (long long)r);
+            }
+            if (r > 0 && v > lp[r - 1]) {
+                return kdt_fail(KDT_ERR_VALUE,
+                                "request %lld, depth %lld, rank %lld: log-probabilities not sorted "
+                                "non-increasing (%.9g after %.9g)",
+                                (long long)b, (long long)(d + 1), (long long)r, (double)v,
+                                (double)lp[r - 1]);
+            }
         }
     }
-    if (s->hash_size > 0) memset(s->hash, 0xff, s->hash_size * sizeof(int32_t));
-    for (int64_t r = 0; r < eff_width; r++) {
+    /* Duplicate ids: open addressing; entries of earlier rows carry older stamps, so the
+     * table is never cleared between rows. */
+    if (++s->stamp == 0) {
+        memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
+        s->stamp = 1;
+    }
+    const uint64_t tag = (uint64_t)s->stamp << 32;
+    const uint64_t stamp = s->stamp;
+    uint64_t* const hash = s->hash;
+    const size_t mask = s->hash_size - 1u;
+    for (r = 0; r < eff_width; r++) {
         int32_t id = ids[r];
         if (id < 0 || (vocab > 0 && (int64_t)id >= vocab)) {
             if (vocab > 0) {
@@ -194,17 +231,17 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
                             "request %lld, depth %lld, rank %lld: negative token id %d",
                             (long long)b, (long long)(d + 1), (long long)r, (int)id);
         }
-        size_t mask = s->hash_size - 1u;
-        size_t slot = ((uint32_t)id * 2654435761u) & mask;
-        while (s->hash[slot] >= 0) {
-            if (s->hash[slot] == id) {
+        const uint64_t entry = tag | (uint32_t)id;
+        size_t slot = (size_t)(((uint64_t)(uint32_t)id * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+        while ((hash[slot] >> 32) == stamp) {
+            if (hash[slot] == entry) {
                 return kdt_fail(KDT_ERR_VALUE,
                                 "request %lld, depth %lld, rank %lld: duplicate token id %d in row",
                                 (long long)b, (long long)(d + 1), (long long)r, (int)id);
             }
             slot = (slot + 1u) & mask;
         }
-        s->hash[slot] = id;
+        hash[slot] = entry;
     }
     return KDT_OK;
 }
@@ -214,8 +251,9 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
 /* Rank-path order (spec: keys compare by ranks lexicographically, a proper prefix first).
  * Walks both candidates up the emitted tree to their first difference. */
 static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
-    int32_t pa = a->parent, ra = a->rank, da = a->depth;
-    int32_t pb = b->parent, rb = b->rank, db = b->depth;
+    int32_t pa = a->parent, ra = a->rank, da = s->node_depth[pa] + 1;
+    int32_t pb = b->parent, rb = b->rank, db = s->node_depth[pb] + 1;
+    const int32_t depth_a = da, depth_b = db;
     while (da > db) {
         ra = s->node_rank[pa];
         pa = s->node_par[pa];
@@ -226,7 +264,7 @@ static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s)
         pb = s->node_par[pb];
         db--;
     }
-    if (pa == pb && ra == rb) return a->depth < b->depth; /* one path is a prefix */
+    if (pa == pb && ra == rb) return depth_a < depth_b; /* one path is a prefix */
     while (pa != pb) {
         ra = s->node_rank[pa];
         pa = s->node_par[pa];
@@ -236,10 +274,8 @@ static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s)
     return ra < rb;
 }
 
-/* Key order: larger logw first (smaller -logw), then rank path. */
-static int cand_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
-    if (a->logw > b->logw) return 1;
-    if (a->logw < b->logw) return 0;
+static inline int cand_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
+    if (a->logw != b->logw) return a->logw > b->logw;
     return path_less(a, b, s);
 }
 
@@ -255,22 +291,23 @@ static void heap_push(kdt_scratch* s, size_t* size, kdt_cand c) {
     h[i] = c;
 }
 
-static kdt_cand heap_pop(kdt_scratch* s, size_t* size) {
+/* Fills the hole at the root with `item` and restores the heap of `size` entries.
+ * Floyd's bottom-up variant: move the hole to a leaf along the better children (one
+ * comparison per level, compiled without a data-dependent branch), then sift `item` up
+ * from there (usually a step or two, since `item` is a fresh, low-scoring candidate). */
+static void heap_sift_root(kdt_scratch* s, size_t size, kdt_cand item) {
     kdt_cand* h = s->heap;
-    kdt_cand top = h[0];
-    kdt_cand last = h[--(*size)];
-    size_t n = *size, i = 0;
+    size_t i = 0;
     for (;;) {
         size_t l = 2u * i + 1u, best;
-        if (l >= n) break;
+        if (l >= size) break;
         best = l;
-        if (l + 1u < n && cand_less(&h[l + 1u], &h[l], s)) best = l + 1u;
-        if (!cand_less(&h[best], &last, s)) break;
+        if (l + 1u < size && cand_less(&h[l + 1u], &h[l], s)) best = l + 1u;
+        if (!cand_less(&h[best], &item, s)) break;
         h[i] = h[best];
         i = best;
     }
-    if (n > 0) h[i] = last;
-    return top;
+    h[i] = item;
 }
 
 /* ---- Building ---------------------------------------------------------------------- */
@@ -303,6 +340,7 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
     if (next_sibling) for (size_t i = 0; i < rows; i++) next_sibling[i] = -1;
     s->node_rank[0] = 0;
     s->node_par[0] = -1;
+    s->node_depth[0] = 0;
 
     /* Root row. */
     if (tokens) tokens[0] = draft->root_tokens ? draft->root_tokens[b] : pad;
@@ -320,21 +358,25 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
     }
 
     if (N > 0 && L > 0 && Kp > 0 && !isinf(lp[0])) {
-        kdt_cand first = {(double)lp[0], 0, 0, 1, 0};
+        kdt_cand first = {(double)lp[0], 0, 0};
         heap_push(s, &heap_size, first);
     }
     while (heap_size > 0 && n < N) {
-        kdt_cand c = heap_pop(s, &heap_size);
+        /* Pop the best candidate; its next sibling (if any) takes its place at the root in
+         * one sift (a "heap replace"), then its first child is pushed. */
+        const kdt_cand c = s->heap[0];
         const int32_t i = (int32_t)++n;
         const int32_t p = c.parent;
-        const float* row = lp + (size_t)(c.depth - 1) * (size_t)K;
+        const int32_t depth = s->node_depth[p] + 1;
+        const float* row = lp + (size_t)(depth - 1) * (size_t)K;
         s->node_rank[i] = c.rank;
         s->node_par[i] = p;
-        if (tokens) tokens[i] = ids[(size_t)(c.depth - 1) * (size_t)K + (size_t)c.rank];
-        if (depths) depths[i] = c.depth;
+        s->node_depth[i] = depth;
+        if (tokens) tokens[i] = ids[(size_t)(depth - 1) * (size_t)K + (size_t)c.rank];
+        if (depths) depths[i] = depth;
         if (parents) parents[i] = p;
         if (logw) logw[i] = c.logw;
-        if (positions) positions[i] = root_pos + c.depth;
+        if (positions) positions[i] = root_pos + depth;
         if (s->last_child[p] < 0) {
             if (first_child) first_child[p] = i;
         } else if (next_sibling) {
@@ -342,26 +384,37 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
         }
         s->last_child[p] = i;
         if (vis) {
-            memcpy(vis + (size_t)i * rows, vis + (size_t)p * rows, rows);
-            vis[(size_t)i * rows + (size_t)i] = 1;
+            /* Row i = row p (nonzero only in columns <= p) plus column i. */
+            uint8_t* dst = vis + (size_t)i * rows;
+            memcpy(dst, vis + (size_t)p * rows, (size_t)p + 1u);
+            memset(dst + p + 1, 0, rows - (size_t)p - 1u);
+            dst[i] = 1;
         }
         if (bits) {
-            memcpy(bits + (size_t)i * words, bits + (size_t)p * words, words * sizeof(uint32_t));
-            bits[(size_t)i * words + (size_t)i / 32u] |= 1u << ((uint32_t)i % 32u);
+            uint32_t* dst = bits + (size_t)i * words;
+            const size_t used = (size_t)p / 32u + 1u; /* words of row p that can be nonzero */
+            memcpy(dst, bits + (size_t)p * words, used * sizeof(uint32_t));
+            memset(dst + used, 0, (words - used) * sizeof(uint32_t));
+            dst[(size_t)i / 32u] |= 1u << ((uint32_t)i % 32u);
         }
         /* Next sibling: subtract first, then add (spec: "Node scores"). */
+        int have_sib = 0;
+        kdt_cand sib = {0.0, p, c.rank + 1};
         if ((int64_t)c.rank + 1 < Kp) {
-            double w = (c.logw - (double)row[c.rank]) + (double)row[c.rank + 1];
-            if (!isinf(w)) {
-                kdt_cand sib = {w, p, c.rank + 1, c.depth, 0};
-                heap_push(s, &heap_size, sib);
-            }
+            sib.logw = (c.logw - (double)row[c.rank]) + (double)row[c.rank + 1];
+            have_sib = !isinf(sib.logw);
+        }
+        if (have_sib) {
+            heap_sift_root(s, heap_size, sib);
+        } else {
+            heap_size--;
+            if (heap_size > 0) heap_sift_root(s, heap_size, s->heap[heap_size]);
         }
         /* First child. */
-        if ((int64_t)c.depth < L) {
+        if ((int64_t)depth < L) {
             double w = c.logw + (double)row[K];
             if (!isinf(w)) {
-                kdt_cand child = {w, i, 0, c.depth + 1, 0};
+                kdt_cand child = {w, i, 0};
                 heap_push(s, &heap_size, child);
             }
         }

@@ -22,27 +22,35 @@ __all__ = ["build_tree", "build_trees", "verify_greedy", "topk_logprobs"]
 
 
 def _validate(lp: np.ndarray, ids: np.ndarray, width: int, vocab_size: int | None, b: int) -> None:
-    """Spec "Degenerate and invalid inputs", on the used part ``[L, width]``."""
-    depth = lp.shape[0]
-    for d in range(depth):
-        for r in range(width):
-            v = float(lp[d, r])
-            where = f"request {b}, depth {d + 1}, rank {r}"
-            if math.isnan(v):
-                raise ValueError(f"{where}: NaN log-probability")
-            if v == math.inf:
-                raise ValueError(f"{where}: +inf log-probability")
-            if r > 0 and v > float(lp[d, r - 1]):
-                raise ValueError(f"{where}: log-probabilities not sorted non-increasing")
-        seen: set[int] = set()
-        for r in range(width):
-            t = int(ids[d, r])
-            where = f"request {b}, depth {d + 1}, rank {r}"
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"{where}: token id {t} out of range")
-            if t in seen:
-                raise ValueError(f"{where}: duplicate token id {t} in row")
-            seen.add(t)
+    """Spec "Degenerate and invalid inputs", on the used part ``[L, width]``; the first bad
+    entry in (depth, rank) order is reported, values before ids."""
+    used, uid = lp[:, :width].astype(np.float64), ids[:, :width].astype(np.int64)
+
+    def first(mask: np.ndarray) -> tuple[int, int] | None:
+        hits = np.argwhere(mask)
+        return None if hits.size == 0 else (int(hits[0][0]), int(hits[0][1]))
+
+    bad_value = np.isnan(used) | np.isposinf(used)
+    unsorted = np.zeros_like(bad_value)
+    unsorted[:, 1:] = used[:, 1:] > used[:, :-1]
+    hit = first(bad_value | unsorted)
+    if hit is not None:
+        d, r = hit
+        v = used[d, r]
+        what = "NaN" if math.isnan(v) else "+inf" if v == math.inf else "unsorted"
+        raise ValueError(f"request {b}, depth {d + 1}, rank {r}: {what} log-probability")
+    out_of_range = (uid < 0) | ((uid >= vocab_size) if vocab_size is not None else False)
+    order = np.argsort(uid, axis=1, kind="stable")
+    sorted_ids = np.take_along_axis(uid, order, axis=1)
+    dup_sorted = np.zeros_like(out_of_range)
+    dup_sorted[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
+    duplicate = np.zeros_like(out_of_range)
+    np.put_along_axis(duplicate, order, dup_sorted, axis=1)
+    hit = first(out_of_range | duplicate)
+    if hit is not None:
+        d, r = hit
+        what = "out of range" if out_of_range[d, r] else "duplicate in row"
+        raise ValueError(f"request {b}, depth {d + 1}, rank {r}: token id {int(uid[d, r])} {what}")
 
 
 def build_tree(lp: np.ndarray, ids: np.ndarray, budget: int) -> dict:
@@ -147,13 +155,15 @@ def build_trees(
             out.parents[b, i] = tree["parents"][i - 1]
             out.logw[b, i] = tree["logw"][i - 1]
             out.positions[b, i] = pos0[b] + tree["depths"][i - 1]
-        # Visibility: each row is itself plus its ancestors; padding rows are self-only.
-        for i in range(n_rows):
-            j = i
-            while j != -1:
-                out.visibility[b, i, j] = True
-                out.visibility_bits[b, i, j // 32] |= np.uint32(1 << (j % 32))
-                j = int(out.parents[b, j]) if i <= n else -1
+        # Visibility: each row is itself plus its ancestors (a node's row is its parent's
+        # row plus its own column); padding rows are self-only.
+        vis = out.visibility[b]
+        vis[np.arange(n_rows), np.arange(n_rows)] = True
+        for i in range(1, n + 1):
+            vis[i] |= vis[out.parents[b, i]]
+        packed = np.packbits(vis, axis=1, bitorder="little")
+        packed = np.pad(packed, ((0, 0), (0, words * 4 - packed.shape[1])))
+        out.visibility_bits[b] = packed.view("<u4")
         # Children in increasing node number.
         last: dict[int, int] = {}
         for i in range(1, n + 1):

@@ -1,0 +1,57 @@
+"""Command line: ``python -m kdtree <command> [options]``.
+
+Commands register themselves through :data:`COMMANDS`: each entry is a module exposing
+``add_arguments(parser)`` and ``run(args) -> int``. Adding ``generate`` or ``bench`` later
+means writing such a module and listing it here.
+
+Exit status: 0 success, 1 a failed check (e.g. the demo's output differs from greedy AR
+decoding), 2 a usage or input error (bad flags, unreadable prompt file), reported as one
+``kdtree <command>: error: ...`` line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kdtree.demo", "DDTree speculative decoding of a byte n-gram model on CPU, "
+                            "checked against greedy autoregressive decoding"),
+}
+
+
+class UsageError(Exception):
+    """An input problem the user can fix; printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kdtree",
+        description="kdtree: native core for DDTree speculative decoding "
+                    "(Ringel & Romano, arXiv 2604.12989).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=getattr(mod, "DESCRIPTION", help_text),
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run, _parser=p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage message on bad flags
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as exc:
+        args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

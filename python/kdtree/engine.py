@@ -1,0 +1,350 @@
+"""The DDTree speculative-decoding round loop, written once against small model interfaces.
+
+One round (Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
+Trees", arXiv 2604.12989; tree rule and verification: the project spec
+``ddtree-tree-build.md``):
+
+1. draft   ``Drafter.draft(context, L)`` -> logits float [L, V] for depths 1..L below the
+           root (the root is the last committed token), in one call;
+2. top-k   ``topk_logprobs(logits, K)`` with ``K = min(budget, V)``;
+3. build   ``build_trees(lp, ids, budget, root_tokens=[last token],
+           root_positions=[its position])``;
+4. verify  ``Target.score_tree(trees)``: one target call scores every node with the
+           context its ancestors give (tree attention) and returns its chosen token per
+           node, int [B, N+1];
+5. walk    ``verify_greedy(trees, chosen, stop_tokens, max_commit=remaining)``;
+6. commit  ``Target.commit(tokens, trees, acceptance)``: the accepted draft tokens and the
+           bonus token join the context (a transformer target compacts its KV cache here,
+           keeping the accepted nodes' entries).
+
+The committed text equals what greedy autoregressive decoding of the target produces
+(the verification rule keeps the target's output exactly), with one target call per round
+instead of one per token. :func:`autoregressive_generate` is that baseline, through the
+same :class:`Target`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+STAGES = ("draft", "topk", "build", "verify", "walk", "commit")
+
+
+@runtime_checkable
+class Target(Protocol):
+    """The model being decoded (e.g. :class:`kdtree.ngram.NgramTarget`; later a Hugging
+    Face transformer with a KV cache).
+
+    The target holds one sequence: the committed tokens. Its last committed token is the
+    root of the next draft tree; a transformer keeps that token out of its KV cache until
+    the next forward (the root row of the tree), as DFlash/DDTree do.
+    """
+
+    vocab_size: int
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        """Start a sequence with ``prompt`` (>= 1 token) committed."""
+
+    def next_token(self) -> int:
+        """One autoregressive forward: the chosen next token after the committed tokens
+        (greedy: argmax, ties to the lower id). The caller then calls :meth:`commit`."""
+
+    def score_tree(self, trees: Any) -> np.ndarray:
+        """One forward over every node of ``trees`` (a :class:`kdtree.TreeBatch` whose root
+        is the last committed token): node ``i`` sees the committed tokens and the tokens
+        of its ancestors and itself (``trees.visibility``, positions ``trees.positions``).
+        Returns int32 [B, N+1], the chosen token at every node (padding rows ignored)."""
+
+    def commit(self, tokens: Sequence[int], trees: Any = None, acceptance: Any = None) -> None:
+        """Append ``tokens`` to the committed sequence. After a tree round ``trees`` and
+        ``acceptance`` say which nodes were accepted (KV-cache compaction goes here)."""
+
+    def drafter_features(self) -> Any:
+        """What the drafter conditions on besides the tokens (hidden states of the last
+        forward for DFlash), or None."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A drafter that returns, in one call, a distribution for each of the next ``L``
+    positions (a block-diffusion drafter such as DFlash; :class:`kdtree.ngram.NgramDrafter`)."""
+
+    vocab_size: int
+
+    def draft(self, context: Sequence[int], depth: int, features: Any = None) -> np.ndarray:
+        """Logits float [depth, V] for depths 1..depth below the root (= ``context[-1]``)."""
+
+
+@dataclass
+class RoundSnapshot:
+    """One round kept for display: the tree, the target's tokens and the walk's result."""
+
+    index: int
+    trees: Any
+    target_tokens: np.ndarray
+    acceptance: Any
+    committed: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """Output and statistics of one generation.
+
+    Attributes:
+        tokens           the new tokens (prompt excluded)
+        target_calls     forwards of the target (AR: one per token; DDTree: one per round)
+        drafter_calls    drafter calls (0 for AR)
+        accepted         per round, accepted draft tokens (root excluded)
+        committed        per round, committed tokens (accepted draft tokens + bonus)
+        stop_reason      "max_new_tokens" or "stop_token"
+        times            seconds per stage (``STAGES``; AR uses "verify" and "commit")
+        wall             seconds for the whole call
+        snapshot         the round selected for display, or None
+    """
+
+    tokens: list[int]
+    target_calls: int = 0
+    drafter_calls: int = 0
+    accepted: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    stop_reason: str = "max_new_tokens"
+    times: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
+    wall: float = 0.0
+    snapshot: RoundSnapshot | None = None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.committed)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean committed tokens per round = (accepted draft tokens + bonus) / rounds, i.e.
+        new tokens per target call (DDTree's "acceptance length" tau). 0.0 with no rounds."""
+        return float(np.mean(self.committed)) if self.committed else 0.0
+
+    @property
+    def mean_accepted_draft_tokens(self) -> float:
+        """Mean accepted draft tokens per round (bonus excluded)."""
+        return float(np.mean(self.accepted)) if self.accepted else 0.0
+
+
+def _default_ops() -> ModuleType:
+    import kdtree
+
+    return kdtree
+
+
+def _check_common(prompt: Sequence[int], max_new_tokens: int) -> None:
+    if len(prompt) == 0:
+        raise ValueError("the prompt must hold at least one token (the first tree's root)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
+def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_tokens: int, *,
+                            stop_tokens: Sequence[int] = (),
+                            on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
+    """Plain autoregressive decoding: one target call per new token.
+
+    Stops after ``max_new_tokens`` tokens or right after a stop token (which is kept).
+
+    Raises:
+        ValueError: empty prompt or negative ``max_new_tokens``.
+    """
+    _check_common(prompt, max_new_tokens)
+    stops = {int(t) for t in stop_tokens}
+    res = GenerationResult(tokens=[])
+    t_start = time.perf_counter()
+    target.prefill(prompt)
+    while len(res.tokens) < max_new_tokens:
+        t0 = time.perf_counter()
+        tok = int(target.next_token())
+        t1 = time.perf_counter()
+        target.commit([tok])
+        t2 = time.perf_counter()
+        res.times["verify"] += t1 - t0
+        res.times["commit"] += t2 - t1
+        res.target_calls += 1
+        res.tokens.append(tok)
+        if on_tokens is not None:
+            on_tokens(1)
+        if tok in stops:
+            res.stop_reason = "stop_token"
+            break
+    res.wall = time.perf_counter() - t_start
+    return res
+
+
+def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int],
+                         max_new_tokens: int, *, budget: int, depth: int,
+                         stop_tokens: Sequence[int] = (), ops: Any = None,
+                         snapshot: str | int | None = "best",
+                         on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
+    """DDTree speculative decoding of ``target`` with ``drafter`` (see the module docstring).
+
+    Args:
+        target, drafter: the models (:class:`Target`, :class:`Drafter`), same vocabulary.
+        prompt: committed tokens to start from (>= 1; the last one is the first root).
+        max_new_tokens: exact cap on new tokens (passed as ``max_commit`` each round).
+        budget: N >= 0, draft nodes per tree (root excluded).
+        depth: L >= 0, draft positions per drafter call (tree depth limit).
+        stop_tokens: generation ends right after one is committed (it is kept).
+        ops: the module providing ``topk_logprobs``, ``build_trees`` and ``verify_greedy``
+            (default :mod:`kdtree`, the native library; :mod:`kdtree.reference` also works).
+        snapshot: which round to keep in ``result.snapshot``: "best" (the first round
+            committing the most distinct tokens, then the longest accepted path: a run of
+            one repeated token makes a dull picture), a round index, or None.
+        on_tokens: called with the number of tokens committed after each round (progress).
+
+    Returns:
+        :class:`GenerationResult`.
+
+    Raises:
+        ValueError: empty prompt, negative sizes, vocabulary mismatch, or a drafter output
+            of the wrong shape; errors of the ``ops`` functions propagate.
+    """
+    _check_common(prompt, max_new_tokens)
+    if budget < 0 or depth < 0:
+        raise ValueError(f"budget and depth must be >= 0, got budget={budget}, depth={depth}")
+    vocab = int(target.vocab_size)
+    if int(drafter.vocab_size) != vocab:
+        raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {vocab}")
+    ops = _default_ops() if ops is None else ops
+    k = min(budget, vocab)
+    stops = {int(t) for t in stop_tokens}
+    stop_list = sorted(stops)
+    res = GenerationResult(tokens=[])
+    tm = res.times
+    context = [int(t) for t in prompt]
+    best = (-1, -1)
+    t_start = time.perf_counter()
+    target.prefill(context)
+    while len(res.tokens) < max_new_tokens:
+        remaining = max_new_tokens - len(res.tokens)
+        t0 = time.perf_counter()
+        logits = np.asarray(drafter.draft(context, depth, target.drafter_features()))
+        res.drafter_calls += 1
+        if logits.shape != (depth, vocab):
+            raise ValueError(f"drafter returned logits of shape {logits.shape}, "
+                             f"expected ({depth}, {vocab})")
+        t1 = time.perf_counter()
+        lp, ids = ops.topk_logprobs(logits, k)
+        t2 = time.perf_counter()
+        trees = ops.build_trees(lp, ids, budget, root_tokens=[context[-1]],
+                                root_positions=[len(context) - 1], vocab_size=vocab)
+        t3 = time.perf_counter()
+        chosen = np.asarray(target.score_tree(trees))
+        res.target_calls += 1
+        t4 = time.perf_counter()
+        acc = ops.verify_greedy(trees, chosen, stop_tokens=stop_list, max_commit=remaining)
+        t5 = time.perf_counter()
+        committed = acc.committed(trees, 0)
+        target.commit(committed, trees, acc)
+        t6 = time.perf_counter()
+        for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
+            tm[name] += b - a
+        n_acc = int(acc.accept_length[0])
+        idx = len(res.committed)
+        score = (len(set(committed)), n_acc)
+        if (snapshot == "best" and score > best) or (snapshot == idx):
+            best = max(best, score)
+            res.snapshot = RoundSnapshot(idx, trees, chosen, acc, list(committed))
+        res.accepted.append(n_acc)
+        res.committed.append(len(committed))
+        res.tokens.extend(committed)
+        context.extend(committed)
+        if on_tokens is not None:
+            on_tokens(len(committed))
+        if not committed:  # cannot happen while remaining >= 1; guards against a bad ops
+            raise RuntimeError("a round committed no token")
+        if committed[-1] in stops:
+            res.stop_reason = "stop_token"
+            break
+    res.wall = time.perf_counter() - t_start
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# Display
+# --------------------------------------------------------------------------------------
+
+def escape_token(tok: int) -> str:
+    """A byte token as a short quoted string: printable ASCII as itself, ``\\n``, ``\\t``,
+    ``\\r``, else ``\\xNN``; ids >= 256 as ``<id>``."""
+    if tok < 0:
+        return "<none>"
+    if tok >= 256:
+        return f"<{tok}>"
+    special = {10: "\\n", 9: "\\t", 13: "\\r", 39: "\\'", 92: "\\\\"}
+    if tok in special:
+        s = special[tok]
+    elif 32 <= tok < 127:
+        s = chr(tok)
+    else:
+        s = f"\\x{tok:02x}"
+    return f"'{s}'"
+
+
+def printable(data: bytes | Sequence[int]) -> str:
+    """Bytes as text for a terminal: printable ASCII, newlines and tabs as they are,
+    every other byte as ``\\xNN``."""
+    out = []
+    for b in bytes(data):
+        if 32 <= b < 127 or b in (9, 10):
+            out.append(chr(b))
+        else:
+            out.append(f"\\x{b:02x}")
+    return "".join(out)
+
+
+def render_tree(trees: Any, b: int = 0, acceptance: Any = None, *, max_nodes: int = 48,
+                token_str: Callable[[int], str] = escape_token) -> str:
+    """Draw request ``b`` of a :class:`kdtree.TreeBatch` as indented text.
+
+    One line per node, depth-first with children in node order (decreasing score), indented
+    two spaces per depth: marker (``*`` on the accepted path), token, ``logw`` and node
+    number. Only nodes ``0 .. max_nodes`` are drawn (the best ``max_nodes`` by score; as
+    parents precede children this is a connected subtree); a last line says how many were
+    left out. With ``acceptance`` the accepted path is marked and the bonus token named.
+    """
+    n = int(trees.num_nodes[b])
+    shown = min(n, max(0, max_nodes))
+    accepted: set[int] = set()
+    if acceptance is not None:
+        row = acceptance.accepted_nodes[b]
+        accepted = {int(i) for i in row[: 1 + int(acceptance.accept_length[b])] if i >= 0}
+    fc, ns = trees.first_child[b], trees.next_sibling[b]
+    lines = [f"{'*' if 0 in accepted else ' '} root {token_str(int(trees.tokens[b, 0]))} "
+             f"(position {int(trees.positions[b, 0])}, last committed token)"]
+    stack = []
+    c = int(fc[0])
+    if c != -1:
+        stack.append(c)
+    # iterative pre-order: push siblings after children so children come first
+    while stack:
+        i = stack.pop()
+        sib = int(ns[i])
+        if sib != -1:
+            stack.append(sib)
+        if i > shown:
+            continue
+        d = int(trees.depths[b, i])
+        mark = "*" if i in accepted else " "
+        lines.append(f"{'  ' * d}{mark} {token_str(int(trees.tokens[b, i])):<7} "
+                     f"logw={float(trees.logw[b, i]):8.3f}  #{i}")
+        child = int(fc[i])
+        if child != -1:
+            stack.append(child)
+    if shown < n:
+        lines.append(f"... {n - shown} more of {n} nodes not shown (drawing the best {shown})")
+    if acceptance is not None:
+        k = int(acceptance.accept_length[b])
+        bonus = int(acceptance.bonus_token[b])
+        lines.append(f"accepted path: {k} draft node(s) marked *; bonus token "
+                     f"{token_str(bonus) if bonus >= 0 else 'none'}")
+    return "\n".join(lines)
