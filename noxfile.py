@@ -1,0 +1,96 @@
+"""Sessions for building, testing and running kdtree (``nox -l`` lists them).
+
+The two commands a new machine needs (README):
+    nox -s demo          # the main job: DDTree speculative decoding on standard-library text
+    nox -s build test    # build libkdtree and run every native and Python test
+
+Only Python 3.11+, CMake >= 3.20 and a C compiler are required. The library is built into
+``build/``; the Python package is used from ``python/`` (PYTHONPATH), so nothing is
+installed outside nox's virtual environments.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+BUILD = ROOT / "build"
+PYTHON_DEPS = ["numpy>=1.26", "ml_dtypes>=0.4", "tqdm>=4.60"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+
+nox.options.sessions = ["build", "test"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _env() -> dict[str, str]:
+    return {"PYTHONPATH": str(ROOT / "python"), "PYTHONUNBUFFERED": "1"}
+
+
+def _cmake_build(session: nox.Session, *extra: str) -> None:
+    """Configures (warnings are errors under CI=true or KDTREE_WERROR=1) and builds."""
+    werror = "ON" if os.environ.get("CI") or os.environ.get("KDTREE_WERROR") == "1" else "OFF"
+    session.run("cmake", "-S", str(ROOT), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
+                f"-DKDTREE_WERROR={werror}", *extra, external=True)
+    jobs = str(os.cpu_count() or 2)
+    session.run("cmake", "--build", str(BUILD), "--parallel", jobs, external=True)
+
+
+@nox.session(python=False)
+def build(session: nox.Session) -> None:
+    """Build libkdtree.so and the native tests into build/ with CMake."""
+    _cmake_build(session, *session.posargs)
+
+
+@nox.session
+def test(session: nox.Session) -> None:
+    """Run the native tests (ctest -L cpu) and the Python tests (pytest); builds first."""
+    _cmake_build(session)
+    session.install(*PYTHON_DEPS, *TEST_DEPS)
+    session.run("ctest", "--test-dir", str(BUILD), "-L", "cpu", "--output-on-failure",
+                external=True)
+    session.run("python", "-m", "pytest", str(ROOT / "tests_py"), "-q", *session.posargs,
+                env=_env())
+
+
+@nox.session
+def fixtures(session: nox.Session) -> None:
+    """Regenerate fixtures/*.kdtr from the Python reference (tests check they are current)."""
+    session.install(*PYTHON_DEPS)
+    session.run("python", str(ROOT / "tools" / "make_fixtures.py"), env=_env())
+    session.run("python", str(ROOT / "tools" / "make_kdtr_sample.py"), env=_env())
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: lossless DDTree decoding with an n-gram target on stdlib text.
+
+    Extra arguments go to ``python -m kdtree demo`` (e.g. ``nox -s demo -- --budget 256``).
+    """
+    _cmake_build(session)
+    session.install(*PYTHON_DEPS)
+    session.run("python", "-m", "kdtree", "demo", *session.posargs, env=_env())
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """C tree builder vs the Python reference, side by side (prints a table)."""
+    _cmake_build(session)
+    session.install(*PYTHON_DEPS)
+    session.run("python", str(ROOT / "tools" / "bench_trees.py"), *session.posargs, env=_env())
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check on the Python code; clang-format (advisory: prints differences from
+    .clang-format, does not fail) on the C code when clang-format is installed."""
+    session.install("ruff")
+    session.run("ruff", "check", str(ROOT))
+    found = session.run("which", "clang-format", external=True, silent=True, success_codes=[0, 1])
+    if found:
+        files = [str(p) for d in ("include", "native", "tests_native") for p in sorted((ROOT / d).glob("*.[ch]"))]
+        session.run("clang-format", "--dry-run", *files, external=True)
+    else:
+        session.log("clang-format not installed: C formatting not checked")

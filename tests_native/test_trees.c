@@ -1,0 +1,170 @@
+/* The CPU tree builder against fixtures/trees_cases.kdtr (expected values from the Python
+ * reference): every field of every case, into fresh buffers and into buffers holding
+ * garbage or an earlier, larger tree; caller workspace vs. library workspace. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fixture.h"
+
+typedef struct field_spec {
+    const char* name;
+    int32_t dtype;
+    int32_t id;
+} field_spec;
+
+static const field_spec FIELDS[] = {
+    {"num_nodes", KDT_DTYPE_INT32, KDT_FIELD_NUM_NODES},
+    {"tokens", KDT_DTYPE_INT32, KDT_FIELD_TOKENS},
+    {"depths", KDT_DTYPE_INT32, KDT_FIELD_DEPTHS},
+    {"parents", KDT_DTYPE_INT32, KDT_FIELD_PARENTS},
+    {"logw", KDT_DTYPE_FLOAT64, KDT_FIELD_LOGW},
+    {"positions", KDT_DTYPE_INT64, KDT_FIELD_POSITIONS},
+    {"visibility", KDT_DTYPE_BOOL, KDT_FIELD_VISIBILITY},
+    {"visibility_bits", KDT_DTYPE_UINT32, KDT_FIELD_VISIBILITY_BITS},
+    {"first_child", KDT_DTYPE_INT32, KDT_FIELD_FIRST_CHILD},
+    {"next_sibling", KDT_DTYPE_INT32, KDT_FIELD_NEXT_SIBLING},
+};
+#define NFIELDS (sizeof FIELDS / sizeof FIELDS[0])
+
+static void* field_ptr(kdt_trees* t, int32_t id) {
+    switch (id) {
+        case KDT_FIELD_NUM_NODES: return t->num_nodes;
+        case KDT_FIELD_TOKENS: return t->tokens;
+        case KDT_FIELD_DEPTHS: return t->depths;
+        case KDT_FIELD_PARENTS: return t->parents;
+        case KDT_FIELD_LOGW: return t->logw;
+        case KDT_FIELD_POSITIONS: return t->positions;
+        case KDT_FIELD_VISIBILITY: return t->visibility;
+        case KDT_FIELD_VISIBILITY_BITS: return t->visibility_bits;
+        case KDT_FIELD_FIRST_CHILD: return t->first_child;
+        default: return t->next_sibling;
+    }
+}
+
+/* Allocates every field for (batch, budget), filled with `fill`. */
+static kdt_trees alloc_trees(int64_t batch, int64_t budget, int fill) {
+    kdt_trees t;
+    memset(&t, 0, sizeof t);
+    t.batch = batch;
+    t.budget = budget;
+    void** slots[] = {(void**)&t.num_nodes, (void**)&t.tokens, (void**)&t.depths,
+                      (void**)&t.parents, (void**)&t.logw, (void**)&t.positions,
+                      (void**)&t.visibility, (void**)&t.visibility_bits,
+                      (void**)&t.first_child, (void**)&t.next_sibling};
+    for (size_t i = 0; i < NFIELDS; i++) {
+        size_t bytes = 0;
+        CHECK_OK(kdt_trees_field_bytes(batch, budget, FIELDS[i].id, &bytes));
+        *slots[i] = malloc(bytes ? bytes : 1);
+        memset(*slots[i], fill, bytes);
+    }
+    return t;
+}
+
+static void free_trees(kdt_trees* t) {
+    for (size_t i = 0; i < NFIELDS; i++) free(field_ptr(t, FIELDS[i].id));
+}
+
+/* Compares every field of `t` with the case's expected arrays, byte for byte. */
+static int compare_case(const kdt_kdtr_file* f, int64_t c, kdt_trees* t, const char* how) {
+    int ok = 1;
+    for (size_t i = 0; i < NFIELDS; i++) {
+        kdt_kdtr_array e = fixture_get(f, FIELDS[i].dtype, "%lld.expect.%s", (long long)c, FIELDS[i].name);
+        size_t bytes = 0;
+        CHECK_OK(kdt_trees_field_bytes(t->batch, t->budget, FIELDS[i].id, &bytes));
+        CHECK_EQ(bytes, e.nbytes);
+        if (bytes != e.nbytes || memcmp(field_ptr(t, FIELDS[i].id), e.data, bytes) != 0) {
+            fprintf(stderr, "case %lld (%s): field %s differs from the reference\n", (long long)c, how,
+                    FIELDS[i].name);
+            harness_failures++;
+            ok = 0;
+        }
+    }
+    return ok;
+}
+
+/* Fills `big` (batch 3, budget 64) with full 64-node trees (15 x 64 synthetic draft). */
+static void build_full_tree(kdt_trees* big) {
+    enum { L = 15, K = 64, B = 3 };
+    static float lp[B * L * K];
+    static int32_t ids[B * L * K];
+    for (int b = 0; b < B; b++)
+        for (int d = 0; d < L; d++)
+            for (int r = 0; r < K; r++) {
+                lp[(b * L + d) * K + r] = -0.01f * (float)((r + 1) * (d + 1 + b));
+                ids[(b * L + d) * K + r] = 1000 + r;
+            }
+    kdt_draft d;
+    memset(&d, 0, sizeof d);
+    d.batch = B;
+    d.depth = L;
+    d.width = K;
+    d.logprobs = lp;
+    d.token_ids = ids;
+    d.pad_token = 77;
+    CHECK_OK(kdt_trees_build_cpu(&d, big, NULL, 0));
+    CHECK_EQ(big->num_nodes[0], 64);
+}
+
+int main(void) {
+    kdt_kdtr_file* f = fixture_open("trees_cases.kdtr");
+    kdt_kdtr_array count_a = fixture_get(f, KDT_DTYPE_INT64, "count");
+    int64_t count = *(const int64_t*)count_a.data, passed = 0;
+    /* A large tree built first, so its buffers can be reused for every smaller case. */
+    kdt_trees big = alloc_trees(3, 64, 0x5a);
+
+    for (int64_t c = 0; c < count; c++) {
+        kdt_kdtr_array lp = fixture_get(f, KDT_DTYPE_FLOAT32, "%lld.logprobs", (long long)c);
+        kdt_kdtr_array ids = fixture_get(f, KDT_DTYPE_INT32, "%lld.token_ids", (long long)c);
+        kdt_kdtr_array roots = fixture_get(f, KDT_DTYPE_INT32, "%lld.root_tokens", (long long)c);
+        kdt_kdtr_array pos = fixture_get(f, KDT_DTYPE_INT64, "%lld.root_positions", (long long)c);
+        int64_t budget = fixture_i64(f, "%lld.%s", c, "budget");
+        kdt_draft d;
+        memset(&d, 0, sizeof d);
+        d.batch = lp.shape[0];
+        d.depth = lp.shape[1];
+        d.width = lp.shape[2];
+        d.logprobs = (const float*)lp.data;
+        d.token_ids = (const int32_t*)ids.data;
+        d.root_tokens = fixture_numel(&roots) ? (const int32_t*)roots.data : NULL;
+        d.root_positions = fixture_numel(&pos) ? (const int64_t*)pos.data : NULL;
+        d.vocab_size = fixture_i64(f, "%lld.%s", c, "vocab_size");
+        d.pad_token = (int32_t)fixture_i64(f, "%lld.%s", c, "pad_token");
+
+        /* 1. Fresh buffers full of garbage, library-allocated workspace. */
+        kdt_trees t = alloc_trees(d.batch, budget, 0xa5);
+        CHECK_OK(kdt_trees_build_cpu(&d, &t, NULL, 0));
+        int ok = compare_case(f, c, &t, "fresh buffers");
+
+        /* 2. The same buffers again (now holding this tree), caller workspace. */
+        size_t ws_bytes = 0;
+        CHECK_OK(kdt_trees_build_workspace_bytes(budget, d.depth, d.width, &ws_bytes));
+        void* ws = malloc(ws_bytes ? ws_bytes : 1);
+        memset(ws, 0xee, ws_bytes);
+        CHECK_OK(kdt_trees_build_cpu(&d, &t, ws, ws_bytes));
+        ok &= compare_case(f, c, &t, "caller workspace");
+        if (ws_bytes > 0) {
+            CHECK_STATUS(kdt_trees_build_cpu(&d, &t, ws, ws_bytes - 1), KDT_ERR_BUFFER_TOO_SMALL);
+        }
+        free(ws);
+        free_trees(&t);
+
+        /* 3. Buffers that just held a full 64-node tree: this case's (smaller) layout in
+         * the same memory must show no trace of it. */
+        if (d.batch <= 3 && budget <= 64) {
+            kdt_trees reuse = big;
+            build_full_tree(&big);
+            reuse.batch = d.batch;
+            reuse.budget = budget;
+            CHECK_OK(kdt_trees_build_cpu(&d, &reuse, NULL, 0));
+            ok &= compare_case(f, c, &reuse, "reused buffers of a larger tree");
+        }
+        passed += ok;
+    }
+    printf("trees: %lld of %lld reference cases identical in every field\n", (long long)passed,
+           (long long)count);
+    CHECK_EQ(passed, count);
+    free_trees(&big);
+    kdt_kdtr_close(f);
+    HARNESS_EXIT();
+}

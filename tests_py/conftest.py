@@ -1,0 +1,46 @@
+"""Shared pytest fixtures for the Python tests of kdtree.
+
+The native library is found only through the package loader (``kdtree._lib.load()``:
+``KDTREE_LIBRARY``, then ``<repo>/build``, then the package folder); tests that need it
+use the ``lib`` fixture (or ``pytestmark = pytest.mark.usefixtures("lib")``) and are
+skipped, with the loader's message, when it is not built.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:  # the tests are normally run with PYTHONPATH=python; fall back to this checkout's copy
+    import kdtree  # noqa: F401
+except ImportError:  # pragma: no cover - depends on how pytest is launched
+    sys.path.insert(0, str(ROOT / "python"))
+
+
+def _load_native():
+    """(library, None) or (None, reason) without raising."""
+    from kdtree import _lib
+
+    try:
+        return _lib.load(), None
+    except Exception as exc:  # noqa: BLE001 - any load failure means "skip", with its text
+        return None, f"libkdtree is not built or not loadable ({type(exc).__name__}: {exc})"
+
+
+@pytest.fixture(scope="session")
+def lib():
+    """The loaded, declared libkdtree (ctypes.CDLL); skips the test when it is not built."""
+    loaded, reason = _load_native()
+    if loaded is None:
+        pytest.skip(reason)
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The checkout's root folder (the one holding include/, python/, build/)."""
+    return ROOT
