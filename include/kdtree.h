@@ -178,11 +178,11 @@ typedef struct kdt_draft {
     int32_t pad_token;             /* token written to padding rows (and a NULL root); -1 usual */
 } kdt_draft;
 
-/* Bytes of workspace kdt_trees_build_cpu needs for one call with this budget, depth and
- * width (independent of the batch size). Returns KDT_ERR_INVALID_ARGUMENT (negative),
- * KDT_ERR_NULL_POINTER, KDT_ERR_OVERFLOW. */
+/* Bytes of workspace kdt_trees_build_cpu needs for one call with this budget, depth, width
+ * and vocab_size (the kdt_draft field; 0 when unchecked); independent of the batch size.
+ * Returns KDT_ERR_INVALID_ARGUMENT (negative), KDT_ERR_NULL_POINTER, KDT_ERR_OVERFLOW. */
 KDT_API kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth, int64_t width,
-                                                   size_t* bytes);
+                                                   int64_t vocab_size, size_t* bytes);
 
 /*
  * Builds B draft trees on the CPU (spec: "Best-first expansion"), bit-identical to the
@@ -192,7 +192,8 @@ KDT_API kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth
  * draft:     the inputs (see kdt_draft). out->batch must equal draft->batch; out->budget
  *            is the budget N (>= 0; N = 0 gives root-only trees).
  * workspace: NULL (the library allocates and frees what it needs), or a buffer of at least
- *            kdt_trees_build_workspace_bytes(N, L, K) bytes, aligned to 8 bytes.
+ *            kdt_trees_build_workspace_bytes(N, L, K, vocab_size) bytes (any alignment;
+ *            its contents need not be initialised).
  *
  * Every input of every request is validated before any output is written. Returns
  *   KDT_ERR_NULL_POINTER      draft, out, out->num_nodes, or a needed input array NULL

@@ -36,7 +36,20 @@ typedef struct kdt_scratch {
     uint64_t* hash;      /* [hash_size] duplicate-id set: (stamp << 32) | id */
     size_t hash_size;    /* power of two >= 4 K', or 0 */
     uint32_t stamp;      /* marks the entries of the current row; 0 = empty */
+    uint64_t* bitmap;    /* [bitmap_words] one bit per token id, or NULL (use the hash) */
+    size_t bitmap_words;
 } kdt_scratch;
+
+/* Duplicate ids are found with a bitmap over the vocabulary when one is given and the
+ * bitmap is small next to the entries checked (it is cleared once per call), else with a
+ * hash set. Both give the same answer; the bitmap costs about half per entry. */
+static size_t bitmap_words_for(int64_t depth, int64_t eff_width, int64_t vocab) {
+    size_t words;
+    if (vocab <= 0 || vocab > ((int64_t)1 << 26) || depth <= 0 || eff_width <= 0) return 0;
+    words = ((size_t)vocab + 63u) / 64u;
+    if ((double)words > 8.0 * (double)depth * (double)eff_width) return 0;
+    return words;
+}
 
 static size_t align8(size_t x) { return (x + 7u) & ~(size_t)7u; }
 
@@ -59,8 +72,9 @@ static size_t hash_slots(int64_t width, int* ok) {
     return slots;
 }
 
-/* Bytes of the scratch for budget N and effective width K' (see kdt_scratch). */
-static kdt_status scratch_bytes(int64_t budget, int64_t eff_width, size_t* bytes) {
+/* Bytes of the scratch for budget N, depth L, effective width K' and vocabulary. */
+static kdt_status scratch_bytes(int64_t budget, int64_t depth, int64_t eff_width, int64_t vocab,
+                                size_t* bytes) {
     size_t rows = (size_t)budget + 1u, heap_bytes, ints, hash_bytes, total;
     int ok;
     size_t slots = hash_slots(eff_width, &ok);
@@ -72,6 +86,7 @@ static kdt_status scratch_bytes(int64_t budget, int64_t eff_width, size_t* bytes
     }
     total = align8(heap_bytes);
     if (!kdt_add_size(total, align8(ints), &total) || !kdt_add_size(total, hash_bytes, &total) ||
+        !kdt_add_size(total, bitmap_words_for(depth, eff_width, vocab) * sizeof(uint64_t), &total) ||
         !kdt_add_size(total, 8u, &total)) {
         return kdt_fail(KDT_ERR_OVERFLOW, "workspace size for budget %lld overflows",
                         (long long)budget);
@@ -80,7 +95,8 @@ static kdt_status scratch_bytes(int64_t budget, int64_t eff_width, size_t* bytes
     return KDT_OK;
 }
 
-static void scratch_carve(void* base, int64_t budget, int64_t eff_width, kdt_scratch* s) {
+static void scratch_carve(void* base, int64_t budget, int64_t depth, int64_t eff_width, int64_t vocab,
+                          kdt_scratch* s) {
     size_t rows = (size_t)budget + 1u;
     int ok;
     uintptr_t p = ((uintptr_t)base + 7u) & ~(uintptr_t)7u;
@@ -95,23 +111,26 @@ static void scratch_carve(void* base, int64_t budget, int64_t eff_width, kdt_scr
     s->hash_size = hash_slots(eff_width, &ok);
     s->stamp = 0;
     if (s->hash_size > 0) memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
+    s->bitmap_words = bitmap_words_for(depth, eff_width, vocab);
+    s->bitmap = s->bitmap_words > 0 ? s->hash + s->hash_size : NULL;
+    if (s->bitmap) memset(s->bitmap, 0, s->bitmap_words * sizeof(uint64_t));
 }
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth, int64_t width,
-                                           size_t* bytes) {
+                                           int64_t vocab_size, size_t* bytes) {
     if (bytes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bytes is NULL");
-    if (budget < 0 || depth < 0 || width < 0) {
+    if (budget < 0 || depth < 0 || width < 0 || vocab_size < 0) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
-                        "budget (%lld), depth (%lld) and width (%lld) must be >= 0",
-                        (long long)budget, (long long)depth, (long long)width);
+                        "budget (%lld), depth (%lld), width (%lld) and vocab_size (%lld) must be >= 0",
+                        (long long)budget, (long long)depth, (long long)width, (long long)vocab_size);
     }
     if (budget > KDT_MAX_BUDGET) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld exceeds the maximum %lld",
                         (long long)budget, (long long)KDT_MAX_BUDGET);
     }
-    kdt_status st = scratch_bytes(budget, min64(width, budget), bytes);
+    kdt_status st = scratch_bytes(budget, depth, min64(width, budget), vocab_size, bytes);
     return st == KDT_OK ? kdt_ok() : st;
 }
 
@@ -207,6 +226,28 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
                                 (double)lp[r - 1]);
             }
         }
+    }
+    if (s->bitmap) {
+        /* Duplicate ids with the vocabulary bitmap; its words are cleared after the row. */
+        uint64_t* const bm = s->bitmap;
+        for (r = 0; r < eff_width; r++) {
+            const int32_t id = ids[r];
+            if ((uint32_t)id >= (uint64_t)vocab) break; /* reported below */
+            const uint64_t bit = (uint64_t)1 << ((uint32_t)id & 63u);
+            if (bm[(uint32_t)id >> 6] & bit) break;
+            bm[(uint32_t)id >> 6] |= bit;
+        }
+        const int64_t stop = r;
+        for (int64_t q = 0; q < stop; q++) bm[(uint32_t)ids[q] >> 6] = 0;
+        if (stop == eff_width) return KDT_OK;
+        const int32_t id = ids[stop];
+        if (id < 0 || (int64_t)id >= vocab) {
+            return kdt_fail(KDT_ERR_OUT_OF_RANGE,
+                            "request %lld, depth %lld, rank %lld: token id %d outside [0, %lld)",
+                            (long long)b, (long long)(d + 1), (long long)stop, (int)id, (long long)vocab);
+        }
+        return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: duplicate token id %d in row",
+                        (long long)b, (long long)(d + 1), (long long)stop, (int)id);
     }
     /* Duplicate ids: open addressing; entries of earlier rows carry older stamps, so the
      * table is never cleared between rows. */
@@ -498,7 +539,7 @@ kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* wor
     Kp = min64(K, N);
 
     /* Validate everything before writing anything. */
-    st = scratch_bytes(N, Kp, &need);
+    st = scratch_bytes(N, L, Kp, draft->vocab_size, &need);
     if (st != KDT_OK) return st;
     if (workspace == NULL) {
         owned = malloc(need);
@@ -510,7 +551,7 @@ kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* wor
         return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL, "workspace has %zu bytes, %zu needed",
                         workspace_bytes, need);
     }
-    scratch_carve(workspace, N, Kp, &s);
+    scratch_carve(workspace, N, L, Kp, draft->vocab_size, &s);
 
     for (int64_t b = 0; b < B; b++) {
         if (draft->root_positions) {

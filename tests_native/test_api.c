@@ -50,9 +50,9 @@ static void size_queries(void) {
     CHECK_STATUS(kdt_trees_field_bytes(1, -4, KDT_FIELD_TOKENS, &bytes), KDT_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(kdt_trees_field_bytes(1, 4, 42, &bytes), KDT_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(kdt_trees_field_bytes(1, 4, KDT_FIELD_TOKENS, NULL), KDT_ERR_NULL_POINTER);
-    CHECK_STATUS(kdt_trees_build_workspace_bytes(-1, 1, 1, &bytes), KDT_ERR_INVALID_ARGUMENT);
-    CHECK_STATUS(kdt_trees_build_workspace_bytes(1, 1, 1, NULL), KDT_ERR_NULL_POINTER);
-    CHECK_STATUS(kdt_trees_build_workspace_bytes(INT64_MAX, 1, 1, &bytes), KDT_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(kdt_trees_build_workspace_bytes(-1, 1, 1, 0, &bytes), KDT_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(kdt_trees_build_workspace_bytes(1, 1, 1, 0, NULL), KDT_ERR_NULL_POINTER);
+    CHECK_STATUS(kdt_trees_build_workspace_bytes(INT64_MAX, 1, 1, 0, &bytes), KDT_ERR_INVALID_ARGUMENT);
 }
 
 /* Two requests, L = 2, K = 3 (ids 1..6), budget 4, every output present. */

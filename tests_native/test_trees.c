@@ -138,7 +138,7 @@ int main(void) {
 
         /* 2. The same buffers again (now holding this tree), caller workspace. */
         size_t ws_bytes = 0;
-        CHECK_OK(kdt_trees_build_workspace_bytes(budget, d.depth, d.width, &ws_bytes));
+        CHECK_OK(kdt_trees_build_workspace_bytes(budget, d.depth, d.width, d.vocab_size, &ws_bytes));
         void* ws = malloc(ws_bytes ? ws_bytes : 1);
         memset(ws, 0xee, ws_bytes);
         CHECK_OK(kdt_trees_build_cpu(&d, &t, ws, ws_bytes));

@@ -177,6 +177,9 @@ def bad_cases() -> dict[str, np.ndarray]:
     case(lambda lp, ids: ids.__setitem__((1, 1, 1), 4), KDT_ERR_VALUE, "request 1, depth 2, rank 1")
     case(lambda lp, ids: ids.__setitem__((0, 1, 0), -3), KDT_ERR_OUT_OF_RANGE, "request 0, depth 2, rank 0")
     case(lambda lp, ids: ids.__setitem__((1, 0, 2), 7), KDT_ERR_OUT_OF_RANGE, "request 1, depth 1, rank 2", vocab=7)
+    # The same checks when a vocabulary is given (the library may use another method).
+    case(lambda lp, ids: ids.__setitem__((1, 1, 2), 5), KDT_ERR_VALUE, "request 1, depth 2, rank 2", vocab=10)
+    case(lambda lp, ids: ids.__setitem__((0, 1, 1), -1), KDT_ERR_OUT_OF_RANGE, "request 0, depth 2, rank 1", vocab=10)
     out: dict[str, np.ndarray] = {"count": np.array(len(cases), np.int64)}
     for c, (lp, ids, status, where, vocab) in enumerate(cases):
         p = f"{c}."

@@ -131,8 +131,8 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     # kdt_status kdt_visibility_words(int64_t budget, int64_t* words)
     "kdt_visibility_words": ("status", [_i64, c_int64_p]),
     # kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth, int64_t width,
-    #                                            size_t* bytes)
-    "kdt_trees_build_workspace_bytes": ("status", [_i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    #                                            int64_t vocab_size, size_t* bytes)
+    "kdt_trees_build_workspace_bytes": ("status", [_i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),
     # kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* workspace,
     #                                size_t workspace_bytes)
     "kdt_trees_build_cpu": (
