@@ -389,12 +389,13 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
     if (parents) parents[0] = -1;
     if (logw) logw[0] = 0.0;
     if (positions) positions[0] = root_pos;
+    /* Both masks are cleared in one pass; rows then only receive their nonzero prefix. */
     if (vis) {
-        memset(vis, 0, rows);
+        memset(vis, 0, rows * rows);
         vis[0] = 1;
     }
     if (bits) {
-        memset(bits, 0, words * sizeof(uint32_t));
+        memset(bits, 0, rows * words * sizeof(uint32_t));
         bits[0] = 1u;
     }
 
@@ -428,14 +429,12 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
             /* Row i = row p (nonzero only in columns <= p) plus column i. */
             uint8_t* dst = vis + (size_t)i * rows;
             memcpy(dst, vis + (size_t)p * rows, (size_t)p + 1u);
-            memset(dst + p + 1, 0, rows - (size_t)p - 1u);
             dst[i] = 1;
         }
         if (bits) {
             uint32_t* dst = bits + (size_t)i * words;
             const size_t used = (size_t)p / 32u + 1u; /* words of row p that can be nonzero */
             memcpy(dst, bits + (size_t)p * words, used * sizeof(uint32_t));
-            memset(dst + used, 0, (words - used) * sizeof(uint32_t));
             dst[(size_t)i / 32u] |= 1u << ((uint32_t)i % 32u);
         }
         /* Next sibling: subtract first, then add (spec: "Node scores"). */
@@ -470,11 +469,9 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
         if (logw) logw[i] = -INFINITY;
         if (positions) positions[i] = root_pos;
         if (vis) {
-            memset(vis + i * rows, 0, rows);
             vis[i * rows + i] = 1;
         }
         if (bits) {
-            memset(bits + i * words, 0, words * sizeof(uint32_t));
             bits[i * words + i / 32u] = 1u << (i % 32u);
         }
     }

@@ -44,7 +44,7 @@ FIELDS = (
 
 # ---- Input generators -------------------------------------------------------------------
 
-KINDS = ("normal", "peaked", "flat", "exact_flat", "bf16", "tiny", "quantized", "neg_zero")
+KINDS = ("normal", "peaked", "flat", "exact_flat", "bf16", "tiny", "quantized", "neg_zero", "wide", "offset")
 TIE_KINDS = ("bf16", "tiny", "quantized", "exact_flat", "neg_zero")
 
 
@@ -89,6 +89,16 @@ def make_rows(rng: np.random.Generator, kind: str, depth: int, width: int) -> np
         v = rng.choice(np.array([0.0, -0.0, -0.5, -1.0], np.float32), size=(depth, width))
         lp = _sorted_desc(v)
         lp[lp == 0] = rng.choice(np.array([0.0, -0.0], np.float32), size=int((lp == 0).sum()))
+    elif kind == "wide":  # magnitudes 1e-12..80: float64 sums round, so the spec's
+        # operation order (subtract, then add) changes the last bits of sibling scores
+        tiny = np.exp(rng.uniform(math.log(1e-12), math.log(1e-5), size=(depth, width)))
+        big = rng.uniform(0.5, 80.0, size=(depth, width))
+        mag = np.where(rng.random((depth, width)) < 0.5, tiny, big)
+        lp = _sorted_desc((-mag).astype(np.float32))
+    elif kind == "offset":  # a large depth-1 score then tiny steps: sibling scores round
+        tiny = np.exp(rng.uniform(math.log(1e-10), math.log(1e-4), size=(depth, width)))
+        tiny[0] += rng.uniform(20.0, 60.0, size=width)
+        lp = _sorted_desc((-tiny).astype(np.float32))
     else:  # pragma: no cover
         raise AssertionError(kind)
     lp = np.ascontiguousarray(lp, dtype=np.float32)
@@ -268,7 +278,8 @@ def test_build_parity_chains_and_stars():
     tally = Tally("build_trees parity (chains, stars)", 1005)
     case = 0
     for n in range(1, 71):
-        for depth, width in ((int(np.random.default_rng([1005, n]).integers(1, 33)), 1), (1, n + 2), (1, max(1, n // 2))):
+        chain_depth = int(np.random.default_rng([1005, n]).integers(1, 33))
+        for depth, width in ((chain_depth, 1), (1, n + 2), (1, max(1, n // 2))):
             rng = np.random.default_rng([tally.seed, case])
             lp = make_rows(rng, str(rng.choice(KINDS)), depth, width)[None]
             ids = make_ids(rng, depth, width, width + 5)[None]
@@ -287,9 +298,13 @@ def test_build_parity_degenerate_sizes():
             for width in (0, 1, 5):
                 for n in (0, 1, 3, 40):
                     rng = np.random.default_rng([tally.seed, case])
-                    lp = np.stack([make_rows(rng, "normal", depth, width) for _ in range(batch)]) if batch else np.zeros((0, depth, width), np.float32)
-                    ids = np.stack([make_ids(rng, depth, width, width + 3) for _ in range(batch)]) if batch else np.zeros((0, depth, width), np.int32)
-                    kw = {"logprobs": lp, "token_ids": ids, "budget": n, "root_tokens": np.arange(batch), "pad_token": -3}
+                    lp = np.zeros((batch, depth, width), np.float32)
+                    ids = np.zeros((batch, depth, width), np.int32)
+                    for b in range(batch):
+                        lp[b] = make_rows(rng, "normal", depth, width)
+                        ids[b] = make_ids(rng, depth, width, width + 3)
+                    kw = {"logprobs": lp, "token_ids": ids, "budget": n,
+                          "root_tokens": np.arange(batch), "pad_token": -3}
                     got, want = kdtree.build_trees(**kw), ref.build_trees(**kw)
                     tally.check(case, kw, got, want)
                     case += 1
@@ -315,6 +330,50 @@ def test_build_parity_input_dtypes():
             kw["token_ids"] = ids.astype(id_types[case % 5])
         tally.check(case, kw, kdtree.build_trees(**kw), ref.build_trees(**kw))
     tally.report(200)
+
+
+def sibling_order_sensitive_nodes(trees, lp: np.ndarray) -> int:
+    """Nodes whose spec score (logw - lp[r-1]) + lp[r] differs from the re-associated
+    logw + (lp[r] - lp[r-1]): evidence that the run can tell the two orders apart."""
+    count = 0
+    for b in range(trees.batch):
+        n = int(trees.num_nodes[b])
+        prev: dict[int, int] = {}  # parent -> last child seen
+        rank: dict[int, int] = {}
+        for i in range(1, n + 1):
+            p, d = int(trees.parents[b, i]), int(trees.depths[b, i])
+            if p in prev:
+                j, r = prev[p], rank[prev[p]] + 1
+                row = lp[b, d - 1].astype(np.float64)
+                spec = (float(trees.logw[b, j]) - row[r - 1]) + row[r]
+                alt = float(trees.logw[b, j]) + (row[r] - row[r - 1])
+                count += spec != alt
+                rank[i] = r
+            else:
+                rank[i] = 0
+            prev[p] = i
+    return count
+
+
+def test_build_parity_operation_order():
+    """Rows whose float64 sibling scores depend on the association order (large depth-1
+    scores, tiny later steps): the C scores must follow the spec's subtract-then-add."""
+    tally = Tally("build_trees parity (operation order)", 1008)
+    sensitive = 0
+    for case in range(150):
+        rng = np.random.default_rng([tally.seed, case])
+        n = int(rng.integers(8, 160))
+        batch, depth, width = int(rng.integers(1, 4)), int(rng.integers(2, 12)), int(rng.integers(2, 12))
+        kind = ("offset", "wide")[case % 2]
+        lp = np.stack([make_rows(rng, kind, depth, width) for _ in range(batch)])
+        ids = np.stack([make_ids(rng, depth, width, 3 * width) for _ in range(batch)])
+        kw = {"logprobs": lp, "token_ids": ids, "budget": n}
+        got = kdtree.build_trees(**kw)
+        tally.check(case, kw, got, ref.build_trees(**kw))
+        sensitive += sibling_order_sensitive_nodes(got, lp)
+    print(f"operation-order sensitive sibling scores: {sensitive}")
+    tally.report(150)
+    assert sensitive >= 100, f"the generated rows exercise the operation order too rarely ({sensitive})"
 
 
 # ---- verify_greedy ----------------------------------------------------------------------
@@ -362,8 +421,10 @@ def test_verify_parity():
             stops: list[int] = []
         else:  # tokens present in the tree (so they get accepted) plus random ones
             real = trees.tokens[:, 1:][trees.depths[:, 1:] > 0]
-            pick = rng.choice(real, size=min(len(real), int(rng.integers(1, 4))), replace=False) if real.size else []
-            stops = [int(t) for t in pick] + [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(0, 3)))]
+            count = min(len(real), int(rng.integers(1, 4)))
+            pick = rng.choice(real, size=count, replace=False) if real.size else []
+            extra = rng.integers(0, vocab, size=int(rng.integers(0, 3)))
+            stops = [int(t) for t in pick] + [int(t) for t in extra]
         v = rng.random()
         if v < 0.3:
             cap = None
@@ -476,3 +537,142 @@ def test_topk_parity_sliced_rows():
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_array_equal(a[1], c[1])
         assert np.abs(a[0] - c[0]).max(initial=0) <= 1e-6
+
+
+# ---- The C entry point directly: caller workspace and NULL outputs ----------------------
+
+
+def _raw_build(lib, kw: dict, workspace: np.ndarray | None, offset: int = 0, keep=FIELDS):
+    """kdt_trees_build_cpu through ctypes with a caller workspace (at `offset` bytes into
+    `workspace`, so possibly unaligned) and only the fields in `keep` (others NULL)."""
+    import ctypes
+
+    from kdtree import _lib
+
+    lp = np.ascontiguousarray(kw["logprobs"], np.float32)
+    ids = np.ascontiguousarray(kw["token_ids"], np.int32)
+    batch, depth, width = lp.shape
+    budget = kw["budget"]
+    out = kdtree.empty_trees(batch, budget, depth)
+    vocab = int(kw.get("vocab_size") or 0)
+    draft = _lib.KdtDraft(batch, depth, width, lp.ctypes.data, ids.ctypes.data, None, None, vocab, -1)
+    ptrs = [getattr(out, f).ctypes.data if f in keep or f == "num_nodes" else None for f in FIELDS]
+    trees = _lib.KdtTrees(batch, budget, *ptrs)
+    if workspace is None:
+        lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(trees), None, 0)
+    else:
+        lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(trees),
+                                workspace.ctypes.data + offset, workspace.nbytes - offset)
+    return out
+
+
+def test_caller_workspace_and_null_outputs(lib):
+    """A caller workspace of exactly the queried size (garbage-filled, at every alignment)
+    and NULL optional outputs give the same fields as the library's own allocation; one byte
+    less is KDT_ERR_BUFFER_TOO_SMALL."""
+    import ctypes
+
+    seed = 1009
+    for case in range(120):
+        rng = np.random.default_rng([seed, case])
+        kw = make_case(rng, budget=int(rng.integers(0, 200)))
+        for option in ("root_tokens", "root_positions", "pad_token"):  # not passed by _raw_build
+            kw.pop(option, None)
+        lp = kw["logprobs"]
+        if not np.isfinite(np.where(np.isneginf(lp), 0, lp)[:, :, : kw["budget"]]).all():
+            continue  # garbage in the used part would be an error: not this test's subject
+        want = ref.build_trees(**kw)
+        need = ctypes.c_size_t()
+        lib.kdt_trees_build_workspace_bytes(kw["budget"], lp.shape[1], lp.shape[2],
+                                            int(kw.get("vocab_size") or 0), ctypes.byref(need))
+        offset = case % 8
+        ws = np.full(need.value + offset, 0xA5, np.uint8)
+        got = _raw_build(lib, kw, ws, offset)
+        bad = first_mismatch(got, want)
+        assert bad is None, f"seed {seed}, case {case} ({describe(kw)}), workspace offset {offset}: {bad}"
+        keep = tuple(f for f in FIELDS if rng.random() < 0.5)
+        part = _raw_build(lib, kw, None, keep=keep)
+        for f in ("num_nodes",) + keep:
+            a, b = getattr(part, f), getattr(want, f)
+            if f == "logw":
+                a, b = a.view(np.int64), b.view(np.int64)
+            assert np.array_equal(a.view(np.uint8) if f == "visibility" else a,
+                                  b.view(np.uint8) if f == "visibility" else b), (
+                f"seed {seed}, case {case}: field {f} with only {keep} requested")
+        if need.value > 0:
+            small = np.zeros(need.value - 1, np.uint8)
+            with pytest.raises(kdtree.KdtreeError) as info:
+                _raw_build(lib, kw, small)
+            assert info.value.status_name == "KDT_ERR_BUFFER_TOO_SMALL"
+
+
+# ---- Errors: one injected fault, same location from both ----------------------------------
+
+LOCATION = __import__("re").compile(r"request \d+, depth \d+, rank \d+")
+
+
+def test_single_fault_error_parity():
+    """One bad entry (NaN, +inf, unsorted, duplicate id, id >= vocab, negative id) in the used
+    part of a random batch: C and reference both reject it and name the same request, depth
+    and rank. (With several faults the two may name different ones: the reference checks
+    every value of a request before any id, the C builder goes row by row.)"""
+    seed = 1010
+    checked = 0
+    for case in range(400):
+        rng = np.random.default_rng([seed, case])
+        kw = make_case(rng, budget=int(rng.integers(2, 60)))
+        lp, ids = kw["logprobs"], kw["token_ids"]
+        batch, depth, width = lp.shape
+        used = min(width, kw["budget"])
+        if used < 2:
+            continue
+        kw.pop("root_tokens", None)
+        b, d, r = int(rng.integers(batch)), int(rng.integers(depth)), int(rng.integers(1, used))
+        fault = ("nan", "inf", "unsorted", "dup", "vocab", "negative")[case % 6]
+        if fault == "nan":
+            lp[b, d, r] = np.nan
+        elif fault == "inf":
+            lp[b, d, r] = np.inf
+        elif fault == "unsorted":
+            if not np.isfinite(lp[b, d, r - 1]):
+                continue
+            lp[b, d, r] = lp[b, d, r - 1] + 1.0
+        elif fault == "dup":
+            ids[b, d, r] = ids[b, d, int(rng.integers(0, r))]
+        elif fault == "vocab":
+            kw["vocab_size"] = int(ids[:, :, :used].max()) + 1
+            ids[b, d, r] = kw["vocab_size"] + int(rng.integers(0, 5))
+        else:
+            ids[b, d, r] = -int(rng.integers(1, 2**31))
+        where = f"seed {seed}, case {case} ({describe(kw)}), fault {fault} at {(b, d + 1, r)}"
+        with pytest.raises(ValueError) as c_err:
+            kdtree.build_trees(**kw)
+        with pytest.raises(ValueError) as ref_err:
+            ref.build_trees(**kw)
+        assert type(c_err.value) is kdtree.KdtreeError, where
+        got, want = LOCATION.search(str(c_err.value)), LOCATION.search(str(ref_err.value))
+        assert got and want and got.group() == want.group() == f"request {b}, depth {d + 1}, rank {r}", (
+            f"{where}: C says {c_err.value}; reference says {ref_err.value}")
+        checked += 1
+    print(f"single-fault error parity: {checked} cases")
+    assert checked >= 300
+
+
+@pytest.mark.parametrize("root_position", [2**63 - 1, 2**63 - 2])
+def test_regression_reference_root_position_overflow(root_position):
+    """Regression (was a bug in python/kdtree/reference.py, build_trees): a root position above INT64_MAX - L
+    makes positions = root_position + depth overflow int64. The C builder rejects it
+    (KDT_ERR_OUT_OF_RANGE "request 0: root position ... outside [0, INT64_MAX - depth]");
+    the reference silently wraps (RuntimeWarning) and returns a negative position:
+
+        reference.build_trees([[-1.0], [-1.0]], [[3], [4]], 3, root_positions=[2**63 - 1])
+        # positions [[9223372036854775807, -9223372036854775808, -9223372036854775807, ...]]
+
+    Expected: both reject it with a ValueError naming request 0 and the root position."""
+    lp = np.array([[-1.0], [-1.0]], np.float32)  # L = 2: the chain reaches depth 2
+    ids = np.array([[3], [4]], np.int32)
+    with pytest.raises(kdtree.KdtreeError, match="request 0: root position"):
+        kdtree.build_trees(lp, ids, 3, root_positions=[root_position])
+    with pytest.raises(ValueError, match="request 0"):
+        with np.errstate(over="ignore"):
+            ref.build_trees(lp, ids, 3, root_positions=[root_position])

@@ -30,7 +30,13 @@ def _float_array(x, name: str) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    out = np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape)
+    if a.dtype.itemsize > 4:
+        overflow = np.isfinite(a) & ~np.isfinite(out)
+        if overflow.any():
+            where = tuple(int(i) for i in np.argwhere(overflow)[0])
+            raise ValueError(f"{name}{list(where)} = {a[where]!r} is finite but outside float32 range")
+    return out
 
 
 def _int_array(x, name: str, dtype=np.int32) -> np.ndarray:
@@ -185,12 +191,12 @@ def build_trees(
         out = empty_trees(batch, budget, depth)
     else:
         _check_out(out, batch, budget)
-        out.budget, out.depth = budget, depth
     draft = _lib.KdtDraft(
         batch, depth, width, _ptr(lp), _ptr(ids), _ptr(roots), _ptr(pos),
         0 if vocab_size is None else int(vocab_size), int(pad_token),
     )
     lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(_trees_struct(out)), None, 0)
+    out.budget, out.depth = budget, depth  # only once the arrays hold this tree
     return out
 
 
@@ -269,9 +275,9 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         TypeError: non-floating logits. ValueError / KdtreeError: k out of range, a NaN or
         +inf logit, or a row whose logits are all -inf (the message names row and column).
     """
+    if np.ndim(logits) < 1:
+        raise ValueError("logits must have at least one dimension [..., V], got a scalar")
     x = _float_array(logits, "logits")
-    if x.ndim < 1:
-        raise ValueError("logits must have at least one dimension [..., V]")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     k = int(k)

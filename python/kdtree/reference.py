@@ -22,35 +22,25 @@ __all__ = ["build_tree", "build_trees", "verify_greedy", "topk_logprobs"]
 
 
 def _validate(lp: np.ndarray, ids: np.ndarray, width: int, vocab_size: int | None, b: int) -> None:
-    """Spec "Degenerate and invalid inputs", on the used part ``[L, width]``; the first bad
-    entry in (depth, rank) order is reported, values before ids."""
-    used, uid = lp[:, :width].astype(np.float64), ids[:, :width].astype(np.int64)
-
-    def first(mask: np.ndarray) -> tuple[int, int] | None:
-        hits = np.argwhere(mask)
-        return None if hits.size == 0 else (int(hits[0][0]), int(hits[0][1]))
-
-    bad_value = np.isnan(used) | np.isposinf(used)
-    unsorted = np.zeros_like(bad_value)
-    unsorted[:, 1:] = used[:, 1:] > used[:, :-1]
-    hit = first(bad_value | unsorted)
-    if hit is not None:
-        d, r = hit
-        v = used[d, r]
-        what = "NaN" if math.isnan(v) else "+inf" if v == math.inf else "unsorted"
-        raise ValueError(f"request {b}, depth {d + 1}, rank {r}: {what} log-probability")
-    out_of_range = (uid < 0) | ((uid >= vocab_size) if vocab_size is not None else False)
-    order = np.argsort(uid, axis=1, kind="stable")
-    sorted_ids = np.take_along_axis(uid, order, axis=1)
-    dup_sorted = np.zeros_like(out_of_range)
-    dup_sorted[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
-    duplicate = np.zeros_like(out_of_range)
-    np.put_along_axis(duplicate, order, dup_sorted, axis=1)
-    hit = first(out_of_range | duplicate)
-    if hit is not None:
-        d, r = hit
-        what = "out of range" if out_of_range[d, r] else "duplicate in row"
-        raise ValueError(f"request {b}, depth {d + 1}, rank {r}: token id {int(uid[d, r])} {what}")
+    """Spec "Degenerate and invalid inputs", on the used part ``[L, width]``. Rows are
+    checked in depth order; within a row, log-probs (NaN, +inf, order) before ids (range,
+    duplicates); the first bad entry is reported (the library's order too)."""
+    for d in range(lp.shape[0]):
+        row = lp[d, :width].astype(np.float64)
+        bad = np.isnan(row) | np.isposinf(row)
+        bad[1:] |= row[1:] > row[:-1]
+        if bad.any():
+            r = int(np.argmax(bad))
+            v = row[r]
+            what = "NaN" if math.isnan(v) else "+inf" if v == math.inf else "unsorted"
+            raise ValueError(f"request {b}, depth {d + 1}, rank {r}: {what} log-probability")
+        seen: set[int] = set()
+        for r, t in enumerate(ids[d, :width].tolist()):
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(f"request {b}, depth {d + 1}, rank {r}: token id {t} out of range")
+            if t in seen:
+                raise ValueError(f"request {b}, depth {d + 1}, rank {r}: duplicate token id {t} in row")
+            seen.add(t)
 
 
 def build_tree(lp: np.ndarray, ids: np.ndarray, budget: int) -> dict:
@@ -123,10 +113,13 @@ def build_trees(
     pos0 = np.zeros(batch, np.int64) if root_positions is None else np.asarray(root_positions)
     k_eff = min(width, budget)
     for b in range(batch):
-        if root_tokens is not None and (roots[b] < 0 or (vocab_size and roots[b] >= vocab_size)):
-            raise ValueError(f"request {b}: root token {int(roots[b])} out of range")
-        if pos0[b] < 0:
-            raise ValueError(f"request {b}: root position {int(pos0[b])} is negative")
+        p0 = int(pos0[b])
+        if p0 < 0 or p0 > 2**63 - 1 - depth:
+            raise ValueError(f"request {b}: root position {p0} outside [0, INT64_MAX - depth]")
+        if root_tokens is not None:
+            r0 = int(roots[b])
+            if r0 < 0 or r0 > 2**31 - 1 or (vocab_size and r0 >= vocab_size):
+                raise ValueError(f"request {b}: root token {r0} out of range")
         _validate(lp[b], ids[b], k_eff, vocab_size, b)
 
     out = TreeBatch(
