@@ -399,14 +399,15 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
         bits[0] = 1u;
     }
 
-    if (N > 0 && L > 0 && Kp > 0 && !isinf(lp[0])) {
-        kdt_cand first = {(double)lp[0], 0, 0};
-        heap_push(s, &heap_size, first);
-    }
-    while (heap_size > 0 && n < N) {
-        /* Pop the best candidate; its next sibling (if any) takes its place at the root in
-         * one sift (a "heap replace"), then its first child is pushed. */
-        const kdt_cand c = s->heap[0];
+    /* The best candidate is held in `top`, outside the heap; the heap holds the rest. Each
+     * emitted node yields up to two new candidates (next sibling, first child): the better
+     * of them becomes `top` directly when it beats the heap's best (common: a drafter's
+     * top-1 child often pops next), which skips a sift through the heap. The pop order is
+     * the same as a plain heap's, since keys are totally ordered. */
+    int have_top = N > 0 && L > 0 && Kp > 0 && !isinf(lp[0]);
+    kdt_cand top = {have_top ? (double)lp[0] : 0.0, 0, 0};
+    while (have_top && n < N) {
+        const kdt_cand c = top;
         const int32_t i = (int32_t)++n;
         const int32_t p = c.parent;
         const int32_t depth = s->node_depth[p] + 1;
@@ -444,20 +445,36 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
             sib.logw = (c.logw - (double)row[c.rank]) + (double)row[c.rank + 1];
             have_sib = !isinf(sib.logw);
         }
-        if (have_sib) {
-            heap_sift_root(s, heap_size, sib);
-        } else {
-            heap_size--;
-            if (heap_size > 0) heap_sift_root(s, heap_size, s->heap[heap_size]);
-        }
         /* First child. */
+        int have_child = 0;
+        kdt_cand child = {0.0, i, 0};
         if ((int64_t)depth < L) {
-            double w = c.logw + (double)row[K];
-            if (!isinf(w)) {
-                kdt_cand child = {w, i, 0};
-                heap_push(s, &heap_size, child);
-            }
+            child.logw = c.logw + (double)row[K];
+            have_child = !isinf(child.logw);
         }
+        /* The next top: the better new candidate, unless the heap's best beats it. */
+        kdt_cand best = sib, other = child;
+        int have_best = have_sib, have_other = have_child;
+        if (have_child && (!have_sib || cand_less(&child, &sib, s))) {
+            best = child;
+            other = sib;
+            have_other = have_sib;
+            have_best = 1;
+        }
+        if (!have_best) {
+            have_top = heap_size > 0;
+            if (have_top) {
+                top = s->heap[0];
+                heap_size--;
+                if (heap_size > 0) heap_sift_root(s, heap_size, s->heap[heap_size]);
+            }
+        } else if (heap_size > 0 && cand_less(&s->heap[0], &best, s)) {
+            top = s->heap[0];
+            heap_sift_root(s, heap_size, best);
+        } else {
+            top = best;
+        }
+        if (have_other) heap_push(s, &heap_size, other);
     }
     out->num_nodes[b] = (int32_t)n;
 
