@@ -316,8 +316,10 @@ static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s)
 }
 
 static inline int cand_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
-    if (a->logw != b->logw) return a->logw > b->logw;
-    return path_less(a, b, s);
+    /* Branch-free on distinct scores; exact score ties (rare but real) take the path walk. */
+    int lt = a->logw > b->logw;
+    if (__builtin_expect(a->logw == b->logw, 0)) lt = path_less(a, b, s);
+    return lt;
 }
 
 static void heap_push(kdt_scratch* s, size_t* size, kdt_cand c) {
@@ -338,15 +340,16 @@ static void heap_push(kdt_scratch* s, size_t* size, kdt_cand c) {
  * from there (usually a step or two, since `item` is a fresh, low-scoring candidate). */
 static void heap_sift_root(kdt_scratch* s, size_t size, kdt_cand item) {
     kdt_cand* h = s->heap;
-    size_t i = 0;
-    for (;;) {
-        size_t l = 2u * i + 1u, best;
-        if (l >= size) break;
-        best = l;
-        if (l + 1u < size && cand_less(&h[l + 1u], &h[l], s)) best = l + 1u;
+    size_t i = 0, l;
+    while ((l = 2u * i + 1u) + 1u < size) {
+        size_t best = l + (size_t)cand_less(&h[l + 1u], &h[l], s);
         if (!cand_less(&h[best], &item, s)) break;
         h[i] = h[best];
         i = best;
+    }
+    if (l + 1u == size && cand_less(&h[l], &item, s)) { /* a last, single child */
+        h[i] = h[l];
+        i = l;
     }
     h[i] = item;
 }
