@@ -17,6 +17,12 @@ kdt_status kdt_fail(kdt_status status, const char* fmt, ...)
 /* Clears this thread's last error; returns KDT_OK. */
 kdt_status kdt_ok(void);
 
+#if defined(__GNUC__) || defined(__clang__)
+#  define KDT_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#  define KDT_UNLIKELY(x) (x)
+#endif
+
 /* a * b into *out; returns 0 on overflow of size_t. */
 static inline int kdt_mul_size(size_t a, size_t b, size_t* out) {
     if (a != 0 && b > SIZE_MAX / a) return 0;

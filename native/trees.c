@@ -318,7 +318,7 @@ static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s)
 static inline int cand_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
     /* Branch-free on distinct scores; exact score ties (rare but real) take the path walk. */
     int lt = a->logw > b->logw;
-    if (__builtin_expect(a->logw == b->logw, 0)) lt = path_less(a, b, s);
+    if (KDT_UNLIKELY(a->logw == b->logw)) lt = path_less(a, b, s);
     return lt;
 }
 
