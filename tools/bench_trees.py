@@ -64,6 +64,7 @@ def main() -> None:
     args = parser.parse_args()
 
     lib = _lib.load()
+    fn = lib.kdt_trees_build_cpu
     rng = np.random.default_rng(2026)
     print(f"machine: {platform.machine()} {platform.processor() or ''} "
           f"python {platform.python_version()}, libkdtree {kdtree.library_version()}")
@@ -78,7 +79,7 @@ def main() -> None:
             lp, ids = kdtree.topk_logprobs(logits, budget)
             # Reference (one request at a time).
             ref_ns = statistics.median(
-                median_ns(lambda b=b: reference.build_trees(lp[b], ids[b], budget), 1)
+                median_ns(lambda b=b, lp=lp, ids=ids, n=budget: reference.build_trees(lp[b], ids[b], n), 1)
                 for b in range(args.reference_requests)
             )
             # C: arguments prepared once, then raw calls.
@@ -90,13 +91,13 @@ def main() -> None:
                 draft = _lib.KdtDraft(1, DEPTH, budget, lp[b].ctypes.data, ids[b].ctypes.data,
                                       None, None, VOCAB, -1)
                 singles.append((ctypes.byref(draft), ctypes.byref(api._trees_struct(out)), draft, out))
-            fn = lib.kdt_trees_build_cpu
 
-            def run_singles(singles=singles):
+            def run_singles(singles=singles, fn=fn):
                 for d, t, _, _ in singles:
                     fn(d, t, None, 0)
 
             call_ns = median_ns(run_singles, args.repeats) / BATCH
+
             def run_api(lp=lp, ids=ids, budget=budget, out=out):
                 for b in range(BATCH):
                     kdtree.build_trees(lp[b], ids[b], budget, vocab_size=VOCAB, out=out)
@@ -109,7 +110,7 @@ def main() -> None:
                                     None, None, VOCAB, -1)
             tb = api._trees_struct(out_b)
             batch_args = (ctypes.byref(draft_b), ctypes.byref(tb), None, 0)
-            batch_ns = median_ns(lambda args=batch_args: fn(*args), args.repeats)
+            batch_ns = median_ns(lambda a=batch_args, fn=fn: fn(*a), args.repeats)
             views = []
             for b in range(BATCH):
                 view = api.TreeBatch(**{f: getattr(out_b, f)[b:b + 1] for f in api._TREE_FIELDS},
@@ -118,7 +119,7 @@ def main() -> None:
                                       None, None, VOCAB, -1)
                 views.append((ctypes.byref(draft), ctypes.byref(api._trees_struct(view)), draft, view))
 
-            def run_into_batch(views=views):
+            def run_into_batch(views=views, fn=fn):
                 for d, t, _, _ in views:
                     fn(d, t, None, 0)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -89,6 +89,7 @@ def _ops(backend: str):
     if backend in ("auto", "native"):
         try:
             import kdtree
+
             from . import _lib
 
             _lib.load()
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     if same:
         print("identical to greedy autoregressive decoding: YES", file=out)
     else:
-        first = next((i for i, (a, b) in enumerate(zip(ar.tokens, sp.tokens)) if a != b),
+        first = next((i for i, (a, b) in enumerate(zip(ar.tokens, sp.tokens, strict=False)) if a != b),
                      min(len(ar.tokens), len(sp.tokens)))
         print(f"identical to greedy autoregressive decoding: NO (first difference at new byte "
               f"{first}; AR {len(ar.tokens)} bytes, DDTree {len(sp.tokens)} bytes)", file=out)

@@ -26,9 +26,10 @@ same :class:`Target`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -246,7 +247,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
         committed = acc.committed(trees, 0)
         target.commit(committed, trees, acc)
         t6 = time.perf_counter()
-        for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
+        for name, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6), strict=True):
             tm[name] += b - a
         n_acc = int(acc.accept_length[0])
         idx = len(res.committed)

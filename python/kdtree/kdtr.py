@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -44,9 +44,9 @@ import os
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -256,7 +256,7 @@ class NgramCounts:
     @classmethod
     def estimate(cls, data: bytes, order: int = DEFAULT_ORDER, corpus_sha256: str = "", *,
                  prune_from: int = DEFAULT_PRUNE_FROM,
-                 min_count: int = DEFAULT_MIN_COUNT) -> "NgramCounts":
+                 min_count: int = DEFAULT_MIN_COUNT) -> NgramCounts:
         """Count all n-grams of length ``1 .. order`` of ``data``.
 
         Raises:
@@ -288,7 +288,7 @@ class NgramCounts:
 
     @classmethod
     def load_or_estimate(cls, corpus: Corpus, order: int = DEFAULT_ORDER, *,
-                         use_cache: bool = True) -> tuple["NgramCounts", bool]:
+                         use_cache: bool = True) -> tuple[NgramCounts, bool]:
         """Load the counts of ``corpus`` from the cache, or estimate and store them.
 
         Returns ``(counts, from_cache)``. A damaged or unwritable cache is not an error:
@@ -331,7 +331,7 @@ class NgramCounts:
             raise
 
     @classmethod
-    def _load(cls, path: Path, order: int, sha: str) -> "NgramCounts":
+    def _load(cls, path: Path, order: int, sha: str) -> NgramCounts:
         with np.load(path) as z:
             meta = [int(x) for x in z["meta"]]
             if meta[0] != CACHE_FORMAT_VERSION or meta[1] != order:
