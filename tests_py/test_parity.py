@@ -273,6 +273,32 @@ def test_build_parity_large_budgets():
     tally.report(24)
 
 
+def test_build_parity_extreme_budget_and_depth():
+    """The issue's outer corners: budget 4096 and depth 64 (a handful of trees: the
+    reference needs tens of milliseconds each and the masks are 16.8 MB)."""
+    tally = Tally("build_trees parity (N 4096, L 64)", 1008)
+    shapes = ((4096, 64, 64), (4096, 4, 4096), (2000, 64, 200), (4096, 64, 4096))
+    for case, (budget, depth, width) in enumerate(shapes):
+        rng = np.random.default_rng([tally.seed, case])
+        kind = ("bf16", "peaked", "tiny", "flat")[case]
+        lp = None
+        if kind == "tiny":  # no -inf tails here: the tree must reach the budget
+            values = np.array([0.0, -1.0, -2.0], np.float32)
+            lp = np.sort(rng.choice(values, size=(depth, width)), axis=1)[:, ::-1].copy()[None]
+            ids = make_ids(rng, depth, width, width + 9)[None]
+        else:
+            scale = {"peaked": 4.0, "flat": 0.3, "bf16": 1.0}[kind]
+            x = (rng.standard_normal((1, depth, width + 50)) * scale).astype(np.float32)
+            if kind == "bf16":
+                x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+            lp, ids = ref.topk_logprobs(x, width)
+        kw = {"logprobs": lp, "token_ids": ids, "budget": budget}
+        got, want = kdtree.build_trees(**kw), ref.build_trees(**kw)
+        assert int(want.num_nodes[0]) > min(budget, 1000) // 2, "corner case built a tiny tree"
+        tally.check(case, kw, got, want)
+    tally.report(len(shapes))
+
+
 def test_build_parity_chains_and_stars():
     """K = 1 (chains) and L = 1 (stars) with every budget 1..70."""
     tally = Tally("build_trees parity (chains, stars)", 1005)
