@@ -334,10 +334,9 @@ static void heap_push(kdt_scratch* s, size_t* size, kdt_cand c) {
     h[i] = c;
 }
 
-/* Fills the hole at the root with `item` and restores the heap of `size` entries.
- * Floyd's bottom-up variant: move the hole to a leaf along the better children (one
- * comparison per level, compiled without a data-dependent branch), then sift `item` up
- * from there (usually a step or two, since `item` is a fresh, low-scoring candidate). */
+/* Fills the hole at the root with `item` and restores the heap of `size` entries. The
+ * better child is chosen without a data-dependent branch (`l + (right < left)`); the
+ * remaining cost is the load-compare-select latency of each level. */
 static void heap_sift_root(kdt_scratch* s, size_t size, kdt_cand item) {
     kdt_cand* h = s->heap;
     size_t i = 0, l;
