@@ -6,7 +6,7 @@
  * distributions with a best-first heap over cumulative log-probabilities, lets the target
  * score every node under an ancestor-only tree attention mask, then walks the tree along
  * the target's own choices. The exact rule every builder follows is in the project's
- * spec, `ddtree-tree-build.md`; section names below ("spec: ...") refer to it.
+ * spec, docs/spec/ddtree-tree-build.md; section names below ("spec: ...") refer to it.
  *
  * Conventions (every function):
  *   - Every function returns a kdt_status; KDT_OK is 0. On failure kdt_last_error()

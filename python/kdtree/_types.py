@@ -48,6 +48,10 @@ class TreeBatch:
         """Number of requests ``B``."""
         return int(self.num_nodes.shape[0])
 
+    def __repr__(self) -> str:
+        return (f"TreeBatch(batch={self.batch}, budget={self.budget}, depth={self.depth}, "
+                f"num_nodes={self.num_nodes.tolist() if self.batch <= 8 else '...'})")
+
 
 @dataclass
 class Acceptance:
@@ -67,6 +71,13 @@ class Acceptance:
     accepted_nodes: np.ndarray
     accept_length: np.ndarray
     bonus_token: np.ndarray
+
+    def __repr__(self) -> str:
+        b = int(self.accept_length.shape[0])
+        if b > 8:
+            return f"Acceptance(batch={b})"
+        return (f"Acceptance(accept_length={self.accept_length.tolist()}, "
+                f"bonus_token={self.bonus_token.tolist()})")
 
     def committed(self, trees: TreeBatch, b: int = 0) -> list[int]:
         """The tokens request ``b`` commits this round (accepted draft tokens, then bonus)."""

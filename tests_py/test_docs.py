@@ -1,0 +1,23 @@
+"""The repository's copy of the tree-rule spec is the team's current spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "spec" / "ddtree-tree-build.md"
+
+
+def test_spec_copy_matches_shared_spec():
+    if not SHARED.is_file():
+        pytest.skip(f"the team's shared spec is not beside this checkout ({SHARED})")
+    copy = ROOT / "docs" / "spec" / "ddtree-tree-build.md"
+    assert copy.read_text() == SHARED.read_text(), (
+        "docs/spec/ddtree-tree-build.md differs from the shared spec: copy it again")
+
+
+def test_readme_names_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert "nox -s demo" in text and "nox -s build test" in text
