@@ -256,8 +256,9 @@ KDT_API kdt_status kdt_verify_greedy_cpu(const kdt_trees* trees, const int32_t* 
 /*
  * For each of `rows` rows of float32 logits (row r starts at logits + r * row_stride
  * elements, vocab entries each), the k largest entries as log-probs:
- * logprob = logit - logsumexp(row over all vocab entries), in float32 (the exp-sum is
- * accumulated in float64), sorted descending, ties ordered by lower token id.
+ * logprob = logit - logsumexp(row over all vocab entries), computed in float64 (max,
+ * compensated exp-sum, subtraction) and rounded once to float32; sorted descending, ties
+ * ordered by lower token id.
  *
  * out_logprobs float32 [rows, k], out_ids int32 [rows, k].
  * Requires 0 <= k <= vocab, vocab <= INT32_MAX, row_stride >= vocab.

@@ -521,7 +521,8 @@ kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out) {
     if (!KDTR_HOST_LITTLE_ENDIAN) {
         return kdt_fail(KDT_ERR_UNSUPPORTED, "KDTR needs a little-endian host");
     }
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below. */
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         kdtr_errno_text(errno, why, sizeof why);
         return kdt_fail(KDT_ERR_IO, "%s: cannot open: %s", path, why);

@@ -89,13 +89,18 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
         float* v = out_logprobs + (size_t)r * (size_t)k;
         int32_t* id = out_ids + (size_t)r * (size_t)k;
         float m = -INFINITY;
-        double sum = 0.0;
-        float lse;
+        double sum = 0.0, carry = 0.0, lse;
         for (int64_t c = 0; c < vocab; c++) {
             if (x[c] > m) m = x[c];
         }
-        for (int64_t c = 0; c < vocab; c++) sum += exp((double)x[c] - (double)m);
-        lse = (float)((double)m + log(sum));
+        /* Neumaier-compensated sum: a million tiny terms next to a 1 still count. */
+        for (int64_t c = 0; c < vocab; c++) {
+            const double term = exp((double)x[c] - (double)m);
+            const double t = sum + term;
+            carry += fabs(sum) >= term ? (sum - t) + term : (term - t) + sum;
+            sum = t;
+        }
+        lse = (double)m + log(sum + carry);
         if (k == 0) continue;
         /* Keep the k best in a heap whose root is the worst kept entry. */
         for (int64_t c = 0; c < k; c++) {
@@ -120,7 +125,9 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
             id[size - 1] = ti;
             sift_down(v, id, size - 1, 0);
         }
-        for (int64_t c = 0; c < k; c++) v[c] = v[c] - lse;
+        /* In float64, then rounded once: logit - float32(lse) would lose the low digits
+         * of large logits (1e8 - (1e8 + log 2) must give -log 2). */
+        for (int64_t c = 0; c < k; c++) v[c] = (float)((double)v[c] - lse);
     }
     return kdt_ok();
 }

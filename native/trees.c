@@ -35,6 +35,7 @@ typedef struct kdt_scratch {
     int32_t* last_child; /* [N + 1] for sibling links  */
     uint64_t* hash;      /* [hash_size] duplicate-id set: (stamp << 32) | id */
     size_t hash_size;    /* power of two >= 4 K', or 0 */
+    unsigned hash_shift; /* 64 - log2(hash_size): the slot is the top bits of a mixed id */
     uint32_t stamp;      /* marks the entries of the current row; 0 = empty */
     uint64_t* bitmap;    /* [bitmap_words] one bit per token id, or NULL (use the hash) */
     size_t bitmap_words;
@@ -72,10 +73,23 @@ static size_t hash_slots(int64_t width, int* ok) {
     return slots;
 }
 
+/* The most nodes a tree can hold: min(N, K' + K'^2 + ... + K'^L), so that a huge budget
+ * with a narrow or shallow draft does not size the scratch by N. */
+static int64_t node_capacity(int64_t budget, int64_t depth, int64_t eff_width) {
+    int64_t total = 0, level = 1;
+    for (int64_t d = 0; d < depth && total < budget; d++) {
+        if (eff_width == 0) break;
+        level = level > budget / eff_width ? budget : level * eff_width; /* saturates */
+        total = total > budget - level ? budget : total + level;
+    }
+    return total < budget ? total : budget;
+}
+
 /* Bytes of the scratch for budget N, depth L, effective width K' and vocabulary. */
 static kdt_status scratch_bytes(int64_t budget, int64_t depth, int64_t eff_width, int64_t vocab,
                                 size_t* bytes) {
-    size_t rows = (size_t)budget + 1u, heap_bytes, ints, hash_bytes, total;
+    size_t rows = (size_t)node_capacity(budget, depth, eff_width) + 1u, heap_bytes, ints, hash_bytes,
+           total;
     int ok;
     size_t slots = hash_slots(eff_width, &ok);
     if (!ok || !kdt_mul_size(rows + 1u, sizeof(kdt_cand), &heap_bytes) ||
@@ -97,7 +111,7 @@ static kdt_status scratch_bytes(int64_t budget, int64_t depth, int64_t eff_width
 
 static void scratch_carve(void* base, int64_t budget, int64_t depth, int64_t eff_width, int64_t vocab,
                           kdt_scratch* s) {
-    size_t rows = (size_t)budget + 1u;
+    size_t rows = (size_t)node_capacity(budget, depth, eff_width) + 1u;
     int ok;
     uintptr_t p = ((uintptr_t)base + 7u) & ~(uintptr_t)7u;
     s->heap = (kdt_cand*)p;
@@ -109,6 +123,8 @@ static void scratch_carve(void* base, int64_t budget, int64_t depth, int64_t eff
     p += align8(rows * 4u * sizeof(int32_t));
     s->hash = (uint64_t*)p;
     s->hash_size = hash_slots(eff_width, &ok);
+    s->hash_shift = 64u;
+    for (size_t h = s->hash_size; h > 1u; h >>= 1) s->hash_shift--;
     s->stamp = 0;
     if (s->hash_size > 0) memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
     s->bitmap_words = bitmap_words_for(depth, eff_width, vocab);
@@ -188,6 +204,64 @@ overflow:
 
 /* Checks one row's used part: values (no NaN / +inf, non-increasing) then ids (range,
  * duplicates). Depth is reported 1-based (row d is depth d + 1). */
+static kdt_status id_range_error(int32_t id, int64_t vocab, int64_t b, int64_t d, int64_t r) {
+    if (vocab > 0) {
+        return kdt_fail(KDT_ERR_OUT_OF_RANGE,
+                        "request %lld, depth %lld, rank %lld: token id %d outside [0, %lld)",
+                        (long long)b, (long long)(d + 1), (long long)r, (int)id, (long long)vocab);
+    }
+    return kdt_fail(KDT_ERR_OUT_OF_RANGE, "request %lld, depth %lld, rank %lld: negative token id %d",
+                    (long long)b, (long long)(d + 1), (long long)r, (int)id);
+}
+
+static kdt_status duplicate_error(int32_t id, int64_t b, int64_t d, int64_t r) {
+    return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: duplicate token id %d in row",
+                    (long long)b, (long long)(d + 1), (long long)r, (int)id);
+}
+
+/* splitmix64's finaliser: every id bit moves the slot (the top bits are used). */
+static inline uint64_t mix_id(int32_t id) {
+    uint64_t z = (uint64_t)(uint32_t)id + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static int cmp_u64(const void* a, const void* b) {
+    uint64_t x = *(const uint64_t*)a, y = *(const uint64_t*)b;
+    return (x > y) - (x < y);
+}
+
+/* The row's id checks by sorting (id, rank) pairs in the hash table's memory (4 K' slots):
+ * the same verdict as the hash (the first rank, in rank order, whose id is out of range or
+ * repeats an earlier one). The table is cleared afterwards. */
+static kdt_status check_row_by_sort(const int32_t* ids, int64_t eff_width, int64_t vocab, int64_t b,
+                                    int64_t d, kdt_scratch* s) {
+    uint64_t* pairs = s->hash;
+    int64_t first_bad = eff_width;
+    for (int64_t r = 0; r < eff_width; r++) {
+        int32_t id = ids[r];
+        if (id < 0 || (vocab > 0 && (int64_t)id >= vocab)) {
+            first_bad = r;
+            break;
+        }
+        pairs[r] = ((uint64_t)(uint32_t)id << 32) | (uint64_t)r;
+    }
+    qsort(pairs, (size_t)first_bad, sizeof(uint64_t), cmp_u64);
+    int64_t first_dup = eff_width;
+    for (int64_t i = 1; i < first_bad; i++) {
+        if ((pairs[i] >> 32) == (pairs[i - 1] >> 32)) {
+            int64_t r = (int64_t)(uint32_t)pairs[i]; /* a later occurrence of this id */
+            if (r < first_dup) first_dup = r;
+        }
+    }
+    memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
+    s->stamp = 0;
+    if (first_dup < first_bad) return duplicate_error(ids[first_dup], b, d, first_dup);
+    if (first_bad < eff_width) return id_range_error(ids[first_bad], vocab, b, d, first_bad);
+    return KDT_OK;
+}
+
 static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_width,
                                int64_t vocab, int64_t b, int64_t d, kdt_scratch* s) {
     /* Fast path: one branch-free pass (vectorisable) decides whether the row is clean; the
@@ -241,16 +315,12 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
         for (int64_t q = 0; q < stop; q++) bm[(uint32_t)ids[q] >> 6] = 0;
         if (stop == eff_width) return KDT_OK;
         const int32_t id = ids[stop];
-        if (id < 0 || (int64_t)id >= vocab) {
-            return kdt_fail(KDT_ERR_OUT_OF_RANGE,
-                            "request %lld, depth %lld, rank %lld: token id %d outside [0, %lld)",
-                            (long long)b, (long long)(d + 1), (long long)stop, (int)id, (long long)vocab);
-        }
-        return kdt_fail(KDT_ERR_VALUE, "request %lld, depth %lld, rank %lld: duplicate token id %d in row",
-                        (long long)b, (long long)(d + 1), (long long)stop, (int)id);
+        if (id < 0 || (int64_t)id >= vocab) return id_range_error(id, vocab, b, d, stop);
+        return duplicate_error(id, b, d, stop);
     }
-    /* Duplicate ids: open addressing; entries of earlier rows carry older stamps, so the
-     * table is never cleared between rows. */
+    /* Duplicate ids: open addressing on a mixed id; entries of earlier rows carry older
+     * stamps, so the table is never cleared between rows. Probing is bounded: ids crafted
+     * to collide switch the row to a sort (O(K' log K') whatever the ids). */
     if (++s->stamp == 0) {
         memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
         s->stamp = 1;
@@ -259,28 +329,17 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
     const uint64_t stamp = s->stamp;
     uint64_t* const hash = s->hash;
     const size_t mask = s->hash_size - 1u;
+    const unsigned shift = s->hash_shift;
+    int64_t probes_left = 16 * eff_width + 64;
     for (r = 0; r < eff_width; r++) {
         int32_t id = ids[r];
-        if (id < 0 || (vocab > 0 && (int64_t)id >= vocab)) {
-            if (vocab > 0) {
-                return kdt_fail(KDT_ERR_OUT_OF_RANGE,
-                                "request %lld, depth %lld, rank %lld: token id %d outside [0, %lld)",
-                                (long long)b, (long long)(d + 1), (long long)r, (int)id,
-                                (long long)vocab);
-            }
-            return kdt_fail(KDT_ERR_OUT_OF_RANGE,
-                            "request %lld, depth %lld, rank %lld: negative token id %d",
-                            (long long)b, (long long)(d + 1), (long long)r, (int)id);
-        }
+        if (id < 0 || (vocab > 0 && (int64_t)id >= vocab)) return id_range_error(id, vocab, b, d, r);
         const uint64_t entry = tag | (uint32_t)id;
-        size_t slot = (size_t)(((uint64_t)(uint32_t)id * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+        size_t slot = shift >= 64u ? 0u : (size_t)(mix_id(id) >> shift) & mask;
         while ((hash[slot] >> 32) == stamp) {
-            if (hash[slot] == entry) {
-                return kdt_fail(KDT_ERR_VALUE,
-                                "request %lld, depth %lld, rank %lld: duplicate token id %d in row",
-                                (long long)b, (long long)(d + 1), (long long)r, (int)id);
-            }
+            if (hash[slot] == entry) return duplicate_error(id, b, d, r);
             slot = (slot + 1u) & mask;
+            if (--probes_left < 0) return check_row_by_sort(ids, eff_width, vocab, b, d, s);
         }
         hash[slot] = entry;
     }
@@ -378,7 +437,8 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
     size_t heap_size = 0;
     int64_t n = 0;
 
-    for (size_t i = 0; i < rows; i++) s->last_child[i] = -1;
+    const int64_t cap = node_capacity(N, L, Kp); /* scratch rows: cap + 1 */
+    for (int64_t i = 0; i <= cap; i++) s->last_child[i] = -1;
     if (first_child) for (size_t i = 0; i < rows; i++) first_child[i] = -1;
     if (next_sibling) for (size_t i = 0; i < rows; i++) next_sibling[i] = -1;
     s->node_rank[0] = 0;

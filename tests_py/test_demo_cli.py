@@ -29,15 +29,38 @@ def test_demo_runs_and_matches_ar(tmp_path):
     assert "identical to greedy autoregressive decoding: YES" in out
     assert "target calls       : AR 48, DDTree " in out
     assert "acceptance length" in out and "draft tree of round" in out
-    for stage in ("draft", "topk", "build", "verify", "walk", "commit"):
+    # stage names follow the library: "target" is the target's call, "verify" the walk
+    for stage in ("draft", "topk", "build", "target", "verify", "commit"):
         assert f"\n  {stage} " in out
-    assert "counts estimated" in out
-    assert list((tmp_path / "cache").glob("*.npz")), "counts were not cached"
+    assert "\n  walk " not in out
+    assert "verify = the walk along its choices, kdtree.verify_greedy" in out
+    assert "(AR: target forward " in out
+    # the header says which corpus and which cache file
+    assert "first 150,000 bytes of Python" in out and "sorted by path" in out
+    assert "files under " in out and "__future__.py .. " in out
+    assert "bytes 14500..14800 (not in the corpus" in out
+    assert "counts   : estimated and cached in " in out
+    cache = list((tmp_path / "cache").glob("*.npz"))
+    assert len(cache) == 1, "counts were not cached"
+    assert str(cache[0]) in out
+    assert "---- prompt (300 bytes) " in out
+    assert "---- continuation (48 bytes, " in out
     # the second run reads the cache
-    r2 = run_cli(["demo", *FAST, "--max-new-tokens", "8", "--backend", "reference"], tmp_path)
+    r2 = run_cli(["demo", *FAST, "--max-new-tokens", "1", "--backend", "reference"], tmp_path)
     assert r2.returncode == 0, r2.stderr
-    assert "counts loaded from cache" in r2.stdout
+    assert "counts   : loaded from cache" in r2.stdout
     assert "pure-Python reference" in r2.stdout
+    assert "---- continuation (1 byte, " in r2.stdout
+    # a truncated cache file is rebuilt with a one-line warning, no traceback
+    data = cache[0].read_bytes()
+    cache[0].write_bytes(data[: len(data) // 2])
+    r3 = run_cli(["demo", *FAST, "--max-new-tokens", "1"], tmp_path)
+    assert r3.returncode == 0, r3.stderr
+    assert "Traceback" not in r3.stderr
+    warnings = [ln for ln in r3.stderr.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "unreadable" in warnings[0] and str(cache[0]) in warnings[0]
+    assert "counts   : estimated and cached" in r3.stdout
+    assert cache[0].read_bytes() != data[: len(data) // 2]
 
 
 def test_demo_prompt_file_and_stop_byte(tmp_path):
@@ -50,6 +73,40 @@ def test_demo_prompt_file_and_stop_byte(tmp_path):
     assert "stop bytes=[32]" in r.stdout
     assert "identical to greedy autoregressive decoding: YES" in r.stdout
     assert str(prompt) in r.stdout
+    assert f"---- prompt ({len(prompt.read_bytes())} bytes) " in r.stdout
+
+
+def test_demo_long_prompt_header(tmp_path):
+    prompt = tmp_path / "p.py"
+    prompt.write_bytes(b"def f(x):\n    return x + 1\n" * 40)
+    r = run_cli(["demo", *FAST, "--prompt-file", str(prompt), "--prompt-bytes", "1000",
+                 "--max-new-tokens", "4"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "---- prompt (last 300 of 1,000 bytes shown) " in r.stdout
+
+
+def test_demo_marks_runs_of_repeated_bytes(tmp_path):
+    # the order-8 target loops on spaces after this prompt: the run must show, with a note
+    prompt = tmp_path / "p.py"
+    prompt.write_bytes(b"x = 1\n")
+    r = run_cli(["demo", *FAST, "--prompt-file", str(prompt), "--max-new-tokens", "120"],
+                tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "' ' x 120" in r.stdout
+    assert "the target repeats itself here" in r.stdout and "ratio is optimistic" in r.stdout
+
+
+def test_demo_prompt_inside_corpus_is_held_out(tmp_path):
+    sys.path.insert(0, str(PYTHON_DIR))
+    from kdtree import ngram
+
+    inside = ngram.load_corpus(150_000).files[1]
+    r = run_cli(["demo", *FAST, "--prompt-file", str(inside), "--max-new-tokens", "1"],
+                tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "(held out of the corpus)" in r.stdout
+    assert "nor the prompt file" in r.stdout
+    assert "this corpus differs from the default one" in r.stdout
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -57,6 +114,9 @@ def test_demo_prompt_file_and_stop_byte(tmp_path):
     (["demo", "--budget", "abc"], "--budget: expected an integer"),
     (["demo", "--depth", "-1"], "--depth"),
     (["demo", "--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["demo", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    (["demo", "--budget", "100000"], "--budget: must be <= 4096 in the demo, got 100000"),
+    (["demo", "--budget", "4097"], "attention mask of (N+1)^2 bytes"),
     (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["nosuchcommand"], "invalid choice"),
     ([], "required"),
@@ -96,3 +156,21 @@ def test_main_in_process_help(capsys):
                  "--no-progress"):
         assert flag in out
     assert "--corpus-bytes" not in out  # test-only flag stays hidden
+    flat = " ".join(out.split())
+    assert "(default: None)" not in flat and "(default: [])" not in flat
+    assert "(default: False)" not in flat
+    assert "heapq.py) (default" not in flat and "prompt fits) (default" not in flat
+    assert "(default: the standard library's heapq.py)" in flat
+    assert "(default: 64)" in flat
+
+
+def test_run_markers_fall_back_to_ascii():
+    import io
+
+    sys.path.insert(0, str(PYTHON_DIR))
+    from kdtree import demo
+
+    assert demo._marks(io.TextIOWrapper(io.BytesIO(), encoding="ascii")) == ("<<", ">>")
+    assert demo._marks(io.TextIOWrapper(io.BytesIO(), encoding="utf-8")) == ("\u27e8", "\u27e9")
+    assert demo.run_share(b"a" * 20 + b"bc") == (20, 20 / 22)
+    assert demo.run_share(b"") == (0, 0.0)

@@ -48,6 +48,7 @@ def test_ddtree_equals_greedy_ar(models, budget, depth):
                                          depth=depth, ops=ops)
         assert sp.tokens == ar.tokens, (prompt, budget, depth)
         assert ar.target_calls == 40
+        assert ar.times["target"] > 0 and ar.times["verify"] == 0.0
         assert sp.target_calls == sp.rounds == sp.drafter_calls
         assert sum(sp.committed) == 40
         assert all(1 <= c <= depth + 1 for c in sp.committed)
@@ -187,3 +188,21 @@ def test_escape_and_printable():
     assert engine.escape_token(0) == "'\\x00'"
     assert engine.escape_token(200) == "'\\xc8'"
     assert engine.printable(b"a\tb\nc\x00\xff") == "a\tb\nc\\x00\\xff"
+
+
+def test_printable_marks_long_runs():
+    data = b"ab" + b" " * 240 + b"\n" * 3 + b"x\x00" + b"\x00" * 7 + b"=" * 7
+    assert engine.byte_runs(data, 8) == [(2, 240, 32), (246, 8, 0)]
+    assert engine.byte_runs(b"", 8) == [] and engine.byte_runs(b"a" * 9, 9) == [(0, 9, 97)]
+    assert engine.printable(data, min_run=8) == \
+        "ab\u27e8' ' x 240\u27e9\n\n\nx\u27e8'\\x00' x 8\u27e9" + "=" * 7
+    assert engine.printable(b"\n" * 20 + b"z", min_run=16, marks=("<<", ">>")) == \
+        "<<'\\n' x 20>>z"
+    assert engine.printable(data) == engine.printable(data, min_run=None)  # unchanged default
+    with pytest.raises(ValueError, match="min_run"):
+        engine.byte_runs(data, 1)
+
+
+def test_stage_names_follow_the_library():
+    # "target" is the target's one call per round, "verify" the walk (kdtree.verify_greedy)
+    assert engine.STAGES == ("draft", "topk", "build", "target", "verify", "commit")

@@ -99,11 +99,60 @@ def test_cache_round_trip(monkeypatch, tmp_path):
     assert len(list(tmp_path.glob("*.npz"))) == 1
     wins, lens = ngram.context_windows(b"    def __init__(self", 5)
     np.testing.assert_array_equal(c1.scores(wins, lens), c2.scores(wins, lens))
+    for a, b in zip(c1.levels, c2.levels, strict=True):  # lossless
+        for f in ("keys", "totals", "offsets", "next_byte", "count"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and np.array_equal(x, y), f
     # a damaged cache file is re-estimated, not an error
     next(tmp_path.glob("*.npz")).write_bytes(b"garbage")
     c3, cached3 = ngram.NgramCounts.load_or_estimate(corpus, 6)
     assert not cached3
     np.testing.assert_array_equal(c1.scores(wins, lens), c3.scores(wins, lens))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "old_version"])
+def test_corrupted_cache_is_rebuilt_with_one_warning(monkeypatch, tmp_path, damage):
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path))
+    corpus = ngram.load_corpus(20_000)
+    c1, _ = ngram.NgramCounts.load_or_estimate(corpus, 5)
+    path = ngram.NgramCounts.cache_path(5, corpus.sha256)
+    good = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(good[: len(good) // 2])
+    elif damage == "flip":
+        bad = bytearray(good)
+        bad[len(bad) // 3] ^= 0xFF
+        path.write_bytes(bytes(bad))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # a file of another format version under this name
+        monkeypatch.setattr(ngram, "CACHE_FORMAT_VERSION", ngram.CACHE_FORMAT_VERSION + 1)
+        ngram.NgramCounts.estimate(corpus.data, 5, corpus.sha256)._save(path)
+        monkeypatch.undo()
+        monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path))
+    warnings = []
+    c2, cached = ngram.NgramCounts.load_or_estimate(corpus, 5, on_warning=warnings.append)
+    assert not cached
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert str(path) in warnings[0] and "estimating the counts again" in warnings[0]
+    wins, lens = ngram.context_windows(b"    def __init__(self", 4)
+    np.testing.assert_array_equal(c1.scores(wins, lens), c2.scores(wins, lens))
+    # rebuilt: the next load reads the cache without a warning
+    c3, cached3 = ngram.NgramCounts.load_or_estimate(corpus, 5, on_warning=warnings.append)
+    assert cached3 and len(warnings) == 1
+
+
+def test_cache_is_small_and_stale_formats_are_listed(monkeypatch, tmp_path):
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path))
+    corpus = ngram.load_corpus(50_000)
+    counts, _ = ngram.NgramCounts.load_or_estimate(corpus, 8)
+    path = ngram.NgramCounts.cache_path(8, corpus.sha256)
+    raw = sum(lv.keys.size * 8 + lv.totals.size * 4 + lv.offsets.size * 8 + lv.count.size * 5
+              for lv in counts.levels)  # the format-2 layout
+    assert path.stat().st_size < raw / 2
+    old = tmp_path / "ngram-v2-py311-o16-p4m2-0123.npz"
+    old.write_bytes(b"x")
+    assert ngram.stale_cache_files() == [old]
 
 
 @pytest.fixture(scope="module")

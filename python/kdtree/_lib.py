@@ -192,6 +192,8 @@ def _make_errcheck(lib: ctypes.CDLL):
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if not hasattr(lib, "kdt_abi_version"):
+        raise LibraryNotFoundError(f"{lib._name} is not libkdtree (no kdt_abi_version)")
     lib.kdt_abi_version.restype = ctypes.c_int32
     lib.kdt_abi_version.argtypes = []
     found = lib.kdt_abi_version()
@@ -231,16 +233,18 @@ def load() -> ctypes.CDLL:
     if _LIB is not None:
         return _LIB
     tried = []
-    for path in candidate_paths():
-        if not path.is_file():
-            tried.append(f"{path} (not found)")
-            continue
+    explicit = bool(os.environ.get("KDTREE_LIBRARY"))
+    for n, path in enumerate(candidate_paths()):
         try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
+            if not path.is_file():
+                raise OSError("not found" if not path.exists() else "not a file")
+            _LIB = _declare(ctypes.CDLL(str(path)))
+        except (OSError, LibraryNotFoundError) as exc:
             tried.append(f"{path} ({exc})")
+            if explicit and n == 0:  # an explicit override must work: no silent fallback
+                raise LibraryNotFoundError(
+                    f"KDTREE_LIBRARY={path} cannot be used: {exc}") from exc
             continue
-        _LIB = _declare(lib)
         _LIB._kdtree_path = str(path)  # type: ignore[attr-defined]
         return _LIB
     raise LibraryNotFoundError(

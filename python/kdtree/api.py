@@ -18,6 +18,17 @@ from ._types import Acceptance, TreeBatch
 __all__ = ["build_trees", "verify_greedy", "topk_logprobs", "empty_trees"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_MAX_BUDGET = 2**31 - 3  # node indices are int32 (include/kdtree.h)
+
+
+def _int_scalar(value, name: str, lo: int, hi: int) -> int:
+    """An integer argument (Python or numpy int, not bool or float) within [lo, hi]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
@@ -55,8 +66,9 @@ def _int_array(x, name: str, dtype=np.int32) -> np.ndarray:
 
 def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
     """Allocates (uninitialised) output arrays for :func:`build_trees` ``out=``."""
-    if batch < 0 or budget < 0 or depth < 0:
-        raise ValueError(f"batch ({batch}), budget ({budget}) and depth ({depth}) must be >= 0")
+    batch = _int_scalar(batch, "batch", 0, 2**62)
+    budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
+    depth = _int_scalar(depth, "depth", 0, 2**31 - 2)
     lib = _lib.load()
     words = ctypes.c_int64()
     lib.kdt_visibility_words(budget, ctypes.byref(words))
@@ -104,10 +116,12 @@ def _check_out(out: TreeBatch, batch: int, budget: int) -> None:
             raise ValueError(f"out.{name} must be C-contiguous and writeable")
 
 
-def _trees_struct(t: TreeBatch) -> _lib.KdtTrees:
+def _trees_struct(t: TreeBatch, budget: int | None = None) -> _lib.KdtTrees:
+    """The C view of `t`; `budget` (default t.budget) must be the one its arrays were
+    checked against: C sizes every array from it."""
     return _lib.KdtTrees(
         t.batch,
-        t.budget,
+        t.budget if budget is None else budget,
         _ptr(t.num_nodes),
         _ptr(t.tokens),
         _ptr(t.depths),
@@ -166,11 +180,7 @@ def build_trees(
             f"logprobs {np.shape(logprobs)} and token_ids {np.shape(token_ids)} must have the "
             "same shape, [B, L, K] or [L, K]"
         )
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-        raise TypeError(f"budget must be an int, got {type(budget).__name__}")
-    budget = int(budget)
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
+    budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
     batch, depth, width = lp.shape
     roots = None
     if root_tokens is not None:
@@ -182,20 +192,21 @@ def build_trees(
         pos = _int_array(root_positions, "root_positions", np.int64).reshape(-1)
         if pos.shape != (batch,):
             raise ValueError(f"root_positions must have shape ({batch},), got {np.shape(root_positions)}")
-    if vocab_size is not None and (int(vocab_size) <= 0):
-        raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
-    if not (_INT32_MIN <= int(pad_token) <= _INT32_MAX):
-        raise ValueError(f"pad_token {pad_token} is outside int32")
+    vocab = 0 if vocab_size is None else _int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
+    pad = _int_scalar(pad_token, "pad_token", _INT32_MIN, _INT32_MAX)
     lib = _lib.load()
     if out is None:
         out = empty_trees(batch, budget, depth)
     else:
         _check_out(out, batch, budget)
-    draft = _lib.KdtDraft(
-        batch, depth, width, _ptr(lp), _ptr(ids), _ptr(roots), _ptr(pos),
-        0 if vocab_size is None else int(vocab_size), int(pad_token),
-    )
-    lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(_trees_struct(out)), None, 0)
+        # The C builder writes outputs while it reads inputs: never let them overlap.
+        outs = [getattr(out, f) for f in _TREE_FIELDS]
+        lp, ids, roots, pos = (
+            None if a is None else (a.copy() if any(np.may_share_memory(a, o) for o in outs) else a)
+            for a in (lp, ids, roots, pos)
+        )
+    draft = _lib.KdtDraft(batch, depth, width, _ptr(lp), _ptr(ids), _ptr(roots), _ptr(pos), vocab, pad)
+    lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(_trees_struct(out, budget)), None, 0)
     out.budget, out.depth = budget, depth  # only once the arrays hold this tree
     return out
 
@@ -261,8 +272,8 @@ def verify_greedy(
 def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k log-probs of each row of logits, on the CPU.
 
-    ``logprob = logit - logsumexp(row)`` over the whole row, in float32 (exp-sum in float64),
-    sorted descending with ties ordered by lower token id.
+    ``logprob = logit - logsumexp(row)`` over the whole row, computed in float64 and rounded
+    once to float32, sorted descending with ties ordered by lower token id.
 
     Args:
         logits: ``[..., V]`` float16, bfloat16, float32 or float64 (converted to float32).
@@ -278,12 +289,8 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     if np.ndim(logits) < 1:
         raise ValueError("logits must have at least one dimension [..., V], got a scalar")
     x = _float_array(logits, "logits")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    k = int(k)
     vocab = x.shape[-1]
-    if not 0 <= k <= vocab:
-        raise ValueError(f"k must be in [0, {vocab}], got {k}")
+    k = _int_scalar(k, "k", 0, vocab)
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     out_lp = np.empty(x.shape[:-1] + (k,), np.float32)
     out_ids = np.empty(x.shape[:-1] + (k,), np.int32)

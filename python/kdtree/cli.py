@@ -27,6 +27,17 @@ class UsageError(Exception):
     """An input problem the user can fix; printed as one line, exit status 2."""
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its
+    default or there is none worth showing (None, False, an empty list)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, []):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kdtree",
@@ -37,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=getattr(mod, "DESCRIPTION", help_text),
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_DefaultsFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _parser=p)
     return parser

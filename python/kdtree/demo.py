@@ -26,12 +26,21 @@ from pathlib import Path
 
 from . import engine, ngram
 
-DESCRIPTION = __doc__.split("\n\n")[0] + (
+DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
     " Decodes a slice of a standard-library file with a byte n-gram target twice, greedy "
     "autoregressive and DDTree, and checks the outputs are identical.")
 DEFAULT_PROMPT = "heapq.py"
 DEFAULT_OFFSET = 14500
 DEFAULT_PROMPT_BYTES = 300
+# The demo's cap on --budget. Each draft tree carries an attention mask of (N+1)^2 bytes
+# (kdtree.TreeBatch.visibility) and the target scores all N+1 nodes per round, so N=100000
+# would need ~10 GB per tree; the library itself takes larger budgets.
+MAX_BUDGET = 4096
+# runs of one byte at least this long are drawn as a marker in the continuation; shorter
+# than this stays as it is (8 or 12 spaces of indentation are ordinary code)
+MIN_RUN = 16
+# above this share of the continuation in such runs, the demo says the ratio is optimistic
+RUN_SHARE_NOTE = 0.25
 
 
 def _int_in(lo: int, hi: int | None = None):
@@ -47,18 +56,30 @@ def _int_in(lo: int, hi: int | None = None):
     return parse
 
 
+def _budget(text: str) -> int:
+    v = _int_in(1)(text)
+    if v > MAX_BUDGET:
+        gb = (v + 1) ** 2 / 1e9
+        raise argparse.ArgumentTypeError(
+            f"must be <= {MAX_BUDGET} in the demo, got {v}: each draft tree holds an attention "
+            f"mask of (N+1)^2 bytes ({gb:.1f} GB at N={v}) and the target scores all N+1 "
+            f"nodes every round (the library itself accepts larger budgets)")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=_int_in(1), default=64,
-                   help="draft nodes per tree N (root excluded), >= 1")
+    p.add_argument("--budget", type=_budget, default=64,
+                   help=f"draft nodes per tree N (root excluded), 1..{MAX_BUDGET} (each tree's "
+                        f"attention mask takes (N+1)^2 bytes)")
     p.add_argument("--depth", type=_int_in(1, 255), default=15,
-                   help="draft positions per drafter call L (tree depth limit)")
-    p.add_argument("--max-new-tokens", type=_int_in(0), default=256,
-                   help="bytes to generate (an exact cap)")
+                   help="draft positions per drafter call L (tree depth limit), 1..255")
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=256,
+                   help="bytes to generate (an exact cap), >= 1")
     p.add_argument("--prompt-file", type=Path, default=None,
                    help=f"file to take the prompt from (default: the standard library's "
                         f"{DEFAULT_PROMPT})")
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,
-                   help=f"first prompt byte in the file (default {DEFAULT_OFFSET} for the "
+                   help=f"first prompt byte in the file (default: {DEFAULT_OFFSET} for the "
                         f"default file, else 0; clamped so the prompt fits)")
     p.add_argument("--prompt-bytes", type=_int_in(1), default=DEFAULT_PROMPT_BYTES,
                    help="prompt length in bytes")
@@ -72,8 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=_int_in(0), default=40,
                    help="most tree nodes drawn (the best by score)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), default="auto",
-                   help="tree ops: libkdtree (native), the pure-Python reference, or native "
-                        "when it loads (auto)")
+                   help="tree ops: native libkdtree, the pure-Python reference, or auto "
+                        "(native when it loads, else the reference)")
     p.add_argument("--no-cache", action="store_true",
                    help="estimate the n-gram counts without reading or writing the cache")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -150,6 +171,57 @@ def _short(path: Path) -> str:
         return str(path)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as "3 MiB" / "24.2 MiB" / "812 KiB" / "95 bytes"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            v = nbytes / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) or v >= 100 else f"{v:.1f} {unit}"
+    return _plural(nbytes, "byte")
+
+
+def _marks(stream) -> tuple[str, str]:
+    """Run-marker brackets: the angle brackets where ``stream`` can encode them."""
+    try:
+        "\u27e8\u27e9".encode(getattr(stream, "encoding", None) or "ascii")
+        return "\u27e8", "\u27e9"
+    except (UnicodeEncodeError, LookupError):
+        return "<<", ">>"
+
+
+def run_share(tokens) -> tuple[int, float]:
+    """(bytes of ``tokens`` in runs of one byte >= MIN_RUN long, their share of all bytes)."""
+    n = sum(length for _, length, _ in engine.byte_runs(bytes(tokens), MIN_RUN))
+    return n, (n / len(tokens) if len(tokens) else 0.0)
+
+
+def _corpus_lines(corpus: ngram.Corpus) -> list[str]:
+    """The header's description of the corpus: the rule, then what it gave."""
+    root = ngram.stdlib_dir()
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    cut = len(corpus.data) >= corpus.max_bytes
+    cap = corpus.max_bytes
+    cap_text = next((f"{cap >> sh} {u}" for u, sh in (("MiB", 20), ("KiB", 10))
+                     if cap >= 1 << sh and cap % (1 << sh) == 0), f"{cap:,} bytes")
+    rule = (f"first {cap_text} of" if cut else "all") + (
+        f" Python {py}'s standard-library .py files, sorted by path (no test suites, "
+        f"encodings, pydoc_data") + (", nor the prompt file)" if corpus.skipped else ")")
+
+    def rel(f: Path) -> str:
+        try:
+            return f.relative_to(root).as_posix()
+        except ValueError:
+            return str(f)
+
+    files = (f"{_plural(len(corpus.files), 'file')} under {root}: {rel(corpus.files[0])} .. "
+             f"{rel(corpus.files[-1])}{' (cut at the cap)' if cut else ''}")
+    return [rule, f"{files}; {len(corpus.data):,} bytes, sha256 {corpus.sha256[:12]}"]
+
+
 def run(args: argparse.Namespace) -> int:
     from .cli import UsageError
 
@@ -158,27 +230,59 @@ def run(args: argparse.Namespace) -> int:
     ops, backend_desc = _ops(args.backend)
     prompt, path, offset = _read_prompt(args)
     out = sys.stdout
+    prog = getattr(getattr(args, "_parser", None), "prog", "kdtree demo")
+
+    def warn(msg: str) -> None:
+        print(f"{prog}: warning: {msg}", file=sys.stderr)
 
     t0 = time.perf_counter()
     corpus = ngram.load_corpus(args.corpus_bytes, hold_out=path)
+    cache_file = ngram.NgramCounts.cache_path(args.order, corpus.sha256)
     counts, cached = ngram.NgramCounts.load_or_estimate(corpus, args.order,
-                                                        use_cache=not args.no_cache)
+                                                        use_cache=not args.no_cache,
+                                                        on_warning=warn)
     t_model = time.perf_counter() - t0
     target = ngram.NgramTarget(counts, args.order)
     drafter = ngram.NgramDrafter(counts, args.draft_order)
 
-    held = "held out" if corpus.held_out is not None and any(
-        f.resolve() == corpus.held_out for f in ngram.stdlib_sources()) else "not in corpus"
+    in_stdlib = any(f.resolve() == path.resolve() for f in ngram.stdlib_sources())
+    if corpus.skipped:
+        held = "held out of the corpus"
+    elif in_stdlib:
+        held = "not in the corpus: it sorts after the byte cap"
+    else:
+        held = "not in the corpus"
+    if args.no_cache:
+        count_line = f"estimated in {t_model:.2f} s (--no-cache: no cache file read or written)"
+    else:
+        where = f"{cache_file} ({_size(cache_file.stat().st_size)})" if cache_file.is_file() \
+            else f"{cache_file} (not written)"
+        how = "loaded from cache" if cached else "estimated and cached"
+        count_line = f"{how} in {t_model:.2f} s: {where}"
+    corpus_lines = _corpus_lines(corpus)
+
     print("kdtree demo: DDTree speculative decoding (Ringel & Romano, arXiv 2604.12989)", file=out)
     print(f"  tree ops : {backend_desc}", file=out)
     print(f"  target   : order-{args.order} byte n-gram, stupid backoff (alpha {ngram.DEFAULT_ALPHA}), "
           f"greedy (argmax, ties to lower byte)", file=out)
     print(f"  drafter  : order-{args.draft_order} byte n-gram unrolled along its own greedy chain, "
           f"L={args.depth} positions per call", file=out)
-    print(f"  corpus   : {len(corpus.data):,} bytes of Python {sys.version_info[0]}.{sys.version_info[1]} "
-          f"stdlib sources ({len(corpus.files)} files, sha256 {corpus.sha256[:12]}); counts "
-          f"{'loaded from cache' if cached else 'estimated'} in {t_model:.2f} s", file=out)
+    print(f"  corpus   : {corpus_lines[0]}", file=out)
+    print(f"             {corpus_lines[1]}", file=out)
+    print(f"  counts   : {count_line}", file=out)
     print(f"  prompt   : {_short(path)}, bytes {offset}..{offset + len(prompt)} ({held})", file=out)
+    if corpus.skipped:
+        print("  note     : the prompt file is one of the corpus files, so it is left out: this "
+              "corpus differs from the default one and has its own counts"
+              + ("" if args.no_cache else " and cache file"
+                 + ("" if cached else " (written now)")), file=out)
+    stale = [] if args.no_cache else ngram.stale_cache_files()
+    if stale:
+        total = sum(f.stat().st_size for f in stale if f.is_file())
+        one = len(stale) == 1
+        print(f"  note     : {_plural(len(stale), 'cache file')} of an older format "
+              f"({_size(total)}) in {ngram.cache_dir()} {'is' if one else 'are'} no longer "
+              f"read; deleting {'it' if one else 'them'} is safe", file=out)
     print(f"  settings : budget N={args.budget}, depth L={args.depth}, top-K={min(args.budget, 256)}, "
           f"max_new_tokens={args.max_new_tokens}, stop bytes={sorted(set(args.stop_byte)) or 'none'}",
           file=out)
@@ -191,10 +295,17 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=args.stop_byte, ops=ops, **kw),
         args.max_new_tokens, "DDTree", args.no_progress)
 
-    print("\n---- prompt (last 300 bytes shown) " + "-" * 30, file=out)
-    print(engine.printable(prompt[-300:]), file=out)
-    print(f"---- continuation ({len(sp.tokens)} bytes, stop: {sp.stop_reason}) " + "-" * 24, file=out)
-    print(engine.printable(sp.tokens), file=out)
+    marks = _marks(out)
+    shown = prompt[-DEFAULT_PROMPT_BYTES:]
+    what = (_plural(len(prompt), "byte") if len(shown) == len(prompt)
+            else f"last {len(shown)} of {len(prompt):,} bytes shown")
+    print(f"\n---- prompt ({what}) " + "-" * 30, file=out)
+    print(engine.printable(shown), file=out)
+    run_bytes, share = run_share(sp.tokens)
+    legend = (f"; {marks[0]}'c' x n{marks[1]} = byte c repeated n times" if run_bytes else "")
+    print(f"---- continuation ({_plural(len(sp.tokens), 'byte')}, stop: {sp.stop_reason}"
+          f"{legend}) " + "-" * 24, file=out)
+    print(engine.printable(sp.tokens, min_run=MIN_RUN, marks=marks), file=out)
     print("-" * 66, file=out)
 
     same = sp.tokens == ar.tokens
@@ -205,9 +316,13 @@ def run(args: argparse.Namespace) -> int:
                      min(len(ar.tokens), len(sp.tokens)))
         print(f"identical to greedy autoregressive decoding: NO (first difference at new byte "
               f"{first}; AR {len(ar.tokens)} bytes, DDTree {len(sp.tokens)} bytes)", file=out)
-    ratio = ar.target_calls / sp.target_calls if sp.target_calls else float("nan")
+    ratio = ar.target_calls / sp.target_calls
     print(f"target calls       : AR {ar.target_calls}, DDTree {sp.target_calls} "
           f"({ratio:.2f}x fewer); drafter calls {sp.drafter_calls}", file=out)
+    if share > RUN_SHARE_NOTE:
+        print(f"note               : {run_bytes} of {len(sp.tokens)} new bytes ({100 * share:.0f}%) "
+              f"are runs of one repeated byte (>= {MIN_RUN}); the target repeats itself here; "
+              f"acceptance on repeated bytes is easy, so the ratio is optimistic", file=out)
     print(f"acceptance length  : {sp.mean_acceptance_length:.3f} committed bytes per round = "
           f"(accepted draft bytes + bonus byte) / rounds = {len(sp.tokens)} / {sp.rounds}", file=out)
     if sp.accepted:
@@ -222,7 +337,9 @@ def run(args: argparse.Namespace) -> int:
         per = 1e3 * v / sp.rounds if sp.rounds else 0.0
         print(f"  {name:<8}               {1e3 * v:9.2f}   {per:12.3f}   {100 * v / total:4.1f}%",
               file=out)
-    print(f"  (AR: target forward {1e3 * ar.times['verify']:.2f} ms, commit "
+    print("  (target = the target's one call scoring every tree node; verify = the walk along "
+          "its choices, kdtree.verify_greedy; commit = append to the target's context)", file=out)
+    print(f"  (AR: target forward {1e3 * ar.times['target']:.2f} ms, commit "
           f"{1e3 * ar.times['commit']:.2f} ms)", file=out)
 
     snap = sp.snapshot

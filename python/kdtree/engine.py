@@ -9,10 +9,11 @@ Trees", arXiv 2604.12989; tree rule and verification: the project spec
 2. top-k   ``topk_logprobs(logits, K)`` with ``K = min(budget, V)``;
 3. build   ``build_trees(lp, ids, budget, root_tokens=[last token],
            root_positions=[its position])``;
-4. verify  ``Target.score_tree(trees)``: one target call scores every node with the
+4. target  ``Target.score_tree(trees)``: one target call scores every node with the
            context its ancestors give (tree attention) and returns its chosen token per
            node, int [B, N+1];
-5. walk    ``verify_greedy(trees, chosen, stop_tokens, max_commit=remaining)``;
+5. verify  ``verify_greedy(trees, chosen, stop_tokens, max_commit=remaining)``: the walk
+           from the root along the target's choices (the library's verification);
 6. commit  ``Target.commit(tokens, trees, acceptance)``: the accepted draft tokens and the
            bonus token join the context (a transformer target compacts its KV cache here,
            keeping the accepted nodes' entries).
@@ -25,6 +26,7 @@ same :class:`Target`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +35,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-STAGES = ("draft", "topk", "build", "verify", "walk", "commit")
+# timed stages of a DDTree round, in order (module docstring); "verify" is the library's
+# verification (the walk, verify_greedy), "target" the target's one call scoring every node
+STAGES = ("draft", "topk", "build", "target", "verify", "commit")
 
 
 @runtime_checkable
@@ -103,7 +107,7 @@ class GenerationResult:
         accepted         per round, accepted draft tokens (root excluded)
         committed        per round, committed tokens (accepted draft tokens + bonus)
         stop_reason      "max_new_tokens" or "stop_token"
-        times            seconds per stage (``STAGES``; AR uses "verify" and "commit")
+        times            seconds per stage (``STAGES``; AR uses "target" and "commit")
         wall             seconds for the whole call
         snapshot         the round selected for display, or None
     """
@@ -168,7 +172,7 @@ def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_token
         t1 = time.perf_counter()
         target.commit([tok])
         t2 = time.perf_counter()
-        res.times["verify"] += t1 - t0
+        res.times["target"] += t1 - t0
         res.times["commit"] += t2 - t1
         res.target_calls += 1
         res.tokens.append(tok)
@@ -291,15 +295,35 @@ def escape_token(tok: int) -> str:
     return f"'{s}'"
 
 
-def printable(data: bytes | Sequence[int]) -> str:
+def byte_runs(data: bytes | Sequence[int], min_run: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of one repeated byte at least ``min_run`` (>= 2) long, as
+    ``(start, length, byte)`` in order of position."""
+    if min_run < 2:
+        raise ValueError(f"min_run must be >= 2, got {min_run}")
+    raw = bytes(data)
+    return [(m.start(), m.end() - m.start(), raw[m.start()])
+            for m in re.finditer(rb"(?s)(.)\1{%d,}" % (min_run - 1), raw)]
+
+
+def printable(data: bytes | Sequence[int], *, min_run: int | None = None,
+              marks: tuple[str, str] = ("\u27e8", "\u27e9")) -> str:
     """Bytes as text for a terminal: printable ASCII, newlines and tabs as they are,
-    every other byte as ``\\xNN``."""
+    every other byte as ``\\xNN``.
+
+    With ``min_run``, each run of one byte repeated at least ``min_run`` times (see
+    :func:`byte_runs`) is drawn as a marker such as ``\u27e8' ' x 240\u27e9`` (``marks`` are
+    the brackets), so long runs of spaces or newlines stay visible and short.
+    """
+    raw = bytes(data)
+    runs = byte_runs(raw, min_run) if min_run is not None else []
     out = []
-    for b in bytes(data):
-        if 32 <= b < 127 or b in (9, 10):
-            out.append(chr(b))
-        else:
-            out.append(f"\\x{b:02x}")
+    pos = 0
+    for start, length, b in [*runs, (len(raw), 0, -1)]:
+        for x in raw[pos:start]:
+            out.append(chr(x) if 32 <= x < 127 or x in (9, 10) else f"\\x{x:02x}")
+        if b >= 0:
+            out.append(f"{marks[0]}{escape_token(b)} x {length}{marks[1]}")
+        pos = start + length
     return "".join(out)
 
 

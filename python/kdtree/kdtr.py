@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
 from collections.abc import Mapping
 
@@ -424,7 +425,11 @@ def load(path: str | os.PathLike) -> dict[str, np.ndarray]:
     The file is read once, into a buffer of exactly its size (``os.fstat``), and validated
     as by :func:`loads`. Raises OSError, KdtrFormatError or KdtrUnsupportedError.
     """
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{os.fspath(path)}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         buf = bytearray(size)
         got = f.readinto(buf)

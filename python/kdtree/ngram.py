@@ -19,8 +19,8 @@ The default target has order 16 (contexts of up to 15 bytes): long enough to see
 most indentation to the line before, so its greedy continuation looks like spliced code
 rather than an endless run of spaces (an order-8 model quickly loops on spaces; greedy
 n-gram decoding still falls into loops sometimes). Pairs seen once are pruned at context
-lengths >= 4 (see :class:`NgramCounts`), which keeps the cache near 85 MiB for the default
-3 MiB corpus; the model thus uses a long context only where the corpus repeats it.
+lengths >= 4 (see :class:`NgramCounts`); the model thus uses a long context only where the
+corpus repeats it.
 
 Counts are held in compact numpy CSR tables, one per context length ``c = 0 .. order-1``:
 sorted unique 56-bit context keys (a splitmix64-mixed polynomial hash of the ``c`` bytes;
@@ -28,8 +28,10 @@ a collision would merge two contexts' counts, with probability ~1e-5 for the def
 corpus, and would change AR and speculative decoding alike), the context totals, and for
 each context a contiguous run of (next byte, count) pairs. Estimation uses
 ``numpy.unique`` over packed (context key, next byte) keys; it takes seconds for a few MiB
-of text, and the tables are cached as an ``.npz`` file keyed by the Python version, the
-order, the pruning rule and a SHA-256 of the corpus bytes (see :func:`cache_dir`).
+of text, and the tables are cached as a compressed ``.npz`` file (about 24 MiB for the
+default 3 MiB corpus, loaded in a fraction of a second) keyed by the format version, the
+Python version, the order, the pruning rule and a SHA-256 of the corpus bytes (see
+:func:`cache_dir` and :meth:`NgramCounts.load_or_estimate`).
 
 Sources: the DDTree paper (Ringel & Romano, arXiv 2604.12989) uses a transformer target
 and a block-diffusion drafter (DFlash); these n-gram models implement the same interfaces
@@ -41,10 +43,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +61,8 @@ DEFAULT_MIN_COUNT = 2
 DEFAULT_DRAFT_ORDER = 4
 DEFAULT_ALPHA = 0.4
 DEFAULT_CORPUS_BYTES = 3 << 20
-CACHE_FORMAT_VERSION = 2
+# 3: compressed; keys delta-coded, offsets as run lengths, counts in the narrowest dtype
+CACHE_FORMAT_VERSION = 3
 # test suites, third-party packages, and generated tables/data (codec tables, pydoc topics)
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
                             "__pycache__", "encodings", "pydoc_data"})
@@ -97,14 +101,20 @@ class Corpus:
         data     the concatenated bytes (files in sorted order, each followed by ``b"\\n"``,
                  the whole truncated to the byte cap)
         files    the files that contributed (the last one possibly truncated)
-        held_out the file left out of the corpus (the prompt's file), or None
+        held_out the file asked to be left out of the corpus (the prompt's file), or None
         sha256   hex digest of ``data`` (part of the cache key)
+        skipped  True when ``held_out`` was a corpus file (it would have been read before
+                 the byte cap was reached), so this corpus differs from the one without
+                 a held-out file (and has its own cache file)
+        max_bytes the byte cap the corpus was read with
     """
 
     data: bytes
     files: tuple[Path, ...]
     held_out: Path | None
     sha256: str
+    skipped: bool = False
+    max_bytes: int = DEFAULT_CORPUS_BYTES
 
 
 def load_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, *, hold_out: Path | str | None = None,
@@ -124,8 +134,10 @@ def load_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, *, hold_out: Path | str |
     parts: list[bytes] = []
     used: list[Path] = []
     total = 0
+    skipped = False
     for path in stdlib_sources(root):
         if held is not None and path.resolve() == held:
+            skipped = True
             continue
         try:
             chunk = path.read_bytes() + b"\n"
@@ -140,7 +152,7 @@ def load_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, *, hold_out: Path | str |
     data = b"".join(parts)
     if not data:
         raise ValueError(f"no readable .py files found under {root or stdlib_dir()}")
-    return Corpus(data, tuple(used), held, hashlib.sha256(data).hexdigest())
+    return Corpus(data, tuple(used), held, hashlib.sha256(data).hexdigest(), skipped, max_bytes)
 
 
 # --------------------------------------------------------------------------------------
@@ -288,40 +300,58 @@ class NgramCounts:
 
     @classmethod
     def load_or_estimate(cls, corpus: Corpus, order: int = DEFAULT_ORDER, *,
-                         use_cache: bool = True) -> tuple[NgramCounts, bool]:
+                         use_cache: bool = True,
+                         on_warning: Callable[[str], None] | None = None,
+                         ) -> tuple[NgramCounts, bool]:
         """Load the counts of ``corpus`` from the cache, or estimate and store them.
 
-        Returns ``(counts, from_cache)``. A damaged or unwritable cache is not an error:
-        the counts are then estimated (and the write is skipped).
+        Returns ``(counts, from_cache)``. A damaged (e.g. truncated) or unwritable cache
+        file is not an error: the counts are then estimated (and stored again where
+        possible), and ``on_warning`` (if given) receives a one-line description.
         """
         path = cls.cache_path(order, corpus.sha256)
         if use_cache and path.is_file():
             try:
                 return cls._load(path, order, corpus.sha256), True
-            except (OSError, ValueError, KeyError, EOFError):
-                pass
+            except Exception as exc:  # noqa: BLE001 - any unreadable cache: rebuild it
+                if on_warning is not None:
+                    on_warning(f"cache file {path} is unreadable ({type(exc).__name__}: "
+                               f"{_first_line(exc)}); estimating the counts again")
         counts = cls.estimate(corpus.data, order, corpus.sha256)
         if use_cache:
             try:
                 counts._save(path)
-            except OSError:
-                pass
+            except OSError as exc:
+                if on_warning is not None:
+                    on_warning(f"cannot write cache file {path} ({exc.strerror or exc})")
         return counts, False
 
     def _save(self, path: Path) -> None:
+        """Write the tables (format :data:`CACHE_FORMAT_VERSION`) atomically to ``path``.
+
+        Per context length c: ``k0{c}`` the first key, ``klo{c}``/``khi{c}`` the low 32 and
+        high bits of the gaps between consecutive keys, ``len{c}`` the pairs per context
+        minus one (uint8: 1..256 pairs), ``next{c}``, ``count{c}`` and ``totals{c}``, each in
+        the narrowest unsigned dtype that holds it; ``meta`` and ``sha`` (the corpus digest)
+        are checked on load.
+        """
         path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {"meta": np.array([CACHE_FORMAT_VERSION, self.order, self.prune_from,
-                                    self.min_count], np.int64)}
+                                    self.min_count], np.int64),
+                  "sha": np.frombuffer(self.corpus_sha256.encode("ascii"), np.uint8)}
         for c, lv in enumerate(self.levels):
-            arrays[f"keys{c}"] = lv.keys
-            arrays[f"totals{c}"] = lv.totals.astype(np.uint32)
-            arrays[f"offsets{c}"] = lv.offsets
+            gaps = np.diff(lv.keys)
+            arrays[f"k0{c}"] = lv.keys[:1]
+            arrays[f"klo{c}"] = (gaps & _U64(0xFFFFFFFF)).astype(np.uint32)
+            arrays[f"khi{c}"] = _narrow(gaps >> _U64(32))
+            arrays[f"len{c}"] = (np.diff(lv.offsets) - 1).astype(np.uint8)
             arrays[f"next{c}"] = lv.next_byte.astype(np.uint8)
-            arrays[f"count{c}"] = lv.count.astype(np.uint32)
+            arrays[f"count{c}"] = _narrow(lv.count.astype(np.uint64))
+            arrays[f"totals{c}"] = _narrow(lv.totals.astype(np.uint64))
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
+                np.savez_compressed(f, **arrays)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -332,13 +362,26 @@ class NgramCounts:
 
     @classmethod
     def _load(cls, path: Path, order: int, sha: str) -> NgramCounts:
+        """Read a file written by :meth:`_save`; ValueError if it belongs to another format,
+        order or corpus or is inconsistent (zip and CRC errors of a damaged file propagate)."""
         with np.load(path) as z:
             meta = [int(x) for x in z["meta"]]
             if meta[0] != CACHE_FORMAT_VERSION or meta[1] != order:
-                raise ValueError("cache format mismatch")
-            levels = [Level(z[f"keys{c}"].astype(_U64), z[f"totals{c}"].astype(np.float64),
-                            z[f"offsets{c}"].astype(np.int64), z[f"next{c}"].astype(np.int64),
-                            z[f"count{c}"].astype(np.float64)) for c in range(order)]
+                raise ValueError("cache format or order mismatch")
+            if z["sha"].tobytes().decode("ascii", "replace") != sha:
+                raise ValueError("cache file belongs to another corpus")
+            levels = []
+            for c in range(order):
+                gaps = z[f"klo{c}"].astype(_U64) | (z[f"khi{c}"].astype(_U64) << _U64(32))
+                keys = np.concatenate([z[f"k0{c}"].astype(_U64), gaps]).cumsum(dtype=_U64)
+                offsets = np.zeros(keys.size + 1, np.int64)
+                np.cumsum(z[f"len{c}"].astype(np.int64) + 1, out=offsets[1:])
+                lv = Level(keys, z[f"totals{c}"].astype(np.float64), offsets,
+                           z[f"next{c}"].astype(np.int64), z[f"count{c}"].astype(np.float64))
+                if not (lv.totals.size == keys.size and lv.next_byte.size == lv.count.size
+                        == offsets[-1]):
+                    raise ValueError(f"inconsistent table sizes at context length {c}")
+                levels.append(lv)
         return cls(levels, order, sha, meta[2], meta[3])
 
     # ---- scoring -----------------------------------------------------------------------
@@ -403,6 +446,35 @@ class NgramCounts:
             # one back-off step for every row that had a context of this length
             mult[rows] *= alpha
         return out
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """Unsigned integers ``a`` in the narrowest of uint8/16/32/64 that holds them."""
+    top = int(a.max()) if a.size else 0
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dt).max:
+            return a.astype(dt)
+    return a.astype(np.uint64)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no detail"
+
+
+def stale_cache_files() -> list[Path]:
+    """Count-table files in :func:`cache_dir` written in an older cache format (they are
+    never read again; deleting them is safe)."""
+    try:
+        found = list(cache_dir().glob("ngram-v*-*.npz"))
+    except OSError:
+        return []
+    out = []
+    for f in found:
+        m = re.match(r"ngram-v(\d+)-", f.name)
+        if m and int(m.group(1)) != CACHE_FORMAT_VERSION:
+            out.append(f)
+    return sorted(out)
 
 
 def context_windows(context: Sequence[int] | bytes, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -231,18 +231,23 @@ def verify_greedy(
 
 
 def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reference for :func:`kdtree.topk_logprobs`: float64 logsumexp, stable order by
-    (-logit, id), log-probs returned as float32 ``logit - float32(lse)``."""
-    x = np.asarray(logits, dtype=np.float32)
-    if x.ndim < 1 or k < 0 or k > x.shape[-1]:
-        raise ValueError(f"k={k} must be in [0, {x.shape[-1] if x.ndim else 0}]")
+    """Reference for :func:`kdtree.topk_logprobs`: logsumexp in float64 (numpy's pairwise
+    sum), stable order by (-logit, id), log-probs ``float32(logit - lse)``."""
+    x = np.asarray(logits)
+    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+        raise TypeError(f"logits must be a floating array, got dtype {x.dtype}")
+    x = x.astype(np.float32)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V >= 1, got shape {x.shape}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= x.shape[-1]:
+        raise ValueError(f"k={k!r} must be an int in [0, {x.shape[-1]}]")
     if np.isnan(x).any() or np.isposinf(x).any():
         raise ValueError("logits contain NaN or +inf")
     if (np.isneginf(x).all(axis=-1)).any():
         raise ValueError("a row has every logit -inf")
     x64 = x.astype(np.float64)
     m = x64.max(axis=-1, keepdims=True)
-    lse = (m + np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))).astype(np.float32)
+    lse = m + np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
     order = np.argsort(-x64, axis=-1, kind="stable")[..., :k]
-    top = np.take_along_axis(x, order, axis=-1)
+    top = np.take_along_axis(x64, order, axis=-1)
     return (top - lse).astype(np.float32), order.astype(np.int32)
