@@ -136,6 +136,12 @@ def test_unreadable_prompt_file(tmp_path):
     empty.write_bytes(b"")
     r = run_cli(["demo", *FAST, "--prompt-file", str(empty)], tmp_path)
     assert r.returncode == 2 and "is empty" in r.stderr
+    # Special files are refused at once: /dev/zero never ends, a FIFO would block.
+    fifo = tmp_path / "prompt.fifo"
+    os.mkfifo(fifo)
+    for special in ("/dev/zero", str(fifo)):
+        r = run_cli(["demo", *FAST, "--prompt-file", special], tmp_path, timeout=60)
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
 
 
 def test_draft_order_above_order_rejected(tmp_path):

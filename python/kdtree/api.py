@@ -41,7 +41,8 @@ def _float_array(x, name: str) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
-    out = np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape)
+    with np.errstate(over="ignore"):  # overflow is reported just below
+        out = np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape)
     if a.dtype.itemsize > 4:
         overflow = np.isfinite(a) & ~np.isfinite(out)
         if overflow.any():

@@ -20,6 +20,8 @@ Source: Ringel & Romano, arXiv 2604.12989; tree rule and verification semantics:
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -127,16 +129,25 @@ def _ops(backend: str):
     return reference, "pure-Python reference"
 
 
+MAX_PROMPT_FILE_BYTES = 64 * 2**20
+
+
 def _read_prompt(args) -> tuple[bytes, Path, int]:
     from .cli import UsageError
 
     path = args.prompt_file if args.prompt_file is not None else ngram.stdlib_dir() / DEFAULT_PROMPT
     try:
-        data = path.read_bytes()
-    except IsADirectoryError:
-        raise UsageError(f"prompt file {path} is a directory") from None
+        # Regular files only, read up to a cap: a FIFO would block, /dev/zero never ends.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                kind = "a directory" if stat.S_ISDIR(os.fstat(f.fileno()).st_mode) else "not a regular file"
+                raise UsageError(f"prompt file {path} is {kind}")
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise UsageError(f"prompt file {path} is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB")
     if not data:
         raise UsageError(f"prompt file {path} is empty")
     offset = args.prompt_offset

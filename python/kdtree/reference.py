@@ -103,9 +103,18 @@ def build_trees(
         lp, ids = lp[None], ids[None]
     if lp.ndim != 3 or lp.shape != ids.shape:
         raise ValueError(f"logprobs {lp.shape} and token_ids {ids.shape} must both be [B, L, K]")
-    if not isinstance(budget, (int, np.integer)) or budget < 0:
-        raise ValueError(f"budget must be an integer >= 0, got {budget!r}")
-    lp = lp.astype(np.float32)
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, np.integer)):
+        raise TypeError(f"budget must be an int, got {budget!r}")
+    budget = int(budget)
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if lp.dtype.kind != "f" and lp.dtype.name != "bfloat16":
+        raise TypeError(f"logprobs must be a floating array, got dtype {lp.dtype}")
+    with np.errstate(over="ignore"):  # reported just below
+        lp32 = lp.astype(np.float32)
+    if (np.isfinite(lp) & ~np.isfinite(lp32)).any():
+        raise ValueError("logprobs has finite values outside float32 range")
+    lp = lp32
     batch, depth, width = lp.shape
     n_rows = budget + 1
     words = (n_rows + 31) // 32
@@ -190,6 +199,8 @@ def verify_greedy(
         caps = [None] * batch
     else:
         caps = [int(c) for c in np.broadcast_to(np.asarray(max_commit), (batch,))]
+        if any(c < 0 for c in caps):
+            raise ValueError(f"max_commit must be >= 0, got {caps}")
     width = trees.depth + 1
     accepted = np.full((batch, width), -1, np.int32)
     length = np.zeros(batch, np.int32)
@@ -204,6 +215,8 @@ def verify_greedy(
         cur = 0
         while True:
             want = int(target[b, cur])
+            if want < 0:
+                raise ValueError(f"request {b}, node {cur}: target token {want} is negative")
             nxt = next((c for c in children.get(cur, []) if int(trees.tokens[b, c]) == want), None)
             if nxt is None:
                 break
