@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,9 @@ class TreeBatch:
     next_sibling: np.ndarray
     budget: int
     depth: int
+    # (arrays, budget, C struct, byte ranges) of the last native call: reused while the
+    # same array objects are in place (see kdtree.api._trees_struct).
+    _native: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def batch(self) -> int:

@@ -32,7 +32,7 @@ def _int_scalar(value, name: str, lo: int, hi: int) -> int:
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
+    return None if a is None else a.__array_interface__["data"][0]
 
 
 def _float_array(x, name: str) -> np.ndarray:
@@ -119,21 +119,25 @@ def _check_out(out: TreeBatch, batch: int, budget: int) -> None:
 
 def _trees_struct(t: TreeBatch, budget: int | None = None) -> _lib.KdtTrees:
     """The C view of `t`; `budget` (default t.budget) must be the one its arrays were
-    checked against: C sizes every array from it."""
-    return _lib.KdtTrees(
-        t.batch,
-        t.budget if budget is None else budget,
-        _ptr(t.num_nodes),
-        _ptr(t.tokens),
-        _ptr(t.depths),
-        _ptr(t.parents),
-        _ptr(t.logw),
-        _ptr(t.positions),
-        _ptr(t.visibility),
-        _ptr(t.visibility_bits),
-        _ptr(t.first_child),
-        _ptr(t.next_sibling),
-    )
+    checked against: C sizes every array from it. Cached on `t` while the same array
+    objects are in place (the cache holds them, so their addresses stay valid)."""
+    budget = t.budget if budget is None else budget
+    arrays = tuple(getattr(t, f) for f in _TREE_FIELDS)
+    cached = t._native
+    if cached is not None and cached[1] == budget and all(a is b for a, b in zip(cached[0], arrays, strict=True)):
+        return cached[2]
+    ptrs = [_ptr(a) for a in arrays]
+    struct = _lib.KdtTrees(t.batch, budget, *ptrs)
+    ranges = [(p, p + a.nbytes) for p, a in zip(ptrs, arrays, strict=True)]
+    t._native = (arrays, budget, struct, ranges)
+    return struct
+
+
+def _overlaps_output(a: np.ndarray, t: TreeBatch) -> bool:
+    """Whether input `a` shares bytes with any output array of `t` (after _trees_struct)."""
+    lo = _ptr(a)
+    hi = lo + a.nbytes
+    return any(lo < out_hi and out_lo < hi for out_lo, out_hi in t._native[3])
 
 
 def build_trees(
@@ -200,14 +204,14 @@ def build_trees(
         out = empty_trees(batch, budget, depth)
     else:
         _check_out(out, batch, budget)
-        # The C builder writes outputs while it reads inputs: never let them overlap.
-        outs = [getattr(out, f) for f in _TREE_FIELDS]
-        lp, ids, roots, pos = (
-            None if a is None else (a.copy() if any(np.may_share_memory(a, o) for o in outs) else a)
-            for a in (lp, ids, roots, pos)
-        )
+    struct = _trees_struct(out, budget)
+    # The C builder writes outputs while it reads inputs: never let them overlap.
+    lp, ids, roots, pos = (
+        None if a is None or not a.nbytes else (a.copy() if _overlaps_output(a, out) else a)
+        for a in (lp, ids, roots, pos)
+    )
     draft = _lib.KdtDraft(batch, depth, width, _ptr(lp), _ptr(ids), _ptr(roots), _ptr(pos), vocab, pad)
-    lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(_trees_struct(out, budget)), None, 0)
+    lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(struct), None, 0)
     out.budget, out.depth = budget, depth  # only once the arrays hold this tree
     return out
 
