@@ -213,20 +213,11 @@ static void bad_fixture_cases(void) {
     kdt_kdtr_array count_a = fixture_get(f, KDT_DTYPE_INT64, "count");
     int64_t count = *(const int64_t*)count_a.data;
     for (int64_t c = 0; c < count; c++) {
-        kdt_kdtr_array lp = fixture_get(f, KDT_DTYPE_FLOAT32, "%lld.logprobs", (long long)c);
-        kdt_kdtr_array ids = fixture_get(f, KDT_DTYPE_INT32, "%lld.token_ids", (long long)c);
         kdt_kdtr_array where = fixture_get(f, KDT_DTYPE_UINT8, "%lld.where", (long long)c);
         int64_t status = fixture_i64(f, "%lld.%s", c, "status");
         char text[128] = {0};
         memcpy(text, where.data, where.nbytes < 127 ? where.nbytes : 127);
-        kdt_draft d;
-        memset(&d, 0, sizeof d);
-        d.batch = lp.shape[0];
-        d.depth = lp.shape[1];
-        d.width = lp.shape[2];
-        d.logprobs = (const float*)lp.data;
-        d.token_ids = (const int32_t*)ids.data;
-        d.vocab_size = fixture_i64(f, "%lld.%s", c, "vocab_size");
+        kdt_draft d = fixture_draft(f, c);
         int32_t num[2] = {-99, -99};
         kdt_trees t;
         memset(&t, 0, sizeof t);

@@ -114,22 +114,8 @@ int main(void) {
     kdt_trees big = alloc_trees(3, 64, 0x5a);
 
     for (int64_t c = 0; c < count; c++) {
-        kdt_kdtr_array lp = fixture_get(f, KDT_DTYPE_FLOAT32, "%lld.logprobs", (long long)c);
-        kdt_kdtr_array ids = fixture_get(f, KDT_DTYPE_INT32, "%lld.token_ids", (long long)c);
-        kdt_kdtr_array roots = fixture_get(f, KDT_DTYPE_INT32, "%lld.root_tokens", (long long)c);
-        kdt_kdtr_array pos = fixture_get(f, KDT_DTYPE_INT64, "%lld.root_positions", (long long)c);
+        kdt_draft d = fixture_draft(f, c);
         int64_t budget = fixture_i64(f, "%lld.%s", c, "budget");
-        kdt_draft d;
-        memset(&d, 0, sizeof d);
-        d.batch = lp.shape[0];
-        d.depth = lp.shape[1];
-        d.width = lp.shape[2];
-        d.logprobs = (const float*)lp.data;
-        d.token_ids = (const int32_t*)ids.data;
-        d.root_tokens = fixture_numel(&roots) ? (const int32_t*)roots.data : NULL;
-        d.root_positions = fixture_numel(&pos) ? (const int64_t*)pos.data : NULL;
-        d.vocab_size = fixture_i64(f, "%lld.%s", c, "vocab_size");
-        d.pad_token = (int32_t)fixture_i64(f, "%lld.%s", c, "pad_token");
 
         /* 1. Fresh buffers full of garbage, library-allocated workspace. */
         kdt_trees t = alloc_trees(d.batch, budget, 0xa5);

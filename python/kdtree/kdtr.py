@@ -27,6 +27,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ._atomic import write_atomically
+
 try:  # bfloat16 needs ml_dtypes; everything else works without it.
     import ml_dtypes as _ml_dtypes
 
@@ -212,32 +214,8 @@ def save(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> None:
     The data goes to a temporary file in the same folder, which is fsynced and renamed
     over ``path``, so a failed save never leaves a partial file there. Raises OSError.
     """
-    path = os.fspath(path)
     _plan(arrays)  # validate before creating anything
-    folder = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
-    for _ in range(100):
-        tmp = os.path.join(folder, f"{base}.tmp-{os.getpid()}-{os.urandom(6).hex()}")
-        try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-            fd = os.open(tmp, flags, 0o666)
-            break
-        except FileExistsError:
-            continue
-    else:  # pragma: no cover
-        raise OSError(f"{path}: cannot create a temporary file")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            _write(out, arrays)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomically(path, lambda out: _write(out, arrays))
 
 
 def _fail(msg: str) -> KdtrFormatError:

@@ -46,12 +46,13 @@ import os
 import re
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ._atomic import write_atomically
 
 VOCAB_SIZE = 256
 MAX_ORDER = 64
@@ -348,17 +349,7 @@ class NgramCounts:
             arrays[f"next{c}"] = lv.next_byte.astype(np.uint8)
             arrays[f"count{c}"] = _narrow(lv.count.astype(np.uint64))
             arrays[f"totals{c}"] = _narrow(lv.totals.astype(np.uint64))
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez_compressed(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(path, lambda f: np.savez_compressed(f, **arrays))
 
     @classmethod
     def _load(cls, path: Path, order: int, sha: str) -> NgramCounts:
