@@ -13,26 +13,14 @@
 #endif
 
 #include "internal.h"
-
-/* A candidate: the node (parent, rank) at `depth` with score `logw`. */
-/* A candidate: the child of rank `rank` of emitted node `parent`, with score `logw`
- * (its depth is the parent's plus one). 16 bytes, so heap moves are two words. */
-typedef struct kdt_cand {
-    double logw;
-    int32_t parent;
-    int32_t rank;
-} kdt_cand;
+#include "tree_expand.h"
 
 /* Largest budget: node indices are int32 and N + 2 heap slots must fit. */
 #define KDT_MAX_BUDGET ((int64_t)INT32_MAX - 2)
 
 /* Per-request scratch carved out of the workspace. */
 typedef struct kdt_scratch {
-    kdt_cand* heap;      /* [N + 2]                    */
-    int32_t* node_rank;  /* [N + 1] rank of node i     */
-    int32_t* node_par;   /* [N + 1] parent of node i   */
-    int32_t* node_depth; /* [N + 1] depth of node i    */
-    int32_t* last_child; /* [N + 1] for sibling links  */
+    kdt_expand_scratch x; /* heap [cap + 2] and node tables [cap + 1] (tree_expand.h) */
     uint64_t* hash;      /* [hash_size] duplicate-id set: (stamp << 32) | id */
     size_t hash_size;    /* power of two >= 4 K', or 0 */
     unsigned hash_shift; /* 64 - log2(hash_size): the slot is the top bits of a mixed id */
@@ -114,12 +102,12 @@ static void scratch_carve(void* base, int64_t budget, int64_t depth, int64_t eff
     size_t rows = (size_t)node_capacity(budget, depth, eff_width) + 1u;
     int ok;
     uintptr_t p = ((uintptr_t)base + 7u) & ~(uintptr_t)7u;
-    s->heap = (kdt_cand*)p;
+    s->x.heap = (kdt_cand*)p;
     p += align8((rows + 1u) * sizeof(kdt_cand));
-    s->node_rank = (int32_t*)p;
-    s->node_par = s->node_rank + rows;
-    s->node_depth = s->node_par + rows;
-    s->last_child = s->node_depth + rows;
+    s->x.node_rank = (int32_t*)p;
+    s->x.node_par = s->x.node_rank + rows;
+    s->x.node_depth = s->x.node_par + rows;
+    s->x.last_child = s->x.node_depth + rows;
     p += align8(rows * 4u * sizeof(int32_t));
     s->hash = (uint64_t*)p;
     s->hash_size = hash_slots(eff_width, &ok);
@@ -346,72 +334,6 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
     return KDT_OK;
 }
 
-/* ---- The heap ---------------------------------------------------------------------- */
-
-/* Rank-path order (spec: keys compare by ranks lexicographically, a proper prefix first).
- * Walks both candidates up the emitted tree to their first difference. */
-static int path_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
-    int32_t pa = a->parent, ra = a->rank, da = s->node_depth[pa] + 1;
-    int32_t pb = b->parent, rb = b->rank, db = s->node_depth[pb] + 1;
-    const int32_t depth_a = da, depth_b = db;
-    while (da > db) {
-        ra = s->node_rank[pa];
-        pa = s->node_par[pa];
-        da--;
-    }
-    while (db > da) {
-        rb = s->node_rank[pb];
-        pb = s->node_par[pb];
-        db--;
-    }
-    if (pa == pb && ra == rb) return depth_a < depth_b; /* one path is a prefix */
-    while (pa != pb) {
-        ra = s->node_rank[pa];
-        pa = s->node_par[pa];
-        rb = s->node_rank[pb];
-        pb = s->node_par[pb];
-    }
-    return ra < rb;
-}
-
-static inline int cand_less(const kdt_cand* a, const kdt_cand* b, const kdt_scratch* s) {
-    /* Branch-free on distinct scores; exact score ties (rare but real) take the path walk. */
-    int lt = a->logw > b->logw;
-    if (KDT_UNLIKELY(a->logw == b->logw)) lt = path_less(a, b, s);
-    return lt;
-}
-
-static void heap_push(kdt_scratch* s, size_t* size, kdt_cand c) {
-    size_t i = (*size)++;
-    kdt_cand* h = s->heap;
-    while (i > 0) {
-        size_t up = (i - 1u) / 2u;
-        if (!cand_less(&c, &h[up], s)) break;
-        h[i] = h[up];
-        i = up;
-    }
-    h[i] = c;
-}
-
-/* Fills the hole at the root with `item` and restores the heap of `size` entries. The
- * better child is chosen without a data-dependent branch (`l + (right < left)`); the
- * remaining cost is the load-compare-select latency of each level. */
-static void heap_sift_root(kdt_scratch* s, size_t size, kdt_cand item) {
-    kdt_cand* h = s->heap;
-    size_t i = 0, l;
-    while ((l = 2u * i + 1u) + 1u < size) {
-        size_t best = l + (size_t)cand_less(&h[l + 1u], &h[l], s);
-        if (!cand_less(&h[best], &item, s)) break;
-        h[i] = h[best];
-        i = best;
-    }
-    if (l + 1u == size && cand_less(&h[l], &item, s)) { /* a last, single child */
-        h[i] = h[l];
-        i = l;
-    }
-    h[i] = item;
-}
-
 /* ---- Building ---------------------------------------------------------------------- */
 
 /* Builds request b into row block b of `out` (all rows rewritten). */
@@ -420,38 +342,12 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
     const int64_t Kp = min64(K, N);
     const size_t rows = (size_t)N + 1u;
     const size_t words = (rows + 31u) / 32u;
-    const float* lp = draft->logprobs ? draft->logprobs + (size_t)b * (size_t)L * (size_t)K : NULL;
-    const int32_t* ids = draft->token_ids ? draft->token_ids + (size_t)b * (size_t)L * (size_t)K : NULL;
-    const int64_t root_pos = draft->root_positions ? draft->root_positions[b] : 0;
-    const int32_t pad = draft->pad_token;
     const size_t base = (size_t)b * rows;
-    int32_t* tokens = out->tokens ? out->tokens + base : NULL;
-    int32_t* depths = out->depths ? out->depths + base : NULL;
-    int32_t* parents = out->parents ? out->parents + base : NULL;
-    double* logw = out->logw ? out->logw + base : NULL;
-    int64_t* positions = out->positions ? out->positions + base : NULL;
+    const size_t cells = (size_t)b * (size_t)L * (size_t)K;
     uint8_t* vis = out->visibility ? out->visibility + base * rows : NULL;
     uint32_t* bits = out->visibility_bits ? out->visibility_bits + base * words : NULL;
-    int32_t* first_child = out->first_child ? out->first_child + base : NULL;
-    int32_t* next_sibling = out->next_sibling ? out->next_sibling + base : NULL;
-    size_t heap_size = 0;
-    int64_t n = 0;
-
-    const int64_t cap = node_capacity(N, L, Kp); /* scratch rows: cap + 1 */
-    for (int64_t i = 0; i <= cap; i++) s->last_child[i] = -1;
-    if (first_child) for (size_t i = 0; i < rows; i++) first_child[i] = -1;
-    if (next_sibling) for (size_t i = 0; i < rows; i++) next_sibling[i] = -1;
-    s->node_rank[0] = 0;
-    s->node_par[0] = -1;
-    s->node_depth[0] = 0;
-
-    /* Root row. */
-    if (tokens) tokens[0] = draft->root_tokens ? draft->root_tokens[b] : pad;
-    if (depths) depths[0] = 0;
-    if (parents) parents[0] = -1;
-    if (logw) logw[0] = 0.0;
-    if (positions) positions[0] = root_pos;
-    /* Both masks are cleared in one pass; rows then only receive their nonzero prefix. */
+    /* Masks: cleared in one pass; the expansion writes node i's row (its parent's nonzero
+     * prefix plus column i); the root and padding rows hold their diagonal only. */
     if (vis) {
         memset(vis, 0, rows * rows);
         vis[0] = 1;
@@ -460,99 +356,21 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
         memset(bits, 0, rows * words * sizeof(uint32_t));
         bits[0] = 1u;
     }
-
-    /* The best candidate is held in `top`, outside the heap; the heap holds the rest. Each
-     * emitted node yields up to two new candidates (next sibling, first child): the better
-     * of them becomes `top` directly when it beats the heap's best (common: a drafter's
-     * top-1 child often pops next), which skips a sift through the heap. The pop order is
-     * the same as a plain heap's, since keys are totally ordered. */
-    int have_top = N > 0 && L > 0 && Kp > 0 && !isinf(lp[0]);
-    kdt_cand top = {have_top ? (double)lp[0] : 0.0, 0, 0};
-    while (have_top && n < N) {
-        const kdt_cand c = top;
-        const int32_t i = (int32_t)++n;
-        const int32_t p = c.parent;
-        const int32_t depth = s->node_depth[p] + 1;
-        const float* row = lp + (size_t)(depth - 1) * (size_t)K;
-        s->node_rank[i] = c.rank;
-        s->node_par[i] = p;
-        s->node_depth[i] = depth;
-        if (tokens) tokens[i] = ids[(size_t)(depth - 1) * (size_t)K + (size_t)c.rank];
-        if (depths) depths[i] = depth;
-        if (parents) parents[i] = p;
-        if (logw) logw[i] = c.logw;
-        if (positions) positions[i] = root_pos + depth;
-        if (s->last_child[p] < 0) {
-            if (first_child) first_child[p] = i;
-        } else if (next_sibling) {
-            next_sibling[s->last_child[p]] = i;
-        }
-        s->last_child[p] = i;
-        if (vis) {
-            /* Row i = row p (nonzero only in columns <= p) plus column i. */
-            uint8_t* dst = vis + (size_t)i * rows;
-            memcpy(dst, vis + (size_t)p * rows, (size_t)p + 1u);
-            dst[i] = 1;
-        }
-        if (bits) {
-            uint32_t* dst = bits + (size_t)i * words;
-            const size_t used = (size_t)p / 32u + 1u; /* words of row p that can be nonzero */
-            memcpy(dst, bits + (size_t)p * words, used * sizeof(uint32_t));
-            dst[(size_t)i / 32u] |= 1u << ((uint32_t)i % 32u);
-        }
-        /* Next sibling: subtract first, then add (spec: "Node scores"). */
-        int have_sib = 0;
-        kdt_cand sib = {0.0, p, c.rank + 1};
-        if ((int64_t)c.rank + 1 < Kp) {
-            sib.logw = (c.logw - (double)row[c.rank]) + (double)row[c.rank + 1];
-            have_sib = !isinf(sib.logw);
-        }
-        /* First child. */
-        int have_child = 0;
-        kdt_cand child = {0.0, i, 0};
-        if ((int64_t)depth < L) {
-            child.logw = c.logw + (double)row[K];
-            have_child = !isinf(child.logw);
-        }
-        /* The next top: the better new candidate, unless the heap's best beats it. */
-        kdt_cand best = sib, other = child;
-        int have_best = have_sib, have_other = have_child;
-        if (have_child && (!have_sib || cand_less(&child, &sib, s))) {
-            best = child;
-            other = sib;
-            have_other = have_sib;
-            have_best = 1;
-        }
-        if (!have_best) {
-            have_top = heap_size > 0;
-            if (have_top) {
-                top = s->heap[0];
-                heap_size--;
-                if (heap_size > 0) heap_sift_root(s, heap_size, s->heap[heap_size]);
-            }
-        } else if (heap_size > 0 && cand_less(&s->heap[0], &best, s)) {
-            top = s->heap[0];
-            heap_sift_root(s, heap_size, best);
-        } else {
-            top = best;
-        }
-        if (have_other) heap_push(s, &heap_size, other);
-    }
+    kdt_expand_out o = {
+        out->tokens ? out->tokens + base : NULL,       out->depths ? out->depths + base : NULL,
+        out->parents ? out->parents + base : NULL,     out->logw ? out->logw + base : NULL,
+        out->positions ? out->positions + base : NULL, out->first_child ? out->first_child + base : NULL,
+        out->next_sibling ? out->next_sibling + base : NULL, vis, bits, words};
+    const int64_t n = kdt_expand_tree(
+        draft->logprobs ? draft->logprobs + cells : NULL, draft->token_ids ? draft->token_ids + cells : NULL,
+        L, K, Kp, N, node_capacity(N, L, Kp), draft->root_positions ? draft->root_positions[b] : 0,
+        draft->root_tokens ? draft->root_tokens[b] : draft->pad_token, draft->pad_token, &s->x, &o);
     out->num_nodes[b] = (int32_t)n;
-
-    /* Padding rows. */
-    for (size_t i = (size_t)n + 1u; i < rows; i++) {
-        if (tokens) tokens[i] = pad;
-        if (depths) depths[i] = 0;
-        if (parents) parents[i] = -1;
-        if (logw) logw[i] = -INFINITY;
-        if (positions) positions[i] = root_pos;
-        if (vis) {
-            vis[i * rows + i] = 1;
-        }
-        if (bits) {
-            bits[i * words + i / 32u] = 1u << (i % 32u);
-        }
+    if (vis) {
+        for (size_t i = (size_t)n + 1u; i < rows; i++) vis[i * rows + i] = 1;
+    }
+    if (bits) {
+        for (size_t i = (size_t)n + 1u; i < rows; i++) bits[i * words + i / 32u] = 1u << (i % 32u);
     }
 }
 
