@@ -270,6 +270,48 @@ KDT_API kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int6
                                          int64_t row_stride, int64_t k, float* out_logprobs,
                                          int32_t* out_ids);
 
+/* ---- CUDA (GPU) ------------------------------------------------------------------- *
+ * Built when the library was compiled with nvcc (CMake KDTREE_CUDA=AUTO|ON); otherwise
+ * every function here returns KDT_ERR_UNSUPPORTED. GPU entry points take device pointers
+ * (inside host structs), the stream last (a cudaStream_t passed as void*, NULL = the
+ * default stream), never synchronise, never allocate, and may be captured in a CUDA
+ * graph. Argument checks that need no device data are done on the host and returned as a
+ * status; problems in device data are reported per request in a device status array. */
+
+/* Number of CUDA devices. KDT_ERR_NO_DEVICE (count 0) when there is no GPU or no driver;
+ * KDT_ERR_UNSUPPORTED in a build without CUDA. */
+KDT_API kdt_status kdt_cuda_device_count(int32_t* count);
+
+/* Bytes of device workspace kdt_trees_build_cuda needs for this batch, budget, depth and
+ * width. Returns KDT_ERR_INVALID_ARGUMENT (negative), KDT_ERR_NULL_POINTER,
+ * KDT_ERR_OVERFLOW. */
+KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t depth,
+                                                        int64_t width, size_t* bytes);
+
+/*
+ * Builds B draft trees on the GPU: the same outputs as kdt_trees_build_cpu, bit-identical
+ * to it (the same expansion code, native/tree_expand.h, compiled for the device without
+ * FMA contraction). All pointers inside `draft` and `out` are device pointers; the structs
+ * themselves are read on the host during the call.
+ *
+ * request_status: device int32 [B], written for every request: KDT_OK, or the status the
+ *   CPU builder returns for that request alone (KDT_ERR_VALUE: NaN, +inf, unsorted row,
+ *   duplicate id; KDT_ERR_OUT_OF_RANGE: token id, root token or root position). A failed
+ *   request gets a root-only tree (num_nodes 0, every other row padding); the others are
+ *   built normally. (The CPU builder instead writes nothing when any request fails.)
+ * workspace: device buffer of kdt_trees_build_cuda_workspace_bytes(B, N, L, K) bytes,
+ *   256-byte aligned; its contents need not be initialised.
+ * stream: cudaStream_t as void* (NULL: the legacy default stream).
+ *
+ * Returns (from host-side checks only) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT,
+ * KDT_ERR_SHAPE, KDT_ERR_BUFFER_TOO_SMALL, KDT_ERR_OVERFLOW, KDT_ERR_CUDA (the launch
+ * failed), KDT_ERR_UNSUPPORTED (no CUDA in this build).
+ * Version 1 runs each request's expansion on one GPU thread (exact, not yet fast); the
+ * masks are written by the whole thread block.
+ */
+KDT_API kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
+                                        void* workspace, size_t workspace_bytes, void* stream);
+
 /* ---- KDTR: the container of named arrays (docs/kdtr-format.md) --------------------- */
 
 /* Element types of KDTR arrays. Fixed values (they are the format's dtype codes). */

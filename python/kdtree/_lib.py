@@ -150,6 +150,17 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     # kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t vocab,
     #     int64_t row_stride, int64_t k, float* out_logprobs, int32_t* out_ids)
     "kdt_topk_logprobs_cpu": ("status", [_vp, _i64, _i64, _i64, _i64, _vp, _vp]),
+    # kdt_status kdt_cuda_device_count(int32_t* count)
+    "kdt_cuda_device_count": ("status", [ctypes.POINTER(_i32)]),
+    # kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t budget,
+    #                                                 int64_t depth, int64_t width, size_t* bytes)
+    "kdt_trees_build_cuda_workspace_bytes": ("status", [_i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out,
+    #     int32_t* request_status, void* workspace, size_t workspace_bytes, void* stream)
+    "kdt_trees_build_cuda": (
+        "status",
+        [ctypes.POINTER(KdtDraft), ctypes.POINTER(KdtTrees), _vp, _vp, _sz, _vp],
+    ),
     # kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes)
     "kdt_dtype_size": ("status", [_i32, ctypes.POINTER(_sz)]),
     # kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out)

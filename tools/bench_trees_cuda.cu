@@ -1,0 +1,101 @@
+// Times kdt_trees_build_cuda (device events, medians over rotated inputs) next to the CPU
+// builder on the same inputs: B = 64, L = 16, budgets 64, 256, 1024, a peaked drafter.
+// Built as `kdtree_bench_cuda` when CUDA is enabled; run on a GPU machine.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#include "kdtree.h"
+
+#define CK(call)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        if (e_ != cudaSuccess) { fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); return 1; } \
+    } while (0)
+#define KK(call)                                                                                  \
+    do {                                                                                          \
+        if ((call) != KDT_OK) { fprintf(stderr, "%s: %s\n", #call, kdt_last_error()); return 1; } \
+    } while (0)
+
+static uint64_t s = 88172645463325252ull;
+static double unit() { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return (double)(s >> 11) / 9007199254740992.0; }
+
+int main() {
+    int32_t n_dev = 0;
+    if (kdt_cuda_device_count(&n_dev) != KDT_OK) { printf("SKIP: %s\n", kdt_last_error()); return 0; }
+    const int64_t B = 64, L = 16, sets = 8, reps = 30;
+    printf("%6s %12s %14s %12s\n", "N", "GPU us", "CPU us (1 core)", "CPU/GPU");
+    for (int64_t N : {64, 256, 1024}) {
+        const int64_t K = N;
+        std::vector<float> lp((size_t)sets * B * L * K);
+        std::vector<int32_t> ids(lp.size());
+        for (size_t row = 0; row < lp.size() / K; row++) {
+            float* r = &lp[row * K];
+            r[0] = -0.08f;
+            for (int64_t k = 1; k < K; k++) r[k] = -8.0f - 6.0f * (float)unit();
+            std::sort(r + 1, r + K, [](float a, float b) { return a > b; });
+            for (int64_t k = 0; k < K; k++) ids[row * K + k] = (int32_t)(k * 37 + row % 11);
+        }
+        float* d_lp; int32_t* d_ids; int32_t* d_status; int32_t* d_num;
+        CK(cudaMalloc(&d_lp, lp.size() * 4));
+        CK(cudaMalloc(&d_ids, ids.size() * 4));
+        CK(cudaMemcpy(d_lp, lp.data(), lp.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&d_status, B * 4));
+        CK(cudaMalloc(&d_num, B * 4));
+        kdt_trees t; memset(&t, 0, sizeof t);
+        t.batch = B; t.budget = N; t.num_nodes = d_num;
+        size_t bytes;
+        KK(kdt_trees_field_bytes(B, N, KDT_FIELD_TOKENS, &bytes)); CK(cudaMalloc((void**)&t.tokens, bytes));
+        CK(cudaMalloc((void**)&t.depths, bytes)); CK(cudaMalloc((void**)&t.parents, bytes));
+        CK(cudaMalloc((void**)&t.first_child, bytes)); CK(cudaMalloc((void**)&t.next_sibling, bytes));
+        KK(kdt_trees_field_bytes(B, N, KDT_FIELD_LOGW, &bytes)); CK(cudaMalloc((void**)&t.logw, bytes));
+        CK(cudaMalloc((void**)&t.positions, bytes));
+        KK(kdt_trees_field_bytes(B, N, KDT_FIELD_VISIBILITY, &bytes)); CK(cudaMalloc((void**)&t.visibility, bytes));
+        KK(kdt_trees_field_bytes(B, N, KDT_FIELD_VISIBILITY_BITS, &bytes)); CK(cudaMalloc((void**)&t.visibility_bits, bytes));
+        size_t ws; void* d_ws;
+        KK(kdt_trees_build_cuda_workspace_bytes(B, N, L, K, &ws)); CK(cudaMalloc(&d_ws, ws));
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        std::vector<float> ms;
+        for (int64_t i = 0; i < reps + 3; i++) {
+            int64_t set = i % sets;
+            kdt_draft d = {B, L, K, d_lp + set * B * L * K, d_ids + set * B * L * K, NULL, NULL, 0, -1};
+            CK(cudaEventRecord(e0));
+            KK(kdt_trees_build_cuda(&d, &t, d_status, d_ws, ws, NULL));
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            float m; CK(cudaEventElapsedTime(&m, e0, e1));
+            if (i >= 3) ms.push_back(m);
+        }
+        std::sort(ms.begin(), ms.end());
+        // CPU builder on the same inputs (host buffers, one batch call).
+        std::vector<int32_t> h_num(B), h_tok((size_t)B * (N + 1)), h_dep(h_tok.size()), h_par(h_tok.size()),
+            h_fc(h_tok.size()), h_ns(h_tok.size());
+        std::vector<double> h_logw(h_tok.size());
+        std::vector<int64_t> h_pos(h_tok.size());
+        std::vector<uint8_t> h_vis((size_t)B * (N + 1) * (N + 1));
+        std::vector<uint32_t> h_bits((size_t)B * (N + 1) * ((N + 32) / 32));
+        kdt_trees h = {B, N, h_num.data(), h_tok.data(), h_dep.data(), h_par.data(), h_logw.data(), h_pos.data(),
+                       h_vis.data(), h_bits.data(), h_fc.data(), h_ns.data()};
+        std::vector<double> cpu;
+        for (int64_t i = 0; i < 5; i++) {
+            kdt_draft d = {B, L, K, &lp[(i % sets) * B * L * K], &ids[(i % sets) * B * L * K], NULL, NULL, 0, -1};
+            auto a = std::chrono::steady_clock::now();
+            KK(kdt_trees_build_cpu(&d, &h, NULL, 0));
+            cpu.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
+        }
+        std::sort(cpu.begin(), cpu.end());
+        double gpu_us = ms[ms.size() / 2] * 1000.0;
+        printf("%6lld %12.1f %14.1f %11.1fx\n", (long long)N, gpu_us, cpu[2], cpu[2] / gpu_us);
+        cudaFree(d_lp); cudaFree(d_ids); cudaFree(d_ws); cudaFree(d_status); cudaFree(d_num);
+        cudaFree(t.tokens); cudaFree(t.depths); cudaFree(t.parents); cudaFree(t.first_child); cudaFree(t.next_sibling);
+        cudaFree(t.logw); cudaFree(t.positions); cudaFree(t.visibility); cudaFree(t.visibility_bits);
+    }
+    return 0;
+}
