@@ -13,7 +13,9 @@ cmake --build build-gpu -j 16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.
 (cd build-gpu && ctest --output-on-failure) 2>&1 | tee "$OUT/ctest.log" | tail -15
 echo "-- version 1 kernel (global memory), forced:"
 KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 build-gpu/test_trees_cuda 2>&1 | tail -2
-echo "-- default kernel selection:"
+echo "-- version 2 (shared-memory heap), forced:"
+KDTREE_CUDA_TREES_HEAP=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -2
+echo "-- default kernel selection (version 3, parallel, heap as fallback):"
 build-gpu/test_trees_cuda 2>&1 | tail -2
 for tool in memcheck racecheck initcheck synccheck; do
   KDT_CUDA_TREES=1500 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_trees_cuda \
@@ -23,3 +25,5 @@ for tool in memcheck racecheck initcheck synccheck; do
 done
 echo "-- bench (default kernel):"
 build-gpu/kdtree_bench_cuda 2>&1 | tee "$OUT/bench.txt"
+echo "-- bench (version 2 heap):"
+KDTREE_CUDA_TREES_HEAP=1 build-gpu/kdtree_bench_cuda 2>&1 | tee "$OUT/bench-v2.txt"

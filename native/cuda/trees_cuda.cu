@@ -30,6 +30,7 @@ struct BuildParams {
     int64_t eff_width;  // K' = min(K, N)
     int64_t cap;        // node capacity
     int64_t hash_slots; // power of two >= 2 K' (0 when K' == 0)
+    int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -229,9 +230,204 @@ __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
     }
 }
 
+
+// ---- Version 3: an exact parallel expansion --------------------------------------------
+//
+// Every candidate's score is fixed by its path (a sibling from the previous sibling, a
+// first child from its parent), so the tree can be found without a heap: take a score
+// threshold T and enumerate P_T, the nodes whose whole generator chain scores >= T (a
+// prefix-closed set, one thread per parent running its chain of children); choose T by
+// bisection so that N <= |P_T| <= cap (or P_T is every finite node); sort P_T by the heap's
+// key (-logw, rank path). If in that order every node comes after its generator (its
+// previous sibling, or its parent for a first child), the heap pops exactly the first N
+// of it: at each step the next node is in the heap's frontier, and any frontier node with
+// a smaller key would be in P_T and earlier. Scores are computed by the same operations as
+// the heap's, so the result is bit-identical. When the check fails (a rounding step made a
+// child score above its parent) or no threshold fits, the caller falls back to the heap.
+
+struct Cands {
+    double* logw;
+    int32_t* parent;  // P_T index of the parent, -1 for the root
+    int32_t* rank;
+    int32_t* depth;
+    int32_t* gen;     // P_T index of the generator (previous sibling or parent), -1: the root
+    int32_t* fc;      // first child, -1
+    int32_t* ns;      // next sibling, -1
+    int32_t* order;   // [pow2 >= cap] sort order
+    int32_t* pos;     // position of each candidate in the order
+    int32_t cap;      // power of two
+};
+
+__device__ inline bool cand_path_before(const Cands& c, int32_t a, int32_t b) {
+    int32_t pa = c.parent[a], ra = c.rank[a], da = c.depth[a];
+    int32_t pb = c.parent[b], rb = c.rank[b], db = c.depth[b];
+    const int32_t depth_a = da, depth_b = db;
+    while (da > db) { ra = c.rank[pa]; pa = c.parent[pa]; da--; }
+    while (db > da) { rb = c.rank[pb]; pb = c.parent[pb]; db--; }
+    if (pa == pb && ra == rb) return depth_a < depth_b;
+    while (pa != pb) { ra = c.rank[pa]; pa = c.parent[pa]; rb = c.rank[pb]; pb = c.parent[pb]; }
+    return ra < rb;
+}
+
+// Heap key order: larger score first, then rank path; -1 (padding) last.
+__device__ inline bool cand_before(const Cands& c, int32_t a, int32_t b) {
+    if (a < 0) return false;
+    if (b < 0) return true;
+    const double wa = c.logw[a], wb = c.logw[b];
+    if (wa != wb) return wa > wb;
+    return cand_path_before(c, a, b);
+}
+
+// One parent's chain of children (parent -1: the root's, at row 0) with scores >= T.
+__device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_t kp, int32_t parent, int32_t d,
+                                       double T, int* count, int* pruned, int* root_fc) {
+    const float* row = lp_s + (int64_t)d * kp;
+    double w = parent < 0 ? (double)row[0] : c.logw[parent] + (double)row[0];
+    int32_t prev = -1;
+    for (int32_t r = 0;;) {
+        if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
+        if (w < T) {
+            *pruned = 1;
+            break;
+        }
+        const int slot = atomicAdd(count, 1);
+        if (slot >= c.cap) break;  // overflow: this threshold is too low
+        c.logw[slot] = w;
+        c.parent[slot] = parent;
+        c.rank[slot] = r;
+        c.depth[slot] = d + 1;
+        c.fc[slot] = -1;
+        c.ns[slot] = -1;
+        c.gen[slot] = prev >= 0 ? prev : parent;
+        if (prev >= 0) c.ns[prev] = slot;
+        else if (parent >= 0) c.fc[parent] = slot;
+        else *root_fc = slot;
+        prev = slot;
+        if (++r >= kp) break;
+        w = (w - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
+    }
+}
+
+// Enumerates P_T level by level; returns |P_T| (> c.cap on overflow). Block-wide.
+__device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_t kp, double T, int* s_count,
+                            int* s_pruned, int* s_root_fc) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *s_count = 0;
+        *s_pruned = 0;
+        *s_root_fc = -1;
+        enumerate_chain(c, lp_s, kp, -1, 0, T, s_count, s_pruned, s_root_fc);
+    }
+    __syncthreads();
+    int lo = 0, hi = min(*s_count, c.cap);
+    for (int32_t d = 1; d < L && lo < hi && *s_count <= c.cap; d++) {
+        for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
+            enumerate_chain(c, lp_s, kp, i, d, T, s_count, s_pruned, s_root_fc);
+        }
+        __syncthreads();
+        lo = hi;
+        hi = min(*s_count, c.cap);
+        __syncthreads();
+    }
+    const int total = *s_count;
+    __syncthreads();
+    return total;
+}
+
+// Returns n >= 0 with the node tables, scores and links filled (as kdt_expand_tree would),
+// or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
+__device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
+                                   double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
+                                   int32_t* node_par, int32_t* node_depth) {
+    __shared__ int s_count, s_pruned, s_root_fc, s_fail;
+    const double top = (double)lp_s[0];
+    if (isinf(top)) return -1;  // (the heap handles the empty tree)
+    // Bracket: T_high gives too few nodes (or is the answer), T_low too many.
+    double t_high = top + 1.0, t_low = -INFINITY, T = top - 4.0;
+    int found = 0;
+    for (int iter = 0; iter < 60; iter++) {
+        const int cnt = enumerate_pt(c, lp_s, L, kp, T, &s_count, &s_pruned, &s_root_fc);
+        const int pruned = s_pruned;
+        if (cnt > c.cap) {
+            t_low = T;
+        } else if (cnt < N && pruned) {
+            t_high = T;
+        } else {
+            found = 1;
+            break;
+        }
+        if (isinf(t_low)) {
+            T = top - 2.0 * (top - T) - 1.0;  // widen downwards until too many
+        } else {
+            const double mid = 0.5 * (t_low + t_high);
+            if (!(mid > t_low && mid < t_high)) break;  // cannot separate: fall back
+            T = mid;
+        }
+    }
+    if (!found) return -1;
+    const int M = s_count;
+    const int64_t n = M < N ? M : N;
+    // Bitonic sort of the candidates by the heap's key.
+    int P = 1;
+    while (P < M) P <<= 1;
+    for (int i = threadIdx.x; i < P; i += blockDim.x) c.order[i] = i < M ? i : -1;
+    __syncthreads();
+    for (int k = 2; k <= P; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < P; i += blockDim.x) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const int32_t a = c.order[i], b = c.order[l];
+                    const bool up = (i & k) == 0;
+                    if (up ? cand_before(c, b, a) : cand_before(c, a, b)) {
+                        c.order[i] = b;
+                        c.order[l] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    if (threadIdx.x == 0) s_fail = 0;
+    for (int k = threadIdx.x; k < M; k += blockDim.x) c.pos[c.order[k]] = k;
+    __syncthreads();
+    // Every selected node after its generator: then this order is the heap's.
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+        const int32_t g = c.gen[c.order[k]];
+        if (g >= 0 && c.pos[g] >= k) s_fail = 1;
+    }
+    __syncthreads();
+    if (s_fail) return -1;
+    const int root_fc = s_root_fc;
+    for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
+        if (i == 0) {
+            logw_s[0] = 0.0;
+            fc_s[0] = (root_fc >= 0 && c.pos[root_fc] < n) ? c.pos[root_fc] + 1 : -1;
+            ns_s[0] = -1;
+            node_rank[0] = 0;
+            node_par[0] = -1;
+            node_depth[0] = 0;
+        } else if (i <= n) {
+            const int32_t a = c.order[i - 1];
+            logw_s[i] = c.logw[a];
+            node_rank[i] = c.rank[a];
+            node_depth[i] = c.depth[a];
+            node_par[i] = c.parent[a] < 0 ? 0 : c.pos[c.parent[a]] + 1;
+            fc_s[i] = (c.fc[a] >= 0 && c.pos[c.fc[a]] < n) ? c.pos[c.fc[a]] + 1 : -1;
+            ns_s[i] = (c.ns[a] >= 0 && c.pos[c.ns[a]] < n) ? c.pos[c.ns[a]] + 1 : -1;
+        } else {
+            logw_s[i] = -INFINITY;
+            fc_s[i] = -1;
+            ns_s[i] = -1;
+        }
+    }
+    __syncthreads();
+    return n;
+}
+
 // Shared-memory layout of build_kernel_smem for one request.
 struct SmemLayout {
-    size_t lp, heap, tables, logw, links, hash, total;
+    size_t lp, heap, tables, logw, links, hash, cands, total;
 };
 
 __host__ __device__ inline SmemLayout smem_layout(int64_t L, int64_t kp, int64_t N, int64_t cap, int64_t hash_slots) {
@@ -242,8 +438,28 @@ __host__ __device__ inline SmemLayout smem_layout(int64_t L, int64_t kp, int64_t
     s.links = s.tables + align_up((size_t)(cap + 1) * 4 * sizeof(int32_t), 16);
     s.hash = s.links + align_up((size_t)(N + 1) * 2 * sizeof(int32_t), 16);
     s.lp = s.hash + align_up((size_t)hash_slots * sizeof(int32_t), 16);
-    s.total = s.lp + align_up((size_t)(L * kp) * sizeof(float), 16);
+    s.cands = s.lp + align_up((size_t)(L * kp) * sizeof(float), 16);
+    s.total = s.cands;  // + cands_bytes(cap3) when version 3 runs
     return s;
+}
+
+// Bytes of the version-3 candidate arrays for `cap3` (a power of two) candidates.
+__host__ __device__ inline size_t cands_bytes(int64_t cap3) { return (size_t)cap3 * (8 + 8 * 4); }
+
+__device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
+    Cands c;
+    c.logw = reinterpret_cast<double*>(base);
+    int32_t* ints = reinterpret_cast<int32_t*>(base + (size_t)cap3 * 8);
+    c.parent = ints;
+    c.rank = ints + cap3;
+    c.depth = ints + 2 * cap3;
+    c.gen = ints + 3 * cap3;
+    c.fc = ints + 4 * cap3;
+    c.ns = ints + 5 * cap3;
+    c.order = ints + 6 * cap3;
+    c.pos = ints + 7 * cap3;
+    c.cap = cap3;
+    return c;
 }
 
 // Version 2: the request's used log-probs, the heap, the node tables, scores and links all
@@ -324,7 +540,24 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         __syncthreads();
     }
 
-    if (threadIdx.x == 0) {
+    // Version 3 first (valid requests only); -1 sends the request to the heap below.
+    __shared__ int64_t s_par_n;
+    if (threadIdx.x == 0) s_par_n = -1;
+    __syncthreads();
+    if (!s_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
+        const int64_t pn = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s,
+                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1));
+        if (threadIdx.x == 0) s_par_n = pn;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && s_par_n >= 0) {
+        const int64_t n = s_par_n;
+        p.out.num_nodes[b] = (int32_t)n;
+        p.status[b] = KDT_OK;
+        s_n = n;
+        s_root_tok = d.root_tokens ? d.root_tokens[b] : d.pad_token;
+        s_root_pos = d.root_positions ? d.root_positions[b] : 0;
+    } else if (threadIdx.x == 0) {
         int32_t status = KDT_OK;
         if (s_bad) status = exact_status(d, b, kp);
         const bool ok = status == KDT_OK;
@@ -483,11 +716,19 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     cudaError_t err = cudaGetDevice(&dev);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
-    const size_t smem_static = 64;  // the kernel's own __shared__ scalars
-    if (sl.total + smem_static <= (size_t)smem_max && getenv("KDTREE_CUDA_TREES_V1") == NULL) {
-        err = cudaFuncSetAttribute(build_kernel_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sl.total);
+    const size_t smem_static = 128;  // the kernel's own __shared__ scalars
+    // Version 3's candidates: a power of two >= 2N that fits beside version 2's arrays.
+    p.cap3 = 0;
+    if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL && N > 0) {
+        int64_t cap3 = 1;
+        while (cap3 < 2 * N) cap3 <<= 1;
+        if (cap3 <= (1 << 20) && sl.total + cands_bytes(cap3) + smem_static <= (size_t)smem_max) p.cap3 = (int32_t)cap3;
+    }
+    const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
+    if (smem_bytes + smem_static <= (size_t)smem_max && getenv("KDTREE_CUDA_TREES_V1") == NULL) {
+        err = cudaFuncSetAttribute(build_kernel_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes);
         if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "shared memory request failed: %s", cudaGetErrorString(err));
-        build_kernel_smem<<<(unsigned)B, kThreads, sl.total, static_cast<cudaStream_t>(stream)>>>(p);
+        build_kernel_smem<<<(unsigned)B, kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
     } else {
         build_kernel<<<(unsigned)B, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
     }
