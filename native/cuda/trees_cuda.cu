@@ -18,7 +18,7 @@ extern "C" {
 
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
 
 struct BuildParams {
@@ -287,7 +287,7 @@ __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_
     for (int32_t r = 0;;) {
         if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
         if (w < T) {
-            *pruned = 1;
+            atomicOr(pruned, 1);
             break;
         }
         const int slot = atomicAdd(count, 1);
@@ -319,14 +319,19 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
         enumerate_chain(c, lp_s, kp, -1, 0, T, s_count, s_pruned, s_root_fc);
     }
     __syncthreads();
-    int lo = 0, hi = min(*s_count, c.cap);
-    for (int32_t d = 1; d < L && lo < hi && *s_count <= c.cap; d++) {
+    // Every thread reads the shared count between two barriers (no thread adds to it
+    // there), so all of them take the same branch at the loop test.
+    int count_now = *s_count;
+    int lo = 0, hi = min(count_now, c.cap);
+    __syncthreads();
+    for (int32_t d = 1; d < L && lo < hi && count_now <= c.cap; d++) {
         for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
             enumerate_chain(c, lp_s, kp, i, d, T, s_count, s_pruned, s_root_fc);
         }
         __syncthreads();
+        count_now = *s_count;
         lo = hi;
-        hi = min(*s_count, c.cap);
+        hi = min(count_now, c.cap);
         __syncthreads();
     }
     const int total = *s_count;
@@ -394,7 +399,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     // Every selected node after its generator: then this order is the heap's.
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
         const int32_t g = c.gen[c.order[k]];
-        if (g >= 0 && c.pos[g] >= k) s_fail = 1;
+        if (g >= 0 && c.pos[g] >= k) atomicOr(&s_fail, 1);
     }
     __syncthreads();
     if (s_fail) return -1;
