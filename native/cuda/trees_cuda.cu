@@ -278,34 +278,42 @@ __device__ inline bool cand_before(const Cands& c, int32_t a, int32_t b) {
     return cand_path_before(c, a, b);
 }
 
-// One parent's chain of children (parent -1: the root's, at row 0) with scores >= T.
+// One parent's chain of children (parent -1: the root's, at row 0) with scores >= T: the
+// chain is scored twice (once to count it, once to write it) so that it takes one atomic
+// add for all its slots, which are consecutive.
 __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_t kp, int32_t parent, int32_t d,
                                        double T, int* count, int* pruned, int* root_fc) {
     const float* row = lp_s + (int64_t)d * kp;
-    double w = parent < 0 ? (double)row[0] : c.logw[parent] + (double)row[0];
-    int32_t prev = -1;
+    const double first = parent < 0 ? (double)row[0] : c.logw[parent] + (double)row[0];
+    double w = first;
+    int32_t len = 0;
     for (int32_t r = 0;;) {
         if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
         if (w < T) {
             atomicOr(pruned, 1);
             break;
         }
-        const int slot = atomicAdd(count, 1);
-        if (slot >= c.cap) break;  // overflow: this threshold is too low
+        len++;
+        if (++r >= kp) break;
+        w = (w - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
+    }
+    if (len == 0) return;
+    const int slot0 = atomicAdd(count, len);
+    if (slot0 + len > c.cap) return;  // overflow: this threshold is too low
+    w = first;
+    for (int32_t r = 0; r < len; r++) {
+        const int32_t slot = slot0 + r;
         c.logw[slot] = w;
         c.parent[slot] = parent;
         c.rank[slot] = r;
         c.depth[slot] = d + 1;
         c.fc[slot] = -1;
-        c.ns[slot] = -1;
-        c.gen[slot] = prev >= 0 ? prev : parent;
-        if (prev >= 0) c.ns[prev] = slot;
-        else if (parent >= 0) c.fc[parent] = slot;
-        else *root_fc = slot;
-        prev = slot;
-        if (++r >= kp) break;
-        w = (w - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
+        c.ns[slot] = r + 1 < len ? slot + 1 : -1;
+        c.gen[slot] = r > 0 ? slot - 1 : parent;
+        if (r + 1 < len) w = (w - (double)row[r]) + (double)row[r + 1];
     }
+    if (parent >= 0) c.fc[parent] = slot0;
+    else *root_fc = slot0;
 }
 
 // Enumerates P_T level by level; returns |P_T| (> c.cap on overflow). Block-wide.
