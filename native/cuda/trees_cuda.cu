@@ -355,27 +355,38 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     __shared__ int s_count, s_pruned, s_root_fc, s_fail;
     const double top = (double)lp_s[0];
     if (isinf(top)) return -1;  // (the heap handles the empty tree)
-    // Bracket: T_high gives too few nodes (or is the answer), T_low too many.
+    // Bracket: t_high gives too few nodes, t_low too many (more than cap). The next
+    // threshold interpolates log(count) linearly in T towards 1.5 N (counts grow about
+    // exponentially as T falls), kept inside the bracket; plain halving when that stalls.
     double t_high = top + 1.0, t_low = -INFINITY, T = top - 4.0;
+    double c_high = 0.0, c_low = 0.0;  // counts seen at the bracket ends (c_low: a lower bound)
+    const double target = 1.5 * (double)N;
     int found = 0;
     for (int iter = 0; iter < 60; iter++) {
         const int cnt = enumerate_pt(c, lp_s, L, kp, T, &s_count, &s_pruned, &s_root_fc);
         const int pruned = s_pruned;
         if (cnt > c.cap) {
             t_low = T;
+            c_low = (double)cnt;
         } else if (cnt < N && pruned) {
             t_high = T;
+            c_high = (double)cnt;
         } else {
             found = 1;
             break;
         }
         if (isinf(t_low)) {
             T = top - 2.0 * (top - T) - 1.0;  // widen downwards until too many
-        } else {
-            const double mid = 0.5 * (t_low + t_high);
-            if (!(mid > t_low && mid < t_high)) break;  // cannot separate: fall back
-            T = mid;
+            continue;
         }
+        const double gap = t_high - t_low;
+        double next = 0.5 * (t_low + t_high);
+        if (c_high >= 1.0 && c_low > c_high && iter % 3 != 2) {  // every third step halves
+            next = t_high - gap * (log(target) - log(c_high)) / (log(c_low) - log(c_high));
+            next = fmin(fmax(next, t_low + 0.05 * gap), t_high - 0.05 * gap);
+        }
+        if (!(next > t_low && next < t_high)) break;  // cannot separate: fall back
+        T = next;
     }
     if (!found) return -1;
     const int M = s_count;
