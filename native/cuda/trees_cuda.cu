@@ -7,6 +7,8 @@
 // construction; the single-thread expansion is the part a later version parallelises.
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +21,9 @@ extern "C" {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_smem_max[kMaxDevices];  // cudaDevAttrMaxSharedMemoryPerBlockOptin, 0: unknown
+std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel_smem may use
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
 
 struct BuildParams {
@@ -736,10 +741,18 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     // Version 2 (everything the expansion touches in shared memory) when it fits the
     // device's per-block limit; version 1 (global memory) otherwise.
     const SmemLayout sl = smem_layout(L, p.eff_width, N, p.cap, p.hash_slots);
+    // The device's per-block shared-memory limit and the kernel's raised limit are cached
+    // per device: those runtime calls cost tens of microseconds, more than small builds.
     int dev = 0, smem_max = 0;
     cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
+    const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
+    smem_max = g_smem_max[slot].load(std::memory_order_relaxed);
+    if (smem_max == 0) {
+        err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
+        g_smem_max[slot].store(smem_max, std::memory_order_relaxed);
+    }
     const size_t smem_static = 128;  // the kernel's own __shared__ scalars
     // Version 3's candidates: a power of two >= 2N that fits beside version 2's arrays.
     p.cap3 = 0;
@@ -750,8 +763,15 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     }
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && getenv("KDTREE_CUDA_TREES_V1") == NULL) {
-        err = cudaFuncSetAttribute(build_kernel_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes);
-        if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "shared memory request failed: %s", cudaGetErrorString(err));
+        if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
+            // Raise the kernel's limit once to the device maximum (idempotent, so racing
+            // threads are harmless).
+            err = cudaFuncSetAttribute(build_kernel_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+            if (err != cudaSuccess) {
+                return kdt_fail(KDT_ERR_CUDA, "shared memory request failed: %s", cudaGetErrorString(err));
+            }
+            g_smem_set[slot].store(smem_max, std::memory_order_relaxed);
+        }
         build_kernel_smem<<<(unsigned)B, kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
     } else {
         build_kernel<<<(unsigned)B, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
