@@ -749,11 +749,16 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
     smem_max = g_smem_max[slot].load(std::memory_order_relaxed);
     if (smem_max == 0) {
+        // The dynamic shared memory build_kernel_smem can get: the device's opt-in limit
+        // less the kernel's static shared memory.
+        cudaFuncAttributes attr;
         err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, build_kernel_smem);
         if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
+        smem_max -= (int)attr.sharedSizeBytes;
         g_smem_max[slot].store(smem_max, std::memory_order_relaxed);
     }
-    const size_t smem_static = 128;  // the kernel's own __shared__ scalars
+    const size_t smem_static = 0;  // already taken off smem_max
     // Version 3's candidates: a power of two >= 2N that fits beside version 2's arrays.
     p.cap3 = 0;
     if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL && N > 0) {
