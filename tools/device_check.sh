@@ -15,7 +15,9 @@ echo "-- version 1 kernel (global memory), forced:"
 KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 build-gpu/test_trees_cuda 2>&1 | tail -2
 echo "-- version 2 (shared-memory heap), forced:"
 KDTREE_CUDA_TREES_HEAP=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -2
-echo "-- default kernel selection (version 3, parallel, heap as fallback):"
+echo "-- version 3 (parallel) forced at every budget:"
+KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=30000 build-gpu/test_trees_cuda 2>&1 | tail -2
+echo "-- default kernel selection (version 3 from N = 128, heap below and as fallback):"
 build-gpu/test_trees_cuda 2>&1 | tail -2
 for tool in memcheck racecheck initcheck synccheck; do
   KDT_CUDA_TREES=1500 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_trees_cuda \

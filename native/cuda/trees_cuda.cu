@@ -761,7 +761,8 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     const size_t smem_static = 0;  // already taken off smem_max
     // Version 3's candidates: a power of two >= 2N that fits beside version 2's arrays.
     p.cap3 = 0;
-    if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL && N > 0) {
+    // (Measured on an H200: below N = 128 the shared-memory heap is as fast; see perf-notes.)
+    if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL && (N >= 128 || getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL)) {
         int64_t cap3 = 1;
         while (cap3 < 2 * N) cap3 <<= 1;
         if (cap3 <= (1 << 20) && sl.total + cands_bytes(cap3) + smem_static <= (size_t)smem_max) p.cap3 = (int32_t)cap3;
