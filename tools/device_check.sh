@@ -20,7 +20,7 @@ KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=30000 build-gpu/test_trees_cuda 2>&1
 echo "-- default kernel selection (version 3 from N = 128, heap below and as fallback):"
 build-gpu/test_trees_cuda 2>&1 | tail -2
 for tool in memcheck racecheck initcheck synccheck; do
-  KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=1500 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_trees_cuda \
+  KDT_CUDA_TREES=1500 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_trees_cuda \
     > "$OUT/sanitizer-$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer-$tool.log") clean summary line)"
   tail -2 "$OUT/sanitizer-$tool.log"

@@ -283,23 +283,11 @@ __device__ inline bool cand_before(const Cands& c, int32_t a, int32_t b) {
     return cand_path_before(c, a, b);
 }
 
-// Shared counters of one enumeration pass.
-struct PassState {
-    int count;    // slots handed out (may pass cap: overflow)
-    int head;     // next slot whose child chain a thread takes
-    int pending;  // emitted nodes whose child chain is not finished yet
-    int overflow; // set when a chain did not fit
-    int pruned;   // set when some chain stopped at the threshold
-    int root_fc;  // the root's first child
-};
-
-// One parent's chain of children (parent -1: the root's, at row 0) with scores >= T. The
+// One parent's chain of children (parent -1: the root's, at row 0) with scores >= T: the
 // chain is scored twice (once to count it, once to write it) so that it takes one atomic
-// add for all its slots, which are consecutive. A slot is published by writing its depth
-// (non-zero) last, after a block fence; `pending` grows before the parent's share shrinks,
-// so it reaches zero only when no chain is left anywhere.
+// add for all its slots, which are consecutive.
 __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_t kp, int32_t parent, int32_t d,
-                                       double T, PassState* st) {
+                                       double T, int* count, int* pruned, int* root_fc) {
     const float* row = lp_s + (int64_t)d * kp;
     const double first = parent < 0 ? (double)row[0] : c.logw[parent] + (double)row[0];
     double w = first;
@@ -307,7 +295,7 @@ __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_
     for (int32_t r = 0;;) {
         if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
         if (w < T) {
-            atomicOr(&st->pruned, 1);
+            atomicOr(pruned, 1);
             break;
         }
         len++;
@@ -315,64 +303,51 @@ __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_
         w = (w - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
     }
     if (len == 0) return;
-    atomicAdd(&st->pending, len);
-    const int slot0 = atomicAdd(&st->count, len);
-    if (slot0 + len > c.cap) {  // overflow: this threshold is too low
-        atomicOr(&st->overflow, 1);
-        return;
-    }
+    const int slot0 = atomicAdd(count, len);
+    if (slot0 + len > c.cap) return;  // overflow: this threshold is too low
     w = first;
     for (int32_t r = 0; r < len; r++) {
         const int32_t slot = slot0 + r;
         c.logw[slot] = w;
         c.parent[slot] = parent;
         c.rank[slot] = r;
+        c.depth[slot] = d + 1;
         c.fc[slot] = -1;
         c.ns[slot] = r + 1 < len ? slot + 1 : -1;
         c.gen[slot] = r > 0 ? slot - 1 : parent;
         if (r + 1 < len) w = (w - (double)row[r]) + (double)row[r + 1];
     }
     if (parent >= 0) c.fc[parent] = slot0;
-    else st->root_fc = slot0;
-    __threadfence_block();
-    for (int32_t r = 0; r < len; r++) reinterpret_cast<volatile int32_t*>(c.depth)[slot0 + r] = d + 1;
+    else *root_fc = slot0;
 }
 
-// Enumerates P_T; returns |P_T| (> c.cap on overflow). Block-wide. A node's child chain
-// starts as soon as the node is published (a work queue over the slots), so the long
-// sibling chains of different depths run at the same time instead of one level after
-// another.
-__device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_t kp, double T, PassState* st) {
+// Enumerates P_T level by level; returns |P_T| (> c.cap on overflow). Block-wide.
+__device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_t kp, double T, int* s_count,
+                            int* s_pruned, int* s_root_fc) {
     __syncthreads();
-    for (int i = threadIdx.x; i < c.cap; i += blockDim.x) c.depth[i] = 0;  // unpublished
     if (threadIdx.x == 0) {
-        st->count = 0;
-        st->head = 0;
-        st->pending = 0;
-        st->overflow = 0;
-        st->pruned = 0;
-        st->root_fc = -1;
+        *s_count = 0;
+        *s_pruned = 0;
+        *s_root_fc = -1;
+        enumerate_chain(c, lp_s, kp, -1, 0, T, s_count, s_pruned, s_root_fc);
     }
     __syncthreads();
-    if (threadIdx.x == 0) enumerate_chain(c, lp_s, kp, -1, 0, T, st);
+    // Every thread reads the shared count between two barriers (no thread adds to it
+    // there), so all of them take the same branch at the loop test.
+    int count_now = *s_count;
+    int lo = 0, hi = min(count_now, c.cap);
     __syncthreads();
-    volatile PassState* vs = st;
-    volatile int32_t* vdepth = c.depth;
-    for (;;) {
-        const int i = atomicAdd(&st->head, 1);
-        int32_t depth = 0;
-        for (;;) {  // wait until slot i is published, or until no work is left
-            if (vs->overflow) break;
-            if (i < c.cap && (depth = vdepth[i]) != 0) break;
-            if (vs->pending == 0) break;
+    for (int32_t d = 1; d < L && lo < hi && count_now <= c.cap; d++) {
+        for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
+            enumerate_chain(c, lp_s, kp, i, d, T, s_count, s_pruned, s_root_fc);
         }
-        if (depth == 0) break;
-        __threadfence_block();
-        if (depth < L) enumerate_chain(c, lp_s, kp, i, depth, T, st);
-        atomicSub(&st->pending, 1);
+        __syncthreads();
+        count_now = *s_count;
+        lo = hi;
+        hi = min(count_now, c.cap);
+        __syncthreads();
     }
-    __syncthreads();
-    const int total = st->overflow ? c.cap + 1 : st->count;
+    const int total = *s_count;
     __syncthreads();
     return total;
 }
@@ -382,8 +357,7 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
                                    double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
                                    int32_t* node_par, int32_t* node_depth) {
-    __shared__ PassState s_pass;
-    __shared__ int s_fail;
+    __shared__ int s_count, s_pruned, s_root_fc, s_fail;
     const double top = (double)lp_s[0];
     if (isinf(top)) return -1;  // (the heap handles the empty tree)
     // Bracket: t_high gives too few nodes, t_low too many (more than cap). The next
@@ -394,8 +368,8 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     const double target = 1.5 * (double)N;
     int found = 0;
     for (int iter = 0; iter < 60; iter++) {
-        const int cnt = enumerate_pt(c, lp_s, L, kp, T, &s_pass);
-        const int pruned = s_pass.pruned;
+        const int cnt = enumerate_pt(c, lp_s, L, kp, T, &s_count, &s_pruned, &s_root_fc);
+        const int pruned = s_pruned;
         if (cnt > c.cap) {
             t_low = T;
             c_low = (double)cnt;
@@ -420,7 +394,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         T = next;
     }
     if (!found) return -1;
-    const int M = s_pass.count;
+    const int M = s_count;
     const int64_t n = M < N ? M : N;
     // Bitonic sort of the candidates by the heap's key.
     int P = 1;
@@ -453,7 +427,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     }
     __syncthreads();
     if (s_fail) return -1;
-    const int root_fc = s_pass.root_fc;
+    const int root_fc = s_root_fc;
     for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
         if (i == 0) {
             logw_s[0] = 0.0;
