@@ -25,19 +25,19 @@ typedef struct kdt_scratch {
     size_t hash_size;    /* power of two >= 4 K', or 0 */
     unsigned hash_shift; /* 64 - log2(hash_size): the slot is the top bits of a mixed id */
     uint32_t stamp;      /* marks the entries of the current row; 0 = empty */
-    uint64_t* bitmap;    /* [bitmap_words] one bit per token id, or NULL (use the hash) */
-    size_t bitmap_words;
+    uint8_t* idmap;      /* [vocab] the stamp of the row that last held each id, or NULL */
+    size_t idmap_bytes;
+    uint8_t map_stamp;   /* this row's stamp in idmap (1..255; 0 = never) */
 } kdt_scratch;
 
-/* Duplicate ids are found with a bitmap over the vocabulary when one is given and the
- * bitmap is small next to the entries checked (it is cleared once per call), else with a
- * hash set. Both give the same answer; the bitmap costs about half per entry. */
-static size_t bitmap_words_for(int64_t depth, int64_t eff_width, int64_t vocab) {
-    size_t words;
+/* Duplicate ids are found with a map of one byte per vocabulary id, holding the stamp of
+ * the row that last saw the id (cleared once per call and every 255 rows), when a
+ * vocabulary is given and the map is small next to the entries checked; else with a hash
+ * set. Both give the same answer; the map costs about a third per entry. */
+static size_t idmap_bytes_for(int64_t depth, int64_t eff_width, int64_t vocab) {
     if (vocab <= 0 || vocab > ((int64_t)1 << 26) || depth <= 0 || eff_width <= 0) return 0;
-    words = ((size_t)vocab + 63u) / 64u;
-    if ((double)words > 8.0 * (double)depth * (double)eff_width) return 0;
-    return words;
+    if ((double)vocab > 64.0 * (double)depth * (double)eff_width) return 0;
+    return (size_t)vocab;
 }
 
 static size_t align8(size_t x) { return (x + 7u) & ~(size_t)7u; }
@@ -88,7 +88,7 @@ static kdt_status scratch_bytes(int64_t budget, int64_t depth, int64_t eff_width
     }
     total = align8(heap_bytes);
     if (!kdt_add_size(total, align8(ints), &total) || !kdt_add_size(total, hash_bytes, &total) ||
-        !kdt_add_size(total, bitmap_words_for(depth, eff_width, vocab) * sizeof(uint64_t), &total) ||
+        !kdt_add_size(total, idmap_bytes_for(depth, eff_width, vocab), &total) ||
         !kdt_add_size(total, 8u, &total)) {
         return kdt_fail(KDT_ERR_OVERFLOW, "workspace size for budget %lld overflows",
                         (long long)budget);
@@ -115,9 +115,10 @@ static void scratch_carve(void* base, int64_t budget, int64_t depth, int64_t eff
     for (size_t h = s->hash_size; h > 1u; h >>= 1) s->hash_shift--;
     s->stamp = 0;
     if (s->hash_size > 0) memset(s->hash, 0, s->hash_size * sizeof(uint64_t));
-    s->bitmap_words = bitmap_words_for(depth, eff_width, vocab);
-    s->bitmap = s->bitmap_words > 0 ? s->hash + s->hash_size : NULL;
-    if (s->bitmap) memset(s->bitmap, 0, s->bitmap_words * sizeof(uint64_t));
+    s->idmap_bytes = idmap_bytes_for(depth, eff_width, vocab);
+    s->idmap = s->idmap_bytes > 0 ? (uint8_t*)(s->hash + s->hash_size) : NULL;
+    s->map_stamp = 0;
+    if (s->idmap) memset(s->idmap, 0, s->idmap_bytes);
 }
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -289,22 +290,20 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
             }
         }
     }
-    if (s->bitmap) {
-        /* Duplicate ids with the vocabulary bitmap; its words are cleared after the row. */
-        uint64_t* const bm = s->bitmap;
+    if (s->idmap) {
+        if (++s->map_stamp == 0) {
+            memset(s->idmap, 0, s->idmap_bytes);
+            s->map_stamp = 1;
+        }
+        const uint8_t stamp = s->map_stamp;
+        uint8_t* const seen = s->idmap;
         for (r = 0; r < eff_width; r++) {
             const int32_t id = ids[r];
-            if ((uint32_t)id >= (uint64_t)vocab) break; /* reported below */
-            const uint64_t bit = (uint64_t)1 << ((uint32_t)id & 63u);
-            if (bm[(uint32_t)id >> 6] & bit) break;
-            bm[(uint32_t)id >> 6] |= bit;
+            if ((uint32_t)id >= (uint64_t)vocab) return id_range_error(id, vocab, b, d, r);
+            if (seen[id] == stamp) return duplicate_error(id, b, d, r);
+            seen[id] = stamp;
         }
-        const int64_t stop = r;
-        for (int64_t q = 0; q < stop; q++) bm[(uint32_t)ids[q] >> 6] = 0;
-        if (stop == eff_width) return KDT_OK;
-        const int32_t id = ids[stop];
-        if (id < 0 || (int64_t)id >= vocab) return id_range_error(id, vocab, b, d, stop);
-        return duplicate_error(id, b, d, stop);
+        return KDT_OK;
     }
     /* Duplicate ids: open addressing on a mixed id; entries of earlier rows carry older
      * stamps, so the table is never cleared between rows. Probing is bounded: ids crafted
