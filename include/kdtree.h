@@ -270,6 +270,26 @@ KDT_API kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int6
                                          int64_t row_stride, int64_t k, float* out_logprobs,
                                          int32_t* out_ids);
 
+/* ---- Element types ------------------------------------------------------------- */
+
+/* Element types: the KDTR format's dtype codes (docs/kdtr-format.md), also used to name
+ * the dtype of GPU inputs. Fixed values. */
+typedef enum kdt_dtype {
+    KDT_DTYPE_BOOL = 1,
+    KDT_DTYPE_INT8 = 2,
+    KDT_DTYPE_INT16 = 3,
+    KDT_DTYPE_INT32 = 4,
+    KDT_DTYPE_INT64 = 5,
+    KDT_DTYPE_UINT8 = 6,
+    KDT_DTYPE_UINT16 = 7,
+    KDT_DTYPE_UINT32 = 8,
+    KDT_DTYPE_UINT64 = 9,
+    KDT_DTYPE_FLOAT16 = 10,
+    KDT_DTYPE_BFLOAT16 = 11,
+    KDT_DTYPE_FLOAT32 = 12,
+    KDT_DTYPE_FLOAT64 = 13
+} kdt_dtype;
+
 /* ---- CUDA (GPU) ------------------------------------------------------------------- *
  * Built when the library was compiled with nvcc (CMake KDTREE_CUDA=AUTO|ON); otherwise
  * every function here returns KDT_ERR_UNSUPPORTED. GPU entry points take device pointers
@@ -317,24 +337,230 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
 KDT_API kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
                                         void* workspace, size_t workspace_bytes, void* stream);
 
-/* ---- KDTR: the container of named arrays (docs/kdtr-format.md) --------------------- */
+/* A strided 3-D tensor of logits in device memory: element (b, l, v) of the logical shape
+ * [batch, length, vocab] is at data + b * batch_stride + l * row_stride + v (in elements;
+ * the vocab axis is contiguous). Any non-negative strides are accepted, so a slice such as
+ * logits[:, 1:17, :] of a larger tensor is passed without a copy. */
+typedef struct kdt_logits {
+    const void* data;     /* device pointer aligned to the element size; NULL only when empty */
+    int32_t dtype;        /* KDT_DTYPE_FLOAT32, KDT_DTYPE_FLOAT16 or KDT_DTYPE_BFLOAT16        */
+    int32_t reserved;     /* must be 0                                                        */
+    int64_t batch;        /* B >= 0                                                           */
+    int64_t length;       /* rows per request, >= 0                                           */
+    int64_t vocab;        /* V: 1 .. INT32_MAX (any value when batch * length == 0)           */
+    int64_t batch_stride; /* elements from (b, l, v) to (b + 1, l, v), >= 0                   */
+    int64_t row_stride;   /* elements from (b, l, v) to (b, l + 1, v), >= 0                   */
+} kdt_logits;
 
-/* Element types of KDTR arrays. Fixed values (they are the format's dtype codes). */
-typedef enum kdt_dtype {
-    KDT_DTYPE_BOOL = 1,
-    KDT_DTYPE_INT8 = 2,
-    KDT_DTYPE_INT16 = 3,
-    KDT_DTYPE_INT32 = 4,
-    KDT_DTYPE_INT64 = 5,
-    KDT_DTYPE_UINT8 = 6,
-    KDT_DTYPE_UINT16 = 7,
-    KDT_DTYPE_UINT32 = 8,
-    KDT_DTYPE_UINT64 = 9,
-    KDT_DTYPE_FLOAT16 = 10,
-    KDT_DTYPE_BFLOAT16 = 11,
-    KDT_DTYPE_FLOAT32 = 12,
-    KDT_DTYPE_FLOAT64 = 13
-} kdt_dtype;
+/* Bytes of device workspace kdt_topk_logprobs_cuda needs for `rows` rows (batch * length)
+ * of `vocab` logits and top `k`. Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT
+ * (negative, k > vocab, k > 1024), KDT_ERR_OVERFLOW. */
+KDT_API kdt_status kdt_topk_logprobs_cuda_workspace_bytes(int64_t rows, int64_t vocab, int64_t k,
+                                                          size_t* bytes);
+
+/*
+ * Top-k log-probs on the GPU, reading the logits once: for every row (b, l),
+ * logprob = logit - logsumexp(row), the logsumexp over all vocab entries in float32
+ * (max, then the sum of expf(x - max)); the k largest sorted descending, ties ordered by
+ * lower token id (spec "Input": lp = top_k(logits) - logsumexp(logits)).
+ *
+ * logits:        device tensor [B, L, V] (kdt_logits), float32, float16 or bfloat16.
+ * k:             1 .. min(V, 1024) (0 allowed: nothing is written but row_status).
+ * out_logprobs:  device float32 [B, L, k], C-contiguous.
+ * out_ids:       device int32 [B, L, k]: token ids, always in [0, V).
+ * row_status:    device int32 [B, L]: KDT_OK, or KDT_ERR_VALUE when the row holds a NaN or
+ *                a +inf logit or every logit is -inf. Such a row's log-probs are all NaN
+ *                and its ids 0 .. k-1 (so a tree built from it fails with KDT_ERR_VALUE).
+ *                A -inf logit in a valid row gives a -inf log-prob.
+ * workspace:     device, kdt_topk_logprobs_cuda_workspace_bytes(B * L, V, k) bytes,
+ *                256-byte aligned, contents need not be initialised.
+ *
+ * Returns (host-side checks) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (dtype,
+ * reserved, sizes, strides, alignment), KDT_ERR_BUFFER_TOO_SMALL, KDT_ERR_OVERFLOW,
+ * KDT_ERR_CUDA (launch failed), KDT_ERR_UNSUPPORTED (no CUDA in this build).
+ */
+KDT_API kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k, float* out_logprobs,
+                                          int32_t* out_ids, int32_t* row_status, void* workspace,
+                                          size_t workspace_bytes, void* stream);
+
+/* Bytes of device workspace kdt_trees_build_from_logits_cuda needs for this batch, budget
+ * N, depth L (= logits length), vocab and width K. Same errors as the other queries. */
+KDT_API kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batch, int64_t budget,
+                                                                   int64_t depth, int64_t vocab,
+                                                                   int64_t width, size_t* bytes);
+
+/*
+ * The drafter's logits to draft trees in one call, on the device: kdt_topk_logprobs_cuda
+ * with k = min(width, N) into the workspace, then kdt_trees_build_cuda on the result
+ * (draft depth L = logits->length, vocab_size = V). The trees are bit-identical to
+ * kdt_trees_build_cpu run on the same top-k output.
+ *
+ * logits:          device [B, L, V]: row l of request b is the drafter's distribution at
+ *                  depth l + 1 below the root.
+ * width:           K, 0 .. min(V, 1024): top-k entries per position.
+ * root_tokens:     device int32 [B] or NULL; root_positions: device int64 [B] or NULL.
+ * out, request_status: as kdt_trees_build_cuda. A logits row with NaN, +inf or only -inf
+ *                  gives its request KDT_ERR_VALUE (a root-only tree) when N >= 1.
+ * workspace:       kdt_trees_build_from_logits_cuda_workspace_bytes(B, N, L, V, K) bytes,
+ *                  256-byte aligned.
+ * Returns the host-side statuses of the two calls it makes.
+ */
+KDT_API kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
+                                                    const int32_t* root_tokens,
+                                                    const int64_t* root_positions, int32_t pad_token,
+                                                    kdt_trees* out, int32_t* request_status,
+                                                    void* workspace, size_t workspace_bytes,
+                                                    void* stream);
+
+/* Layouts of kdt_tree_attention_mask_cuda's output. Fixed values. */
+typedef enum kdt_mask_kind {
+    KDT_MASK_BOOL = 0,          /* uint8 [B, N+1, C]: 1 visible, 0 hidden                    */
+    KDT_MASK_BITS = 1,          /* uint32 [B, N+1, ceil(C/32)]: bit j%32 of word j/32 = column j */
+    KDT_MASK_ADDITIVE_F32 = 2,  /* float32 [B, N+1, C]: 0 visible, -FLT_MAX hidden            */
+    KDT_MASK_ADDITIVE_F16 = 3,  /* float16 [B, N+1, C]: 0 visible, -65504 hidden              */
+    KDT_MASK_ADDITIVE_BF16 = 4, /* bfloat16 [B, N+1, C]: 0 visible, -3.3895e38 hidden         */
+    KDT_MASK_FLASHINFER = 5     /* uint8, ragged: FlashInfer/SGLang packed custom mask (below) */
+} kdt_mask_kind;
+
+/*
+ * Tree attention masks for the target's verify forward, over the request's KV prefix and
+ * the tree: query rows are the N + 1 tree rows (root first), key columns are the prefix
+ * (p = prefix_lengths[b] cached tokens) followed by the N + 1 tree rows. Row i sees
+ * prefix column c < p for every real node i <= num_nodes[b], and tree column p + j when j
+ * is i or an ancestor of i (the builder's visibility). A padding row (i > num_nodes[b])
+ * sees only itself (column p + i), never the prefix, so no row is fully masked.
+ *
+ * trees:          device arrays; reads batch, budget N, num_nodes and parents (required).
+ * prefix_lengths: device int64 [B], >= 0.
+ * kind:           kdt_mask_kind.
+ * columns:        C for the dense kinds (row length; p + N + 1 <= C for every request,
+ *                 columns from p + N + 1 on are hidden); must be 0 for KDT_MASK_FLASHINFER.
+ * mask:           device output. Dense kinds: exactly B * (N+1) * row bytes are written.
+ *                 KDT_MASK_FLASHINFER: request b's [N+1, p+N+1] bool mask, flattened row
+ *                 major and packed 8 per byte little-endian (numpy packbits(bitorder=
+ *                 "little")), starts at byte mask_indptr[b]; segments are consecutive.
+ * mask_bytes:     capacity of `mask` in bytes.
+ * mask_indptr:    device int32 [B + 1] (KDT_MASK_FLASHINFER only, else NULL): byte offsets
+ *                 of the segments, mask_indptr[0] = 0 (FlashInfer's mask_indptr).
+ * positions:      device int64 [B, N+1] or NULL: p + depth of each row (padding rows: p).
+ * request_status: device int32 [B]: KDT_OK; KDT_ERR_OUT_OF_RANGE (negative prefix, or
+ *                 p + N + 1 > C); KDT_ERR_VALUE (num_nodes outside [0, N] or a parent not
+ *                 in [0, i)); KDT_ERR_BUFFER_TOO_SMALL (KDT_MASK_FLASHINFER: the segments
+ *                 exceed mask_bytes or INT32_MAX bytes; then every request gets it and
+ *                 `mask` is not written). A failed request's rows are all hidden (dense) and
+ *                 its positions are its prefix length (0 when negative).
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_SHAPE
+ * (columns < N + 1), KDT_ERR_BUFFER_TOO_SMALL (dense kinds), KDT_ERR_OVERFLOW,
+ * KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+                                                int32_t kind, int64_t columns, void* mask,
+                                                size_t mask_bytes, int32_t* mask_indptr,
+                                                int64_t* positions, int32_t* request_status,
+                                                void* stream);
+
+/*
+ * kdt_verify_greedy_cpu on the GPU: the same walk and outputs, one thread block per
+ * request, all arrays in device memory (trees, target_tokens [B, N+1], stop_tokens,
+ * max_commit, accepted_nodes [B, path_capacity], accept_length [B], bonus_token [B]).
+ * request_status: device int32 [B]: KDT_OK or the CPU's status for that request alone
+ * (KDT_ERR_VALUE: inconsistent links, negative target token at a visited node;
+ * KDT_ERR_INVALID_ARGUMENT: negative max_commit; KDT_ERR_SHAPE: path longer than
+ * path_capacity - 1). A failed request's outputs are accepted_nodes [-1, ...],
+ * accept_length 0, bonus_token -1.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_CUDA,
+ * KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
+                                          const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                          const int64_t* max_commit, int64_t path_capacity,
+                                          int32_t* accepted_nodes, int32_t* accept_length,
+                                          int32_t* bonus_token, int32_t* request_status, void* stream);
+
+/*
+ * Greedy verification from the target's logits: the target's token at a node is the
+ * argmax of its logits row (ties: lower id; NaN rows are an error), then the walk of
+ * kdt_verify_greedy_cpu. Only the rows the walk visits are read (at most L + 1 per
+ * request), so the result equals the CPU walk on the full argmax.
+ *
+ * target_logits:  device [B, N+1, V] (kdt_logits; batch B, length N + 1): row i is the
+ *                 target's prediction after tree node i (its verify-forward output).
+ * target_tokens:  device int32 [B, N+1] or NULL: written with the chosen token at every
+ *                 visited node and -1 at the others.
+ * Other arguments and outputs as kdt_verify_greedy_cuda; request_status also reports
+ * KDT_ERR_VALUE for a NaN logit in a visited row (the request then fails as above).
+ */
+KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                                      const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                      const int64_t* max_commit, int64_t path_capacity,
+                                                      int32_t* accepted_nodes, int32_t* accept_length,
+                                                      int32_t* bonus_token, int32_t* target_tokens,
+                                                      int32_t* request_status, void* stream);
+
+/*
+ * Sampled verification (lossless for any temperature): at each visited node one token is
+ * drawn from softmax(logits / temperature) of that node's row, then the walk of
+ * kdt_verify_greedy_cpu follows the drawn tokens (a child is accepted when its token is
+ * the draw; the bonus token is the draw at the last accepted node). Because the draft tree
+ * does not depend on the draws, every committed token is an exact sample of the target.
+ *
+ * The draw is the Gumbel-max trick with a counter-based generator, reproducible for the
+ * same (seed, offset) whatever the launch shape: for request b, node i and token v,
+ * u = Philox4x32-10(key = seed, counter = (v / 4, i, b, offset)) word v % 4, mapped to
+ * (0, 1) as ((u >> 8) + 0.5) * 2^-24; the token is argmax_v (logit_v / temperature
+ * - log(-log(u))) in float32, ties by lower id. A -inf logit is never drawn.
+ * temperature: finite, > 0. offset: advance it every round (e.g. the round number).
+ * Other arguments as kdt_verify_greedy_from_logits_cuda (target_tokens: the draws).
+ */
+KDT_API kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                                      float temperature, uint64_t seed, uint64_t offset,
+                                                      const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                      const int64_t* max_commit, int64_t path_capacity,
+                                                      int32_t* accepted_nodes, int32_t* accept_length,
+                                                      int32_t* bonus_token, int32_t* target_tokens,
+                                                      int32_t* request_status, void* stream);
+
+/* A paged-free KV cache: per layer one K and one V tensor of logical shape
+ * [batch, heads, seq_capacity, head_dim] with explicit element strides (head_dim is
+ * contiguous), so both [B, H, S, D] (Hugging Face) and [B, S, H, D] layouts are described. */
+typedef struct kdt_kv_cache {
+    void* const* k_layers; /* device array [num_layers] of device pointers to K tensors     */
+    void* const* v_layers; /* device array [num_layers] of device pointers to V tensors, or NULL (K only) */
+    int64_t num_layers;    /* >= 0                                                           */
+    int32_t dtype;         /* KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16 or KDT_DTYPE_FLOAT32      */
+    int32_t reserved;      /* must be 0                                                      */
+    int64_t batch;         /* B >= 0                                                         */
+    int64_t heads;         /* >= 0                                                           */
+    int64_t seq_capacity;  /* S: rows per (request, head)                                    */
+    int64_t head_dim;      /* D >= 0                                                         */
+    int64_t batch_stride;  /* elements between requests                                      */
+    int64_t head_stride;   /* elements between heads                                         */
+    int64_t seq_stride;    /* elements between sequence rows (>= head_dim)                   */
+} kdt_kv_cache;
+
+/*
+ * KV-cache compaction after verification, in place, all layers in one launch: the verify
+ * forward wrote tree row i of request b at sequence row p + i (p = prefix_lengths[b]);
+ * the accepted path's rows move to the contiguous rows right after the prefix:
+ * row p + accepted_nodes[b][j] -> row p + j for j = 0 .. accept_length[b] (root first).
+ * The caller then treats the first p + accept_length[b] + 1 rows as the cache. Requests
+ * whose path is already contiguous (accepted_nodes[b][j] == j) are not touched.
+ *
+ * accepted_nodes: device int32 [B, path_capacity], accept_length: device int32 [B] (the
+ * outputs of the verify calls). prefix_lengths: device int64 [B].
+ * request_status: device int32 [B]: KDT_OK, or KDT_ERR_VALUE (path not starting at 0, not
+ * strictly increasing, accept_length outside [0, path_capacity - 1]) or
+ * KDT_ERR_OUT_OF_RANGE (negative prefix, a row beyond seq_capacity); such a request's
+ * cache is not touched.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (dtype, reserved,
+ * negative sizes or strides, alignment), KDT_ERR_OVERFLOW, KDT_ERR_CUDA,
+ * KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths,
+                                       const int32_t* accepted_nodes, const int32_t* accept_length,
+                                       int64_t path_capacity, int32_t* request_status, void* stream);
+
+/* ---- KDTR: the container of named arrays (docs/kdtr-format.md) --------------------- */
 
 /* Bytes per element of a dtype. KDT_ERR_UNSUPPORTED for an unknown code. */
 KDT_API kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes);
