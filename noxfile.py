@@ -84,6 +84,17 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "bench_trees.py"), *session.posargs, env=_env())
 
 
+@nox.session(name="bench-gpu", python=False, default=False)
+def bench_gpu(session: nox.Session) -> None:
+    """GPU kernels vs the published torch + host-heap path (device machine; needs torch).
+
+    Uses the current interpreter (torch is large and GPU machines often have no network):
+    run it where ``python -c "import torch"`` works. Builds libkdtree with CUDA first.
+    """
+    _cmake_build(session, "-DKDTREE_CUDA=ON")
+    session.run("python", str(ROOT / "tools" / "bench_gpu.py"), *session.posargs, env=_env(), external=True)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check on the Python code (and clang-format differences, advisory).

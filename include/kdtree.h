@@ -30,7 +30,7 @@ extern "C" {
 
 /* ---- Version ---------------------------------------------------------------------- */
 #define KDT_VERSION_MAJOR 0
-#define KDT_VERSION_MINOR 1
+#define KDT_VERSION_MINOR 2
 #define KDT_VERSION_PATCH 0
 /* Bumped whenever a struct layout, enum value or function signature changes. The Python
  * loader refuses a library whose kdt_abi_version() differs from the one it was written
@@ -468,8 +468,9 @@ KDT_API kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const in
  * KDT_ERR_INVALID_ARGUMENT: negative max_commit; KDT_ERR_SHAPE: path longer than
  * path_capacity - 1). A failed request's outputs are accepted_nodes [-1, ...],
  * accept_length 0, bonus_token -1.
- * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_CUDA,
- * KDT_ERR_UNSUPPORTED.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (also B > INT32_MAX),
+ * KDT_ERR_SHAPE (the *_from_logits calls: logits batch != B or length != N + 1),
+ * KDT_ERR_OVERFLOW, KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED.
  */
 KDT_API kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
                                           const int32_t* stop_tokens, int64_t num_stop_tokens,
@@ -506,9 +507,13 @@ KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, co
  *
  * The draw is the Gumbel-max trick with a counter-based generator, reproducible for the
  * same (seed, offset) whatever the launch shape: for request b, node i and token v,
- * u = Philox4x32-10(key = seed, counter = (v / 4, i, b, offset)) word v % 4, mapped to
- * (0, 1) as ((u >> 8) + 0.5) * 2^-24; the token is argmax_v (logit_v / temperature
- * - log(-log(u))) in float32, ties by lower id. A -inf logit is never drawn.
+ * x = word v % 4 of Philox4x32-10(counter = (v / 4, i, b, offset & 0xFFFFFFFF),
+ * key = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))) (32-bit words, first word
+ * first), mapped to (0, 1) as u = (2k + 1) * 2^-25 with k = x >> 8; in float32,
+ * t = -log(u) is evaluated from exact arguments (-logf((2k + 1) * 2^-25) for k < 2^23,
+ * else -log1pf(-(2^25 - 2k - 1) * 2^-25)), and the token is argmax_v of
+ * logit_v / temperature - logf(t) (correctly rounded division and addition), ties by
+ * lower id. A -inf logit is never drawn.
  * temperature: finite, > 0. offset: advance it every round (e.g. the round number).
  * Other arguments as kdt_verify_greedy_from_logits_cuda (target_tokens: the draws).
  */

@@ -39,6 +39,23 @@ int main(void) {
         CHECK_STATUS(kdt_trees_build_cuda(&d, &t, status, NULL, 0, NULL), KDT_ERR_UNSUPPORTED);
         CHECK_ERR_HAS("without CUDA");
         CHECK_STATUS(kdt_trees_build_cuda_workspace_bytes(1, 4, 2, 3, &ws), KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_topk_logprobs_cuda_workspace_bytes(1, 10, 2, &ws), KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_topk_logprobs_cuda(NULL, 1, NULL, NULL, NULL, NULL, 0, NULL), KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 10, 3, &ws), KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(NULL, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_tree_attention_mask_cuda(&t, NULL, 0, 8, NULL, 0, NULL, NULL, status, NULL),
+                     KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_verify_greedy_cuda(&t, NULL, NULL, 0, NULL, 3, NULL, NULL, NULL, status, NULL),
+                     KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_verify_greedy_from_logits_cuda(&t, NULL, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL, status,
+                                                        NULL),
+                     KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_verify_sample_from_logits_cuda(&t, NULL, 1.0f, 1, 2, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL,
+                                                        status, NULL),
+                     KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_compact_kv_cuda(NULL, NULL, NULL, NULL, 3, status, NULL), KDT_ERR_UNSUPPORTED);
+        CHECK_ERR_HAS("without CUDA");
         HARNESS_EXIT();
     }
     CHECK_OK(kdt_trees_build_cuda_workspace_bytes(1, 4, 2, 3, &ws));
@@ -70,6 +87,59 @@ int main(void) {
     d.logprobs = NULL;
     CHECK_STATUS(kdt_trees_build_cuda(&d, &t, status, NULL, 0, NULL), KDT_ERR_NULL_POINTER);
     CHECK_ERR_HAS("logprobs");
+    /* Trees from logits: the host-side checks (no device memory is touched). */
+    {
+        uint16_t fake_logits[64];
+        kdt_logits lg;
+        memset(&lg, 0, sizeof lg);
+        lg.data = fake_logits;
+        lg.dtype = KDT_DTYPE_BFLOAT16;
+        lg.batch = 1;
+        lg.length = 2;
+        lg.vocab = 10;
+        lg.batch_stride = 20;
+        lg.row_stride = 10;
+        size_t need = 0;
+        CHECK_OK(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 10, 3, &need));
+        CHECK(need > 0 && need % 256 == 0);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 10, 11, &need), KDT_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 2000, 1025, &need),
+                     KDT_ERR_INVALID_ARGUMENT);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 10, 3, NULL), KDT_ERR_NULL_POINTER);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(NULL, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_NULL_POINTER);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, NULL, status, NULL, 0, NULL),
+                     KDT_ERR_NULL_POINTER);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_NULL_POINTER);
+        CHECK_ERR_HAS("workspace");
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, (void*)(uintptr_t)4096,
+                                                      need - 1, NULL),
+                     KDT_ERR_BUFFER_TOO_SMALL);
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 11, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_INVALID_ARGUMENT);
+        CHECK_ERR_HAS("width");
+        lg.dtype = KDT_DTYPE_INT32;
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_INVALID_ARGUMENT);
+        CHECK_ERR_HAS("dtype");
+        lg.dtype = KDT_DTYPE_FLOAT16;
+        lg.reserved = 1;
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_INVALID_ARGUMENT);
+        lg.reserved = 0;
+        lg.data = (const char*)fake_logits + 1; /* misaligned */
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_INVALID_ARGUMENT);
+        CHECK_ERR_HAS("aligned");
+        lg.data = fake_logits;
+        lg.row_stride = -1;
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_INVALID_ARGUMENT);
+        lg.row_stride = INT64_MAX / 2;
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+                     KDT_ERR_OVERFLOW);
+    }
     /* An empty batch needs nothing and launches nothing. */
     d.batch = 0;
     t.batch = 0;

@@ -97,8 +97,10 @@ def _pointee(ctype) -> object:
     return ctype._type_ if isinstance(ctype, type) and issubclass(ctype, ctypes._Pointer) else None
 
 
-SCALARS = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "size_t": ctypes.c_size_t}
-STRUCTS = {"kdt_trees": _lib.KdtTrees, "kdt_draft": _lib.KdtDraft, "kdt_kdtr_array": _lib.KdtKdtrArray}
+SCALARS = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "size_t": ctypes.c_size_t,
+           "uint64_t": ctypes.c_uint64, "float": ctypes.c_float}
+STRUCTS = {"kdt_trees": _lib.KdtTrees, "kdt_draft": _lib.KdtDraft, "kdt_kdtr_array": _lib.KdtKdtrArray,
+           "kdt_logits": _lib.KdtLogits, "kdt_kv_cache": _lib.KdtKvCache}
 
 
 def _matches(c_type: str, ctype) -> bool:
@@ -205,7 +207,7 @@ def test_library_version(lib):
 
 # ---- Struct layouts -------------------------------------------------------------------------
 
-C_STRUCTS = {"kdt_trees": _lib.KdtTrees, "kdt_draft": _lib.KdtDraft, "kdt_kdtr_array": _lib.KdtKdtrArray}
+C_STRUCTS = dict(STRUCTS)
 
 
 def test_struct_field_names_match_header():

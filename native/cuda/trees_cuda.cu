@@ -20,6 +20,16 @@ extern "C" {
 
 namespace {
 
+// Phase timing for tools/profile_trees_cuda.cu, which compiles this file with
+// KDT_TREES_PROFILE defined; the library itself has no probes.
+#ifdef KDT_TREES_PROFILE
+__device__ long long kdt_prof[4096][4];
+#define KDT_PROBE(phase) \
+    do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
+#else
+#define KDT_PROBE(phase) do { } while (0)
+#endif
+
 constexpr int kThreads = 256;
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_smem_max[kMaxDevices];  // cudaDevAttrMaxSharedMemoryPerBlockOptin, 0: unknown
@@ -109,6 +119,56 @@ __device__ int32_t exact_status(const kdt_draft& d, int64_t b, int64_t kp) {
         }
     }
     return KDT_OK;
+}
+
+// ---- Pieces shared by the kernels -----------------------------------------------------------
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+// Rows of up to this many used entries are checked for repeated ids with warp shuffles.
+constexpr int64_t kWarpDupMaxWidth = 128;
+
+// Whether ids[0 .. kp) (kp <= kWarpDupMaxWidth) holds a repeated id; negative ids (range
+// errors, reported separately) are ignored. Warp-wide: every lane returns the answer.
+__device__ bool warp_row_has_duplicate(const int32_t* ids, int64_t kp, int lane) {
+    constexpr int kPer = (int)(kWarpDupMaxWidth / 32);
+    int32_t mine[kPer];
+#pragma unroll
+    for (int m = 0; m < kPer; m++) {
+        const int64_t r = lane + 32 * m;
+        mine[m] = r < kp ? ids[r] : -1;
+    }
+    bool dup = false;
+#pragma unroll
+    for (int j = 0; j < kPer; j++) {
+        if (32 * j >= kp) break;  // uniform
+        for (int src = 0; src < 32; src++) {
+            const int32_t q = __shfl_sync(kFullMask, mine[j], src);  // the id of rank src + 32 j
+            if (q < 0) continue;                                     // uniform (broadcast)
+            const int rq = src + 32 * j;
+#pragma unroll
+            for (int m = 0; m < kPer; m++) dup |= (lane + 32 * m > rq) && mine[m] == q;
+        }
+    }
+    return __any_sync(kFullMask, dup);
+}
+
+// Writes row i's visibility (bytes) and visibility_bits (words), one warp per row: the
+// lanes clear the row, then lane 0 sets the row's own column and its ancestors' (node
+// rows) or just the diagonal (padding rows, i > n). Used by both kernels.
+__device__ void warp_write_mask_row(int64_t i, int64_t n, int64_t rows, const int32_t* node_par, uint8_t* vrow,
+                                    uint32_t* brow) {
+    const int lane = threadIdx.x & 31;
+    const int64_t words = (rows + 31) / 32;
+    if (vrow) for (int64_t j = lane; j < rows; j += 32) vrow[j] = 0;
+    if (brow) for (int64_t j = lane; j < words; j += 32) brow[j] = 0u;
+    __syncwarp();
+    if (lane == 0) {
+        for (int64_t a = i; a >= 0; a = i <= n ? node_par[a] : -1) {
+            if (vrow) vrow[a] = 1;
+            if (brow) brow[a / 32] |= 1u << (a % 32);
+        }
+    }
+    __syncwarp();
 }
 
 __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
@@ -214,24 +274,14 @@ __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
     }
     __syncthreads();
 
-    // 3. Masks: one warp per row; the lanes clear it, then lane 0 sets the row's own
-    // column and its ancestors' (node rows) or just the diagonal (padding rows).
+    // 3. Masks: one warp per row (warp_write_mask_row).
     const int64_t n = s_n;
     const int32_t* node_par = tables + (p.cap + 1);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
     for (size_t i = warp; i < rows; i += warps) {
         uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;
         uint32_t* brow = p.out.visibility_bits ? p.out.visibility_bits + (base + i) * words : nullptr;
-        if (vrow) for (size_t j = lane; j < rows; j += 32) vrow[j] = 0;
-        if (brow) for (size_t j = lane; j < words; j += 32) brow[j] = 0u;
-        __syncwarp();
-        if (lane == 0) {
-            for (int64_t a = (int64_t)i; a >= 0; a = ((int64_t)i <= n) ? node_par[a] : -1) {
-                if (vrow) vrow[a] = 1;
-                if (brow) brow[a / 32] |= 1u << (a % 32);
-            }
-        }
-        __syncwarp();
+        warp_write_mask_row((int64_t)i, n, (int64_t)rows, node_par, vrow, brow);
     }
 }
 
@@ -497,6 +547,7 @@ __device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
 // block from the node tables.
 __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
+    KDT_PROBE(0);
     const int64_t b = blockIdx.x;
     const kdt_draft& d = p.draft;
     const int64_t L = d.depth, K = d.width, N = p.out.budget, kp = p.eff_width;
@@ -529,25 +580,30 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         }
         s_bad = bad;
     }
-    // Load the used part [L, K'] (row stride K' in shared memory).
-    for (int64_t idx = threadIdx.x; idx < L * kp; idx += blockDim.x) {
-        const int64_t row = idx / kp, r = idx % kp;
-        lp_s[idx] = lp[row * K + r];
-    }
     __syncthreads();
+    // Load the used part [L, K'] (row stride K' in shared memory) and check it: one warp
+    // per row, so no index division and, for narrow rows, no barrier per row.
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     int bad = 0;
-    for (int64_t idx = threadIdx.x; idx < L * kp; idx += blockDim.x) {
-        const int64_t r = idx % kp;
-        const float v = lp_s[idx];
-        const int32_t id = ids[(idx / kp) * K + r];
-        bad |= isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > lp_s[idx - 1]);
-        bad |= id < 0 || (d.vocab_size > 0 && id >= d.vocab_size);
+    for (int64_t row = warp; row < L; row += warps) {
+        const float* src = lp + row * K;
+        const int32_t* row_ids = ids + row * K;
+        for (int64_t r = lane; r < kp; r += 32) {
+            const float v = src[r];
+            const int32_t id = row_ids[r];
+            lp_s[row * kp + r] = v;
+            bad |= isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > src[r - 1]);
+            bad |= id < 0 || (d.vocab_size > 0 && id >= d.vocab_size);
+        }
+        if (kp <= kWarpDupMaxWidth && warp_row_has_duplicate(row_ids, kp, lane)) bad = 1;
     }
     if (bad) atomicOr(&s_bad, 1);
+    __syncthreads();
+    // Wider rows: repeated ids through a hash set of ids (-1: empty), a row at a time.
     const uint64_t mask = (uint64_t)p.hash_slots - 1;
     int shift = 64;
     for (int64_t h = p.hash_slots; h > 1; h >>= 1) shift--;
-    for (int64_t row = 0; row < L && kp > 0; row++) {
+    for (int64_t row = 0; row < L && kp > kWarpDupMaxWidth; row++) {
         for (int64_t i = threadIdx.x; i < p.hash_slots; i += blockDim.x) hash[i] = -1;
         __syncthreads();
         int dup = 0;
@@ -570,6 +626,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     }
 
     // Version 3 first (valid requests only); -1 sends the request to the heap below.
+    KDT_PROBE(1);
     __shared__ int64_t s_par_n;
     if (threadIdx.x == 0) s_par_n = -1;
     __syncthreads();
@@ -623,6 +680,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     }
     __syncthreads();
 
+    KDT_PROBE(2);
     const int64_t n = s_n;
     const int32_t* node_rank = tables;
     const int32_t* node_par = tables + (p.cap + 1);
@@ -642,21 +700,12 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         if (p.out.first_child) p.out.first_child[base + i] = fc_s[i];
         if (p.out.next_sibling) p.out.next_sibling[base + i] = ns_s[i];
     }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     for (size_t i = warp; i < rows; i += warps) {
         uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;
         uint32_t* brow = p.out.visibility_bits ? p.out.visibility_bits + (base + i) * words : nullptr;
-        if (vrow) for (size_t j = lane; j < rows; j += 32) vrow[j] = 0;
-        if (brow) for (size_t j = lane; j < words; j += 32) brow[j] = 0u;
-        __syncwarp();
-        if (lane == 0) {
-            for (int64_t a = (int64_t)i; a >= 0; a = ((int64_t)i <= n) ? node_par[a] : -1) {
-                if (vrow) vrow[a] = 1;
-                if (brow) brow[a / 32] |= 1u << (a % 32);
-            }
-        }
-        __syncwarp();
+        warp_write_mask_row((int64_t)i, n, (int64_t)rows, node_par, vrow, brow);
     }
+    KDT_PROBE(3);
 }
 
 }  // namespace

@@ -11,9 +11,19 @@ Trees", arXiv 2604.12989; the exact rule is the project's spec, ``ddtree-tree-bu
 
 from ._lib import KdtreeError, LibraryNotFoundError
 from ._types import Acceptance, TreeBatch
-from .api import build_trees, empty_trees, topk_logprobs, verify_greedy
+from .api import (
+    build_trees,
+    build_trees_from_logits,
+    compact_kv,
+    empty_trees,
+    topk_logprobs,
+    tree_attention_mask,
+    verify_greedy,
+    verify_greedy_from_logits,
+    verify_sample_from_logits,
+)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def library_version() -> str:
@@ -29,9 +39,14 @@ __all__ = [
     "LibraryNotFoundError",
     "TreeBatch",
     "build_trees",
+    "build_trees_from_logits",
+    "compact_kv",
     "empty_trees",
     "library_version",
     "topk_logprobs",
+    "tree_attention_mask",
     "verify_greedy",
+    "verify_greedy_from_logits",
+    "verify_sample_from_logits",
     "__version__",
 ]

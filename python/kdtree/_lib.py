@@ -97,6 +97,40 @@ class KdtDraft(ctypes.Structure):
     ]
 
 
+class KdtLogits(ctypes.Structure):
+    """struct kdt_logits."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("batch", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("batch_stride", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+    ]
+
+
+class KdtKvCache(ctypes.Structure):
+    """struct kdt_kv_cache."""
+
+    _fields_ = [
+        ("k_layers", ctypes.c_void_p),
+        ("v_layers", ctypes.c_void_p),
+        ("num_layers", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("batch", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("seq_capacity", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("batch_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("seq_stride", ctypes.c_int64),
+    ]
+
+
 class KdtKdtrArray(ctypes.Structure):
     """struct kdt_kdtr_array."""
 
@@ -114,6 +148,10 @@ _vp = ctypes.c_void_p
 _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
 _sz = ctypes.c_size_t
+_f32 = ctypes.c_float
+_u64 = ctypes.c_uint64
+_logits_p = ctypes.POINTER(KdtLogits)
+_trees_p = ctypes.POINTER(KdtTrees)
 
 # name -> (restype, argtypes); "status" marks a kdt_status return checked by errcheck.
 # Each line mirrors the C prototype in include/kdtree.h.
@@ -161,6 +199,50 @@ SIGNATURES: dict[str, tuple[object, list]] = {
         "status",
         [ctypes.POINTER(KdtDraft), ctypes.POINTER(KdtTrees), _vp, _vp, _sz, _vp],
     ),
+    # kdt_status kdt_topk_logprobs_cuda_workspace_bytes(int64_t rows, int64_t vocab, int64_t k,
+    #                                                   size_t* bytes)
+    "kdt_topk_logprobs_cuda_workspace_bytes": ("status", [_i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k, float* out_logprobs,
+    #     int32_t* out_ids, int32_t* row_status, void* workspace, size_t workspace_bytes,
+    #     void* stream)
+    "kdt_topk_logprobs_cuda": ("status", [_logits_p, _i64, _vp, _vp, _vp, _vp, _sz, _vp]),
+    # kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batch, int64_t budget,
+    #     int64_t depth, int64_t vocab, int64_t width, size_t* bytes)
+    "kdt_trees_build_from_logits_cuda_workspace_bytes": (
+        "status", [_i64, _i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
+    #     const int32_t* root_tokens, const int64_t* root_positions, int32_t pad_token,
+    #     kdt_trees* out, int32_t* request_status, void* workspace, size_t workspace_bytes,
+    #     void* stream)
+    "kdt_trees_build_from_logits_cuda": (
+        "status", [_logits_p, _i64, _vp, _vp, _i32, _trees_p, _vp, _vp, _sz, _vp]),
+    # kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+    #     int32_t kind, int64_t columns, void* mask, size_t mask_bytes, int32_t* mask_indptr,
+    #     int64_t* positions, int32_t* request_status, void* stream)
+    "kdt_tree_attention_mask_cuda": ("status", [_trees_p, _vp, _i32, _i64, _vp, _sz, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
+    #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
+    #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
+    #     int32_t* bonus_token, int32_t* request_status, void* stream)
+    "kdt_verify_greedy_cuda": ("status", [_trees_p, _vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees,
+    #     const kdt_logits* target_logits, const int32_t* stop_tokens, int64_t num_stop_tokens,
+    #     const int64_t* max_commit, int64_t path_capacity, int32_t* accepted_nodes,
+    #     int32_t* accept_length, int32_t* bonus_token, int32_t* target_tokens,
+    #     int32_t* request_status, void* stream)
+    "kdt_verify_greedy_from_logits_cuda": (
+        "status", [_trees_p, _logits_p, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
+    #     const kdt_logits* target_logits, float temperature, uint64_t seed, uint64_t offset,
+    #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
+    #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
+    #     int32_t* bonus_token, int32_t* target_tokens, int32_t* request_status, void* stream)
+    "kdt_verify_sample_from_logits_cuda": (
+        "status", [_trees_p, _logits_p, _f32, _u64, _u64, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths,
+    #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
+    #     int32_t* request_status, void* stream)
+    "kdt_compact_kv_cuda": ("status", [ctypes.POINTER(KdtKvCache), _vp, _vp, _vp, _i64, _vp, _vp]),
     # kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes)
     "kdt_dtype_size": ("status", [_i32, ctypes.POINTER(_sz)]),
     # kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out)

@@ -28,6 +28,11 @@ class TreeBatch:
         next_sibling     int32   [B, N+1]       next sibling node or -1
         budget           int                    N
         depth            int                    L, the depth limit the trees were built with
+        request_status   int32   [B] or None    GPU builds only: KDT_OK (0) or the request's
+                                                error status (see include/kdtree.h)
+
+    Arrays are numpy arrays for CPU builds and arrays of the caller's GPU library (torch,
+    CuPy) for GPU builds.
     """
 
     num_nodes: np.ndarray
@@ -42,6 +47,7 @@ class TreeBatch:
     next_sibling: np.ndarray
     budget: int
     depth: int
+    request_status: object = field(default=None, repr=False, compare=False)
     # (arrays, budget, C struct, byte ranges) of the last native call: reused while the
     # same array objects are in place (see kdtree.api._trees_struct).
     _native: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -66,6 +72,9 @@ class Acceptance:
         accept_length   int32 [B]       accepted draft nodes (root excluded)
         bonus_token     int32 [B]       the target's token at the last accepted node, or -1
                                         when none is committed (stop token accepted, cap 0)
+        request_status  int32 [B] / None  GPU calls only: KDT_OK (0) or the request's status
+        target_tokens   int32 [B, N+1]    GPU from-logits calls only: the target's token at
+                        / None            each visited node (argmax or draw), -1 elsewhere
 
     Committed tokens for request b: ``trees.tokens[b, accepted_nodes[b, 1:1+accept_length[b]]]``
     followed by ``bonus_token[b]`` when it is >= 0.
@@ -74,6 +83,8 @@ class Acceptance:
     accepted_nodes: np.ndarray
     accept_length: np.ndarray
     bonus_token: np.ndarray
+    request_status: object = field(default=None, repr=False, compare=False)
+    target_tokens: object = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         b = int(self.accept_length.shape[0])
@@ -83,10 +94,19 @@ class Acceptance:
                 f"bonus_token={self.bonus_token.tolist()})")
 
     def committed(self, trees: TreeBatch, b: int = 0) -> list[int]:
-        """The tokens request ``b`` commits this round (accepted draft tokens, then bonus)."""
-        n = int(self.accept_length[b])
-        nodes = self.accepted_nodes[b, 1 : 1 + n]
-        out = [int(t) for t in trees.tokens[b, nodes]]
-        if int(self.bonus_token[b]) >= 0:
-            out.append(int(self.bonus_token[b]))
+        """The tokens request ``b`` commits this round (accepted draft tokens, then bonus).
+        GPU arrays are copied to the host (this synchronises)."""
+        def host(a):
+            if isinstance(a, np.ndarray):
+                return a[b]
+            from ._device import to_host
+
+            return to_host(a[b])
+
+        n = int(host(self.accept_length))
+        nodes = np.asarray(host(self.accepted_nodes))[1 : 1 + n]
+        out = [int(t) for t in np.asarray(host(trees.tokens))[nodes]]
+        bonus = int(host(self.bonus_token))
+        if bonus >= 0:
+            out.append(bonus)
         return out

@@ -12,10 +12,33 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from . import _lib
+from . import _device, _lib
 from ._types import Acceptance, TreeBatch
 
-__all__ = ["build_trees", "verify_greedy", "topk_logprobs", "empty_trees"]
+__all__ = [
+    "build_trees",
+    "build_trees_from_logits",
+    "compact_kv",
+    "empty_trees",
+    "topk_logprobs",
+    "tree_attention_mask",
+    "verify_greedy",
+    "verify_greedy_from_logits",
+    "verify_sample_from_logits",
+]
+
+
+def _gpu():
+    from . import _gpu
+
+    return _gpu
+
+
+def _cpu_only(stream, errors: str, name: str) -> None:
+    if stream is not None:
+        raise ValueError(f"{name}: stream= applies to GPU arrays only; the inputs are host arrays")
+    if errors not in ("raise", "status"):
+        raise ValueError(f'errors must be "raise" or "status", got {errors!r}')
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MAX_BUDGET = 2**31 - 3  # node indices are int32 (include/kdtree.h)
@@ -150,8 +173,10 @@ def build_trees(
     vocab_size: int | None = None,
     pad_token: int = -1,
     out: TreeBatch | None = None,
+    errors: str = "raise",
+    stream=None,
 ) -> TreeBatch:
-    """Builds DDTree draft trees on the CPU (spec ``ddtree-tree-build.md``; Ringel & Romano,
+    """Builds DDTree draft trees on the CPU, or on the GPU when the inputs are CUDA arrays (spec ``ddtree-tree-build.md``; Ringel & Romano,
     arXiv 2604.12989), bit-identical to :func:`kdtree.reference.build_trees`.
 
     Args:
@@ -166,6 +191,17 @@ def build_trees(
         pad_token: token written to padding rows.
         out: a :class:`TreeBatch` from :func:`empty_trees` (or an earlier call) to reuse;
             every row is rewritten.
+        errors: GPU only. ``"raise"`` (default): copy the per-request statuses to the host
+            and raise on the first failure (synchronises). ``"status"``: do not synchronise;
+            ``out.request_status`` holds KDT_OK (0) or each request's status, and a failed
+            request has a root-only tree (``kdt_trees_build_cuda``).
+        stream: GPU only: the CUDA stream (int handle, torch or CuPy stream); default the
+            current stream of the inputs' library.
+
+    GPU inputs (torch / CuPy / any DLPack or ``__cuda_array_interface__`` CUDA array):
+    ``logprobs`` float32 and ``token_ids`` int32 on one device; root arrays may be host or
+    device arrays; outputs are allocated with the inputs' library on their device. The
+    trees are bit-identical to the CPU builder's.
 
     Returns:
         :class:`TreeBatch` with ``N + 1`` rows per request (a 2-D input gives B = 1).
@@ -176,6 +212,14 @@ def build_trees(
             unsorted rows, duplicate ids in a row, ids out of range (the message names
             request, depth and rank).
     """
+    if _device.is_device_array(logprobs) or _device.is_device_array(token_ids):
+        budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
+        vocab = 0 if vocab_size is None else _int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
+        pad = _int_scalar(pad_token, "pad_token", _INT32_MIN, _INT32_MAX)
+        return _gpu().build_trees(logprobs, token_ids, budget, root_tokens=root_tokens,
+                                  root_positions=root_positions, vocab_size=vocab, pad_token=pad, out=out,
+                                  errors=errors, stream=stream)
+    _cpu_only(stream, errors, "build_trees")
     lp = _float_array(logprobs, "logprobs")
     ids = _int_array(token_ids, "token_ids")
     if lp.ndim == 2 and ids.ndim == 2:
@@ -222,6 +266,8 @@ def verify_greedy(
     *,
     stop_tokens: Iterable[int] = (),
     max_commit=None,
+    errors: str = "raise",
+    stream=None,
 ) -> Acceptance:
     """The verification walk (spec: "Verification"): from the root, move to the child whose
     token equals the target's token at the current node, while one exists.
@@ -233,6 +279,8 @@ def verify_greedy(
         stop_tokens: token ids; an accepted stop token ends the walk with no bonus token.
         max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
             each request may commit this round (remaining ``max_new_tokens``).
+        errors, stream: GPU only (trees on the GPU), as in :func:`build_trees`; with
+            ``errors="status"`` the result's ``request_status`` holds per-request statuses.
 
     Returns:
         :class:`Acceptance`: ``accepted_nodes`` int32 ``[B, L+1]`` (root first, -1 padding),
@@ -244,6 +292,10 @@ def verify_greedy(
     """
     if not isinstance(trees, TreeBatch):
         raise TypeError(f"trees must be a TreeBatch, got {type(trees).__name__}")
+    if _device.is_device_array(trees.num_nodes):
+        return _gpu().verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit,
+                                    errors=errors, stream=stream)
+    _cpu_only(stream, errors, "verify_greedy")
     batch, rows = trees.batch, trees.budget + 1
     for name in ("num_nodes", "tokens", "first_child", "next_sibling"):
         a = getattr(trees, name)
@@ -274,8 +326,8 @@ def verify_greedy(
     return Acceptance(accepted_nodes=accepted, accept_length=length, bonus_token=bonus)
 
 
-def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k log-probs of each row of logits, on the CPU.
+def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
+    """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
     ``logprob = logit - logsumexp(row)`` over the whole row, computed in float64 and rounded
     once to float32, sorted descending with ties ordered by lower token id.
@@ -284,6 +336,11 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         logits: ``[..., V]`` float16, bfloat16, float32 or float64 (converted to float32).
         k: 0 <= k <= V.
 
+    GPU (CUDA array logits, float32 / float16 / bfloat16, vocab axis contiguous, k <= 1024):
+    ``kdt_topk_logprobs_cuda``, the logsumexp in float32 (results agree with the CPU's to
+    float32 rounding; ids and order are exact). ``errors="status"`` returns a third array,
+    the per-row status (0 or KDT_ERR_VALUE), without synchronising.
+
     Returns:
         ``(logprobs float32 [..., k], ids int32 [..., k])``.
 
@@ -291,6 +348,10 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         TypeError: non-floating logits. ValueError / KdtreeError: k out of range, a NaN or
         +inf logit, or a row whose logits are all -inf (the message names row and column).
     """
+    if _device.is_device_array(logits):
+        k = _int_scalar(k, "k", 0, 2**31 - 1)
+        return _gpu().topk_logprobs(logits, k, errors=errors, stream=stream)
+    _cpu_only(stream, errors, "topk_logprobs")
     if np.ndim(logits) < 1:
         raise ValueError("logits must have at least one dimension [..., V], got a scalar")
     x = _float_array(logits, "logits")
@@ -303,3 +364,357 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         return out_lp, out_ids
     _lib.load().kdt_topk_logprobs_cpu(_ptr(x), rows, vocab, vocab, k, _ptr(out_lp), _ptr(out_ids))
     return out_lp, out_ids
+
+
+def build_trees_from_logits(
+    logits,
+    width: int,
+    budget: int,
+    *,
+    root_tokens=None,
+    root_positions=None,
+    pad_token: int = -1,
+    out: TreeBatch | None = None,
+    errors: str = "raise",
+    stream=None,
+) -> TreeBatch:
+    """Draft trees straight from the drafter's logits: top-k log-probs, then the builder.
+
+    Args:
+        logits: ``[B, L, V]`` (or ``[L, V]``): row ``l`` of request ``b`` is the drafter's
+            distribution at depth ``l + 1`` below the root.
+        width: K, the top-k entries kept per position (only ``min(K, budget)`` are computed).
+        budget, root_tokens, root_positions, pad_token, out: as :func:`build_trees`.
+        errors, stream: GPU only, as :func:`build_trees`.
+
+    On the GPU (CUDA array logits; float32, float16 or bfloat16) this is one call,
+    ``kdt_trees_build_from_logits_cuda``, with no host round trip; top-k is computed in
+    float32 there and in float64 on the CPU, so the two can differ in the last bits of the
+    log-probs (each path's tree is exact for its own top-k). A row with NaN, +inf or only
+    -inf logits makes its request fail (KDT_ERR_VALUE).
+
+    Returns:
+        :class:`TreeBatch` (vocab_size = V is enforced on the ids).
+    """
+    width = _int_scalar(width, "width", 0, 2**31 - 1)
+    budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
+    pad = _int_scalar(pad_token, "pad_token", _INT32_MIN, _INT32_MAX)
+    if _device.is_device_array(logits):
+        return _gpu().build_trees_from_logits(logits, width, budget, root_tokens=root_tokens,
+                                              root_positions=root_positions, pad_token=pad, out=out,
+                                              errors=errors, stream=stream)
+    _cpu_only(stream, errors, "build_trees_from_logits")
+    x = np.asarray(logits)
+    if x.ndim == 2:
+        x = x[None]
+    if x.ndim != 3:
+        raise ValueError(f"logits must be [B, L, V] or [L, V], got shape {np.shape(logits)}")
+    vocab = x.shape[2]
+    if width > vocab:
+        raise ValueError(f"width {width} exceeds the vocabulary size {vocab}")
+    lp, ids = topk_logprobs(x, min(width, budget))
+    return build_trees(lp, ids, budget, root_tokens=root_tokens, root_positions=root_positions,
+                       vocab_size=vocab if vocab > 0 else None, pad_token=pad, out=out)
+
+
+_ADDITIVE_LOWEST = {"float32": np.finfo(np.float32).min, "float16": np.finfo(np.float16).min}
+
+
+def tree_attention_mask(
+    trees: TreeBatch,
+    prefix_lengths,
+    *,
+    kind: str = "bool",
+    dtype: str = "float32",
+    columns: int | None = None,
+    errors: str = "raise",
+    stream=None,
+):
+    """Tree attention masks over the KV prefix and the tree, in the layouts engines use.
+
+    Query rows are the ``N + 1`` tree rows (root first); key columns are request b's
+    ``p = prefix_lengths[b]`` cached tokens, then the ``N + 1`` tree rows. Row ``i`` sees
+    every prefix column and tree column ``p + j`` for ``j == i`` or an ancestor of ``i``;
+    a padding row (``i > num_nodes[b]``) sees only itself (include/kdtree.h,
+    ``kdt_tree_attention_mask_cuda``).
+
+    Args:
+        trees: a :class:`TreeBatch` (CPU or GPU).
+        prefix_lengths: ``[B]`` ints >= 0.
+        kind: ``"bool"`` (bool ``[B, N+1, C]``), ``"bits"`` (uint32 ``[B, N+1, ceil(C/32)]``,
+            bit ``j % 32`` of word ``j // 32``), ``"additive"`` (``dtype`` ``[B, N+1, C]``:
+            0 visible, the dtype's lowest finite value hidden) or ``"flashinfer"`` (uint8,
+            each request's ``[N+1, p+N+1]`` mask flattened and packed 8 per byte,
+            little-endian, as FlashInfer's ``segment_packbits``; with ``mask_indptr``).
+        dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (GPU only).
+        columns: C for the dense kinds (default ``max(p) + N + 1``); must be None for
+            ``"flashinfer"``.
+        errors, stream: GPU only, as :func:`build_trees`.
+
+    Returns:
+        ``(mask, mask_indptr, positions)``: ``mask_indptr`` int32 ``[B + 1]`` (byte offsets)
+        for ``"flashinfer"``, else None; ``positions`` int64 ``[B, N+1]`` = ``p + depth``
+        (padding rows: ``p``). With ``errors="status"`` (GPU) a fourth item, the
+        per-request status.
+
+    Raises:
+        ValueError: unknown kind or dtype, negative prefix, ``p + N + 1 > columns``.
+    """
+    if not isinstance(trees, TreeBatch):
+        raise TypeError(f"trees must be a TreeBatch, got {type(trees).__name__}")
+    if columns is not None:
+        columns = _int_scalar(columns, "columns", 0, 2**62)
+    if _device.is_device_array(trees.num_nodes):
+        return _gpu().tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns,
+                                          errors=errors, stream=stream)
+    _cpu_only(stream, errors, "tree_attention_mask")
+    batch, rows = trees.batch, trees.budget + 1
+    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths), (batch,)), "prefix_lengths", np.int64)
+    if (prefix < 0).any():
+        raise ValueError(f"prefix_lengths must be >= 0, got {prefix.tolist()}")
+    vis = np.asarray(trees.visibility, dtype=bool)
+    depths = np.asarray(trees.depths, dtype=np.int64)
+    real = np.arange(rows)[None, :] <= np.asarray(trees.num_nodes)[:, None]  # [B, N+1]
+    positions = prefix[:, None] + np.where(real, depths, 0)
+
+    def request_mask(b: int, ncols: int) -> np.ndarray:
+        p = int(prefix[b])
+        m = np.zeros((rows, ncols), bool)
+        m[:, :p] = real[b][:, None]
+        m[:, p : p + rows] = vis[b]
+        return m
+
+    if kind == "flashinfer":
+        if columns is not None:
+            raise ValueError("columns is not used with kind='flashinfer'")
+        segments = [np.packbits(request_mask(b, int(prefix[b]) + rows).reshape(-1), bitorder="little")
+                    for b in range(batch)]
+        indptr = np.zeros(batch + 1, np.int64)
+        indptr[1:] = np.cumsum([len(s) for s in segments])
+        if indptr[-1] > _INT32_MAX:
+            raise ValueError(f"the packed masks need {indptr[-1]} bytes, more than int32 offsets allow")
+        mask = np.concatenate(segments) if segments else np.zeros(0, np.uint8)
+        return mask, indptr.astype(np.int32), positions
+    ncols = int(prefix.max()) + rows if columns is None and batch else (rows if columns is None else columns)
+    if batch and int(prefix.max()) + rows > ncols:
+        b = int(np.argmax(prefix + rows > ncols))
+        raise ValueError(f"request {b}: prefix {int(prefix[b])} + {rows} tree rows exceeds columns {ncols}")
+    dense = np.stack([request_mask(b, ncols) for b in range(batch)]) if batch else np.zeros((0, rows, ncols), bool)
+    if kind == "bool":
+        return dense, None, positions
+    if kind == "bits":
+        words = (ncols + 31) // 32
+        padded = np.zeros((batch, rows, words * 32), bool)
+        padded[:, :, :ncols] = dense
+        bits = np.packbits(padded.reshape(batch, rows, words, 32), axis=-1, bitorder="little")
+        return np.ascontiguousarray(bits).view("<u4").reshape(batch, rows, words), None, positions
+    if kind == "additive":
+        if dtype not in _ADDITIVE_LOWEST:
+            raise ValueError(f"dtype must be float32 or float16 for CPU additive masks, got {dtype!r}")
+        lowest = _ADDITIVE_LOWEST[dtype]
+        return np.where(dense, 0, lowest).astype(dtype), None, positions
+    raise ValueError(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
+
+
+def _argmax_rows(x: np.ndarray, name: str) -> np.ndarray:
+    if np.isnan(x).any():
+        where = tuple(int(i) for i in np.argwhere(np.isnan(x))[0])
+        raise ValueError(f"{name}{list(where)} is NaN")
+    return np.argmax(x, axis=-1).astype(np.int32)  # first maximum: ties go to the lower id
+
+
+def verify_greedy_from_logits(
+    trees: TreeBatch,
+    target_logits,
+    *,
+    stop_tokens: Iterable[int] = (),
+    max_commit=None,
+    errors: str = "raise",
+    stream=None,
+) -> Acceptance:
+    """Greedy verification from the target's logits: argmax per node (ties: lower id), then
+    the walk of :func:`verify_greedy`.
+
+    Args:
+        trees: a :class:`TreeBatch`.
+        target_logits: ``[B, N+1, V]`` (``[N+1, V]`` for B = 1): row ``i`` is the target's
+            output at tree node ``i`` of its verify forward. GPU: float32 / float16 /
+            bfloat16, only the rows the walk visits are read.
+        stop_tokens, max_commit: as :func:`verify_greedy`.
+        errors, stream: GPU only, as :func:`build_trees`.
+
+    Returns:
+        :class:`Acceptance`; on the GPU ``target_tokens`` holds the argmax at visited nodes.
+
+    Raises:
+        ValueError / KdtreeError: shapes, NaN logits in a needed row, bad caps or links.
+    """
+    if _device.is_device_array(target_logits):
+        return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
+                                         stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
+                                         stream=stream)
+    _cpu_only(stream, errors, "verify_greedy_from_logits")
+    x = np.asarray(target_logits)
+    if x.ndim == 2:
+        x = x[None]
+    return verify_greedy(trees, _argmax_rows(x, "target_logits"), stop_tokens=stop_tokens, max_commit=max_commit)
+
+
+_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32_10(counter: tuple, key: tuple) -> list[np.ndarray]:
+    """Philox4x32-10 (Salmon et al., SC 2011) on numpy uint32 arrays: four words per
+    counter. The GPU sampling kernel uses the same function (native/cuda/common.cuh)."""
+    mask = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) & mask for x in counter]
+    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = _PHILOX_M[0] * c[0]
+        p1 = _PHILOX_M[1] * c[2]
+        hi0, lo0 = p0 >> np.uint64(32), p0 & mask
+        hi1, lo1 = p1 >> np.uint64(32), p1 & mask
+        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
+        k0 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF
+        k1 = (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+    return [x.astype(np.uint32) for x in c]
+
+
+def gumbel_draws(logits_rows: np.ndarray, temperature: float, seed: int, offset: int, request: int,
+                 nodes: np.ndarray) -> np.ndarray:
+    """The documented draw of ``kdt_verify_sample_from_logits_cuda`` on the host, for rows
+    ``logits_rows[j]`` at tree nodes ``nodes[j]`` of one request: the argmax of
+    ``logit / T - log(-log(u))`` in float32 (ties: lower id)."""
+    rows = np.asarray(logits_rows, dtype=np.float32)
+    vocab = rows.shape[-1]
+    v = np.arange(vocab, dtype=np.uint64)
+    out = np.empty(rows.shape[0], np.int32)
+    key = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
+    for j, node in enumerate(np.asarray(nodes)):
+        words = philox4x32_10((v >> np.uint64(2), np.full(vocab, node, np.uint64),
+                               np.full(vocab, request, np.uint64), np.full(vocab, offset & 0xFFFFFFFF, np.uint64)), key)
+        x = np.choose((v & np.uint64(3)).astype(np.int64), words)
+        k = (x >> np.uint32(8)).astype(np.int64)  # u = (2k + 1) * 2^-25, in (0, 1)
+        # -log(u) from exact float32 arguments (u itself rounds to 1.0 at the top in float32)
+        low = k < 2**23
+        t = np.empty(vocab, np.float32)
+        t[low] = -np.log(((2 * k[low] + 1).astype(np.float32)) * np.float32(2.0**-25))
+        t[~low] = -np.log1p(-((2**25 - 2 * k[~low] - 1).astype(np.float32)) * np.float32(2.0**-25))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            score = rows[j] / np.float32(temperature) - np.log(t)
+        if np.isnan(rows[j]).any() or np.isposinf(rows[j]).any() or np.isneginf(rows[j]).all():
+            raise ValueError(f"request {request}, node {int(node)}: logits row has NaN, +inf or only -inf")
+        out[j] = int(np.argmax(score))
+    return out
+
+
+def verify_sample_from_logits(
+    trees: TreeBatch,
+    target_logits,
+    temperature: float,
+    *,
+    seed: int,
+    offset: int,
+    stop_tokens: Iterable[int] = (),
+    max_commit=None,
+    errors: str = "raise",
+    stream=None,
+) -> Acceptance:
+    """Sampled verification, lossless for any temperature: one draw per visited node from
+    ``softmax(logits / temperature)``, then the walk of :func:`verify_greedy` along the draws.
+
+    The draw is the Gumbel-max trick over a Philox4x32-10 counter-based generator keyed by
+    ``(seed, offset, request, node, token)``: the same arguments give the same tokens on
+    every launch shape (definition: include/kdtree.h, ``kdt_verify_sample_from_logits_cuda``).
+    The CPU path (host arrays) computes the same draws in numpy (it may differ from the GPU
+    only where two scores tie within float32 ``log`` rounding).
+
+    Args:
+        trees, target_logits, stop_tokens, max_commit, errors, stream: as
+            :func:`verify_greedy_from_logits`.
+        temperature: finite, > 0.
+        seed, offset: 64-bit unsigned ints; advance ``offset`` every round.
+
+    Returns:
+        :class:`Acceptance` (GPU: ``target_tokens`` holds the draws at visited nodes).
+    """
+    temperature = float(temperature)
+    if not np.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    seed = _int_scalar(seed, "seed", 0, 2**64 - 1)
+    offset = _int_scalar(offset, "offset", 0, 2**64 - 1)
+    if _device.is_device_array(target_logits):
+        return _gpu().verify_from_logits(trees, target_logits, temperature=temperature, seed=seed, offset=offset,
+                                         stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
+                                         stream=stream)
+    _cpu_only(stream, errors, "verify_sample_from_logits")
+    x = np.asarray(target_logits)
+    if x.ndim == 2:
+        x = x[None]
+    batch, rows = trees.batch, trees.budget + 1
+    if x.shape[:2] != (batch, rows):
+        raise ValueError(f"target_logits must be [{batch}, {rows}, V], got {np.shape(target_logits)}")
+    draws = np.zeros((batch, rows), np.int32)
+    for b in range(batch):
+        n = int(trees.num_nodes[b]) + 1
+        draws[b, :n] = gumbel_draws(x[b, :n], temperature, seed, offset, b, np.arange(n))
+    return verify_greedy(trees, draws, stop_tokens=stop_tokens, max_commit=max_commit)
+
+
+def compact_kv(
+    k_layers,
+    v_layers,
+    prefix_lengths,
+    acceptance: Acceptance,
+    *,
+    layout: str = "bhsd",
+    errors: str = "raise",
+    stream=None,
+):
+    """KV-cache compaction after verification, in place: the accepted path's rows move to
+    the rows right after each request's prefix (row ``p + accepted_nodes[b][j]`` -> row
+    ``p + j``, ``j = 0 .. accept_length[b]``); the caller then keeps ``p + accept_length + 1``
+    rows.
+
+    Args:
+        k_layers, v_layers: sequences of per-layer tensors (``v_layers`` may be None) of
+            shape ``[B, H, S, D]`` (``layout="bhsd"``, Hugging Face) or ``[B, S, H, D]``
+            (``"bshd"``), all with the same shape, strides and dtype (float16, bfloat16,
+            float32 on the GPU; any numpy / torch CPU dtype on the host), head_dim
+            contiguous. The verify forward must have written tree row ``i`` at ``p + i``.
+        prefix_lengths: ``[B]`` ints >= 0.
+        acceptance: the :class:`Acceptance` of the verify call.
+        errors, stream: GPU only, as :func:`build_trees` (``"status"`` returns the status).
+
+    GPU tensors: one launch for all layers (``kdt_compact_kv_cuda``); host tensors (numpy
+    or CPU torch): a row copy per accepted node.
+    """
+    k_layers = list(k_layers)
+    if k_layers and _device.is_device_array(k_layers[0]):
+        return _gpu().compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
+                                 stream=stream)
+    _cpu_only(stream, errors, "compact_kv")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    accepted = np.asarray(acceptance.accepted_nodes)
+    length = np.asarray(acceptance.accept_length)
+    batch = accepted.shape[0]
+    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths), (batch,)), "prefix_lengths", np.int64)
+    layers = k_layers + ([] if v_layers is None else list(v_layers))
+    for b in range(batch):
+        m = int(length[b])
+        path = accepted[b, : m + 1]
+        if path[0] != 0 or (np.diff(path) <= 0).any():
+            raise ValueError(f"request {b}: accepted path {path.tolist()} must start at 0 and increase")
+        p = int(prefix[b])
+        for j in range(1, m + 1):  # increasing j: a destination is never a later source
+            src, dst = p + int(path[j]), p + j
+            if src == dst:
+                continue
+            for t in layers:
+                if layout == "bhsd":
+                    t[b, :, dst, :] = t[b, :, src, :]
+                else:
+                    t[b, dst, :, :] = t[b, src, :, :]
+    return None

@@ -1,0 +1,841 @@
+// Top-k log-probs from logits on the GPU (kdt_topk_logprobs_cuda), two kernels on the
+// caller's stream.
+//
+// Chunk kernel, one block per (row, chunk): a chunk is 256 threads x 32 words of the row
+// (16384 elements for float16/bfloat16, 8192 for float32), loaded once into registers with
+// 16-byte loads (a row that does not start on a 16-byte boundary is read in the frame of
+// the aligned address below it, and the at most two vectors that stick out of the row are
+// read element by element, so every row, stride and slice takes the vector path). Each
+// block writes to the workspace
+//   - its chunk's max m_c, sum s_c = sum exp(x - m_c) (float32, the hardware 2^x of
+//     (x - m_thread) * log2(e), per-thread sums rescaled to the block max with expf) and
+//     NaN / +inf flags;
+//   - the k largest keys of its chunk (unsorted, padded with key 0 when the chunk holds
+//     fewer than k elements), where an element's key is
+//         (float_order_key(x) << 32) | ~id        (NaN: 0 in the upper half)
+//     A larger key is a larger value, or an equal value with a lower id; keys are unique
+//     and every real one is > 0 (float_order_key(-inf) = 0x007FFFFF), so "the k largest
+//     keys" is exactly the spec's order (value descending, ties to the lower id).
+// Selection in a block is exact. A cheap lower bound first: the k-th largest of the
+// group maxima t (a group is the whole thread for k <= 128, else 1/16 of it): k groups
+// each hold an element >= t, so at least k elements are >= t and every element of the
+// chunk's top k is >= t. The elements >= t (typically about 1.1 k) go to a shared-memory
+// buffer, and a radix select finds the k-th largest key among them. When t is -inf, or
+// ties at t overflow the buffer, the radix select runs over all the chunk's keys instead.
+// The radix select (block_select) walks 8-bit digits from the top of the 64-bit key,
+// skipping digits that every item shares, histogramming the items that still match the
+// chosen prefix, and stops once the digit's bin holds exactly the keys still needed: the
+// result T then has exactly k keys >= T (keys are unique), which are written out.
+//
+// Finish kernel, one block per row: m = max m_c, S = sum s_c * expf(m_c - m), the row's
+// status from the flags and m; a radix select of the k-th largest key over the chunks'
+// keys (staged in shared memory when they fit), the k keys >= it gathered and sorted by a
+// bitonic network, written as logprob = (x - m) - logf(S) and id = ~low half. Rows with a
+// NaN, a +inf or only -inf get status KDT_ERR_VALUE, NaN log-probs and ids 0 .. k-1.
+//
+// Nothing here synchronises the host or allocates; the only host work is argument checks
+// and two launches, so a call can be captured in a CUDA graph.
+#include "common.cuh"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+constexpr int kThreads = 256;              // threads per block in both kernels = radix bins
+constexpr int kWarps = kThreads / 32;
+constexpr int kWords = 32;                 // 32-bit words of logits per thread (8 x 16 bytes)
+constexpr int kVecWords = 4;               // words per 16-byte load
+constexpr int64_t kMinChunk = (int64_t)kThreads * kWords;  // elements per chunk, float32
+constexpr int kMaxVecElems = 8;            // elements per 16-byte load, 16-bit dtypes
+constexpr int kFastMaxK = kThreads / 2;    // k up to this: groups are whole threads
+constexpr int kGroups = 16;                // larger k: 16 groups per thread
+constexpr int kCandCap = 4096;             // keys in the candidate buffer
+constexpr int kStageCap = 4096;            // finish kernel: keys staged in shared memory up to this
+constexpr int kHist32Words = 256 * 32;     // the per-lane histogram: 256 bins x 32 lanes
+constexpr int64_t kMaxK = 1024;
+constexpr float kLog2e = 1.44269504088896340736f;
+constexpr uint32_t kNegInfKey = 0x007FFFFFu;  // float_order_key(-INFINITY)
+constexpr uint32_t kFlagNaN = 1u, kFlagPosInf = 2u;
+
+// Finish kernel: blocks per SM to fit (registers <= 32 at 8), within the SM's thread limit:
+// 2048 on sm_80/90/100/103, 1536 on sm_86/87/89/120/121, at least 1024 elsewhere.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000 || \
+                               __CUDA_ARCH__ == 1030)
+#define KDT_TOPK_FINISH_BLOCKS 8
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890 || \
+                                 __CUDA_ARCH__ == 1200 || __CUDA_ARCH__ == 1210)
+#define KDT_TOPK_FINISH_BLOCKS 6
+#else
+#define KDT_TOPK_FINISH_BLOCKS 4
+#endif
+
+static_assert(kThreads == 256, "block_select uses one histogram bin per thread");
+static_assert(kWords % kVecWords == 0 && kWords % kGroups == 0, "tile shape");
+static_assert(kStageCap * 8 >= kHist32Words * 4, "the finish kernel's dynamic buffer holds the histogram");
+static_assert(kCandCap * 8 == kThreads * kWords * 4 && kHist32Words == kThreads * kWords, "one 32 KB buffer");
+
+// Per (row, chunk) statistics written by the chunk kernel.
+struct ChunkStats {
+    float max;      // max of the chunk's logits (-inf when empty or all -inf)
+    float sum;      // sum of exp(x - max) over the chunk, 0 when max is -inf
+    uint32_t flags; // kFlagNaN | kFlagPosInf
+    uint32_t unused;
+};
+static_assert(sizeof(ChunkStats) == 16, "16-byte records");
+
+__host__ __device__ inline size_t align256(size_t x) { return (x + 255u) / 256u * 256u; }
+
+// Workspace: ChunkStats [rows, chunks], then keys uint64 [rows, chunks, k], each 256-byte
+// aligned; chunks = ceil((vocab + 7) / kMinChunk) covers every dtype's chunking (float32
+// has the smallest chunks, 16-bit types the most slack at the start of a row).
+struct Layout {
+    int64_t chunks;
+    size_t keys, total;
+};
+
+bool layout_for(int64_t rows, int64_t vocab, int64_t k, Layout* l) {
+    l->chunks = 0;
+    l->keys = 0;
+    l->total = 0;
+    if (rows == 0) return true;
+    l->chunks = (vocab + kMaxVecElems - 1 + kMinChunk - 1) / kMinChunk;
+    size_t cells, stats, keys;
+    if (!kdt_mul_size((size_t)rows, (size_t)l->chunks, &cells) || !kdt_mul_size(cells, sizeof(ChunkStats), &stats) ||
+        !kdt_mul_size(cells, (size_t)k, &keys) || !kdt_mul_size(keys, sizeof(uint64_t), &keys) ||
+        stats > SIZE_MAX - 512 || keys > SIZE_MAX - 512 - align256(stats)) {
+        return false;
+    }
+    l->keys = align256(stats);
+    l->total = l->keys + align256(keys);
+    return true;
+}
+
+// ---- Device helpers ---------------------------------------------------------------
+
+// max that returns NaN when either input is NaN (so a thread's max flags its NaNs).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (isnan(a) || isnan(b)) ? __int_as_float(0x7FFFFFFF) : fmaxf(a, b);
+#endif
+}
+
+// 2^y with the hardware approximation (max relative error 2 ulp; exp2f's core).
+__device__ __forceinline__ float hw_exp2(float y) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    return r;
+#else
+    return exp2f(y);
+#endif
+}
+
+// The dtypes, seen as 32-bit words of one (float32) or two (16-bit types, element 0 in
+// the low half) elements.
+template <int D>
+struct Elem;
+
+template <>
+struct Elem<KDT_DTYPE_FLOAT32> {
+    static constexpr int kPerWord = 1;
+    static constexpr uint32_t kNegInfBits = 0xFF800000u;
+    __device__ static __forceinline__ float get(uint32_t w, int) { return __uint_as_float(w); }
+    __device__ static __forceinline__ uint32_t load_bits(const char* pa, uint32_t u) {
+        return *reinterpret_cast<const uint32_t*>(pa + (size_t)u * 4u);
+    }
+    __device__ static __forceinline__ uint32_t word_max(uint32_t a, uint32_t b) {
+        return __float_as_uint(fmax_nan(__uint_as_float(a), __uint_as_float(b)));
+    }
+};
+
+template <>
+struct Elem<KDT_DTYPE_BFLOAT16> {
+    static constexpr int kPerWord = 2;
+    static constexpr uint32_t kNegInfBits = 0xFF80u;
+    __device__ static __forceinline__ float get(uint32_t w, int h) {
+        return __uint_as_float(h ? (w & 0xFFFF0000u) : (w << 16));
+    }
+    __device__ static __forceinline__ uint32_t load_bits(const char* pa, uint32_t u) {
+        return *reinterpret_cast<const uint16_t*>(pa + (size_t)u * 2u);
+    }
+    __device__ static __forceinline__ uint32_t word_max(uint32_t a, uint32_t b) {
+        __nv_bfloat162 x, y;
+        memcpy(&x, &a, 4);
+        memcpy(&y, &b, 4);
+        const __nv_bfloat162 r = __hmax2_nan(x, y);
+        uint32_t out;
+        memcpy(&out, &r, 4);
+        return out;
+    }
+};
+
+template <>
+struct Elem<KDT_DTYPE_FLOAT16> {
+    static constexpr int kPerWord = 2;
+    static constexpr uint32_t kNegInfBits = 0xFC00u;
+    __device__ static __forceinline__ float get(uint32_t w, int h) {
+        return __half2float(__ushort_as_half((unsigned short)(h ? (w >> 16) : (w & 0xFFFFu))));
+    }
+    __device__ static __forceinline__ uint32_t load_bits(const char* pa, uint32_t u) {
+        return *reinterpret_cast<const uint16_t*>(pa + (size_t)u * 2u);
+    }
+    __device__ static __forceinline__ uint32_t word_max(uint32_t a, uint32_t b) {
+        __half2 x, y;
+        memcpy(&x, &a, 4);
+        memcpy(&y, &b, 4);
+        const __half2 r = __hmax2_nan(x, y);
+        uint32_t out;
+        memcpy(&out, &r, 4);
+        return out;
+    }
+};
+
+// The max of a word's elements, NaN if either is NaN.
+template <int D>
+__device__ __forceinline__ float word_elems_max(uint32_t w) {
+    using E = Elem<D>;
+    if (E::kPerWord == 1) return E::get(w, 0);
+    return fmax_nan(E::get(w, 0), E::get(w, 1));
+}
+
+__device__ __forceinline__ uint64_t element_key(float x, uint32_t id) {
+    const uint32_t hi = isnan(x) ? 0u : kdt::float_order_key(x);
+    return ((uint64_t)hi << 32) | (uint64_t)(uint32_t)~id;
+}
+
+// Key of a group maximum for the threshold search: value only, NaN as -inf.
+__device__ __forceinline__ uint64_t max_key(float v) {
+    return (uint64_t)(isnan(v) ? kNegInfKey : kdt::float_order_key(v)) << 32;
+}
+
+struct SelectSmem {
+    uint32_t hist[256];  // all zero between calls
+    uint64_t red_or[kWarps], red_and[kWarps];
+    uint32_t wsum[kWarps];
+    uint32_t sel_digit, sel_above, sel_count;
+};
+
+// The k-th largest of the block's items (1 <= k <= number of items), as a threshold T:
+// when the items are unique, exactly k of them are >= T; otherwise at least k are, and
+// fewer than k are > T. Every thread of the block must call it, with the same k;
+// for_each(f) calls f(key) on each of the calling thread's items (the same items on every
+// call). kCopies = 1: one shared histogram; 32: one per lane (hist32, 256 x 32 words,
+// zero on entry and left zero), so lanes of a warp never add to the same word.
+template <int kCopies, class ForEach>
+__device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32, uint32_t k, ForEach&& for_each) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint64_t o = 0, a = ~0ull;
+    for_each([&](uint64_t key) {
+        o |= key;
+        a &= key;
+    });
+    for (int off = 16; off > 0; off >>= 1) {
+        o |= __shfl_xor_sync(0xFFFFFFFFu, o, off);
+        a &= __shfl_xor_sync(0xFFFFFFFFu, a, off);
+    }
+    __syncthreads();  // earlier readers of red_* and sel_* are done
+    if (lane == 0) {
+        s.red_or[warp] = o;
+        s.red_and[warp] = a;
+    }
+    __syncthreads();
+    o = 0;
+    a = ~0ull;
+    for (int w = 0; w < kWarps; w++) {
+        o |= s.red_or[w];
+        a &= s.red_and[w];
+    }
+    // Bits every item shares are decided already; the rest are found 8 at a time.
+    const uint64_t diff = o ^ a;
+    uint64_t pmask = ~diff, prefix = a & ~diff;
+    uint32_t needed = k;
+    for (int lo = 56; lo >= 0; lo -= 8) {
+        const uint64_t wmask = 0xFFull << lo;
+        if ((diff & wmask) == 0) continue;
+        // Histogram of the matching items' digits; a thread adds runs of equal digits at
+        // once (long runs: -inf tails, ties, one exponent).
+        uint32_t run_d = 0, run_n = 0;
+        auto add = [&](uint32_t d, uint32_t n) {
+            if (kCopies == 1) {
+                atomicAdd(&s.hist[d], n);
+            } else {
+                atomicAdd(&hist32[d * 32u + (uint32_t)lane], n);
+            }
+        };
+        for_each([&](uint64_t key) {
+            if ((key & pmask) == prefix) {
+                const uint32_t d = (uint32_t)(key >> lo) & 0xFFu;
+                if (d != run_d && run_n != 0) {
+                    add(run_d, run_n);
+                    run_n = 0;
+                }
+                run_d = d;
+                run_n++;
+            }
+        });
+        if (run_n != 0) add(run_d, run_n);
+        __syncthreads();
+        // Thread t owns digit 255 - t: scanning in thread order counts from the top.
+        const uint32_t bin = 255u - (uint32_t)tid;
+        uint32_t c;
+        if (kCopies == 1) {
+            c = s.hist[bin];
+            s.hist[bin] = 0;
+        } else {
+            c = 0;
+#pragma unroll 8
+            for (int i = 0; i < 32; i++) {
+                uint32_t* h = &hist32[bin * 32u + (uint32_t)((i + lane) & 31)];  // bank (i + lane) % 32
+                c += *h;
+                *h = 0;
+            }
+        }
+        uint32_t incl = c;
+        for (int off = 1; off < 32; off <<= 1) {
+            const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+            if (lane >= off) incl += v;
+        }
+        if (lane == 31) s.wsum[warp] = incl;
+        __syncthreads();
+        uint32_t above = incl - c;  // matching items with a larger digit
+        for (int w = 0; w < warp; w++) above += s.wsum[w];
+        if (c > 0 && above < needed && needed <= above + c) {
+            s.sel_digit = bin;
+            s.sel_above = above;
+            s.sel_count = c;
+        }
+        __syncthreads();
+        needed -= s.sel_above;
+        prefix |= (uint64_t)s.sel_digit << lo;
+        pmask |= wmask;
+        if (s.sel_count == needed) break;  // every matching item is taken: T = prefix
+    }
+    return prefix;
+}
+
+// ---- Chunk kernel -----------------------------------------------------------------
+
+struct ChunkParams {
+    const char* data;        // logits->data
+    int64_t batch_stride;    // elements
+    int64_t row_stride;      // elements
+    int64_t length;          // L (>= 1)
+    int64_t rows;            // B * L
+    int64_t vocab;           // V
+    int64_t chunks;          // chunks per row for this dtype
+    int32_t k;
+    uint64_t* keys;          // [rows, chunks, k]
+    ChunkStats* stats;       // [rows, chunks]
+};
+
+struct ChunkSmem {
+    SelectSmem sel;
+    union __align__(16) {
+        uint64_t cand[kCandCap];             // candidate keys
+        uint32_t hist32[kHist32Words];       // per-lane histogram (k > kFastMaxK)
+        uint32_t words[kThreads * kWords];   // the chunk, for the exact fallback
+    } u;
+    float red_max[kWarps];
+    float red_sum[kWarps];
+    uint32_t red_flags[kWarps];
+    uint32_t cand_n, out_n;
+};
+
+__device__ __forceinline__ void zero_hist32(uint32_t* h) {
+    uint4* h4 = reinterpret_cast<uint4*>(h);
+    for (int i = threadIdx.x; i < kHist32Words / 4; i += kThreads) h4[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <int D, int G>
+__global__ void __launch_bounds__(kThreads, G == 1 ? 4 : 3) topk_chunk_kernel(ChunkParams p) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord;
+    constexpr int kVec = kVecWords * kPer;                 // elements per 16-byte load
+    constexpr uint32_t kChunk = (uint32_t)(kThreads * kWords * kPer);
+    constexpr int kEsize = 4 / kPer;
+    constexpr int kGroupWords = kWords / G;
+    __shared__ ChunkSmem s;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    s.sel.hist[tid] = 0;  // ordered before any use by the first barrier below
+    const uint32_t V = (uint32_t)p.vocab;
+    const int64_t total = p.rows * p.chunks;
+    for (int64_t blk = blockIdx.x; blk < total; blk += gridDim.x) {
+        const int64_t row = blk / p.chunks;
+        const uint32_t chunk = (uint32_t)(blk - row * p.chunks);
+        const int64_t b = row / p.length, l = row - b * p.length;
+        const char* rowp = p.data + (b * p.batch_stride + l * p.row_stride) * kEsize;
+        // Frame: position u holds column u - a; pa is 16-byte aligned.
+        const uint32_t a = (uint32_t)(((uintptr_t)rowp & 15u) / kEsize);
+        const char* pa = rowp - (size_t)a * kEsize;
+        const uint32_t cbase = chunk * kChunk;
+        const int64_t lo_in = (int64_t)cbase > (int64_t)a ? (int64_t)cbase : (int64_t)a;
+        const int64_t hi_end = (int64_t)cbase + kChunk < (int64_t)a + V ? (int64_t)cbase + kChunk : (int64_t)a + V;
+        const int64_t n_in = hi_end > lo_in ? hi_end - lo_in : 0;  // columns in this chunk
+
+        // Load: vector j of thread t is frame [cbase + (j * kThreads + t) * kVec, + kVec).
+        uint32_t w[kWords];
+#pragma unroll
+        for (int j = 0; j < kWords / kVecWords; j++) {
+            const uint32_t u0 = cbase + (uint32_t)(j * kThreads + tid) * kVec;
+            const int64_t id0 = (int64_t)u0 - (int64_t)a;
+            if (id0 >= 0 && id0 + kVec <= (int64_t)V) {
+                const uint4 v = __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)u0 * kEsize));
+                w[j * 4 + 0] = v.x;
+                w[j * 4 + 1] = v.y;
+                w[j * 4 + 2] = v.z;
+                w[j * 4 + 3] = v.w;
+            } else {
+#pragma unroll
+                for (int q = 0; q < kVecWords; q++) {
+                    uint32_t word = 0;
+#pragma unroll
+                    for (int h = 0; h < kPer; h++) {
+                        const int64_t id = id0 + q * kPer + h;
+                        const uint32_t bits = (id >= 0 && id < (int64_t)V)
+                                                  ? E::load_bits(pa, u0 + (uint32_t)(q * kPer + h))
+                                                  : E::kNegInfBits;
+                        word |= bits << (16 * h);
+                    }
+                    w[j * 4 + q] = word;
+                }
+            }
+        }
+        // Calls fn(x, id) on every element of this thread; id wraps outside [0, V), where
+        // x is -inf, and such keys sort below every column's key.
+        auto each_in = [&](int q0, int q1, auto&& fn) {
+#pragma unroll
+            for (int q = q0; q < q1; q++) {
+#pragma unroll
+                for (int h = 0; h < kPer; h++) {
+                    const int e = q * kPer + h, j = e / kVec, i = e % kVec;
+                    const uint32_t id = cbase + (uint32_t)(j * kThreads + tid) * kVec + (uint32_t)i - a;
+                    fn(E::get(w[q], h), id);
+                }
+            }
+        };
+
+        // Group maxima (NaN-propagating) and the thread's max.
+        float gmax[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            uint32_t pm = w[g * kGroupWords];
+#pragma unroll
+            for (int q = 1; q < kGroupWords; q++) pm = E::word_max(pm, w[g * kGroupWords + q]);
+            gmax[g] = word_elems_max<D>(pm);
+        }
+        float m = gmax[0];
+#pragma unroll
+        for (int g = 1; g < G; g++) m = fmax_nan(m, gmax[g]);
+
+        // The thread's sum of exp(x - m) and flags.
+        const bool finite = m > -INFINITY && m < INFINITY;  // false for NaN
+        uint32_t flags = isnan(m) ? kFlagNaN : (m == INFINITY ? kFlagPosInf : 0u);
+        float tsum = 0.0f;
+        if (finite) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int q = 0; q < kWords; q++) {
+#pragma unroll
+                for (int h = 0; h < kPer; h++) {
+                    const float x = E::get(w[q], h);
+                    acc[(q * kPer + h) & 3] += hw_exp2(__fmul_rn(__fsub_rn(x, m), kLog2e));
+                }
+            }
+            tsum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        }
+        // Later passes convert the words again instead of keeping 64 floats live.
+#pragma unroll
+        for (int q = 0; q < kWords; q++) asm volatile("" : "+r"(w[q]));
+
+        // Chunk max, flags, then the sum rescaled to the chunk max.
+        float wm = m;
+        for (int off = 16; off > 0; off >>= 1) {
+            wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, off));
+            flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
+        }
+        if (lane == 0) {
+            s.red_max[warp] = wm;
+            s.red_flags[warp] = flags;
+        }
+        if (tid == 0) {
+            s.cand_n = 0;
+            s.out_n = 0;
+        }
+        __syncthreads();
+        float cmax = s.red_max[0];
+        uint32_t cflags = s.red_flags[0];
+        for (int i = 1; i < kWarps; i++) {
+            cmax = fmaxf(cmax, s.red_max[i]);
+            cflags |= s.red_flags[i];
+        }
+        float term = finite ? tsum * expf(m - cmax) : 0.0f;
+        for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
+        if (lane == 0) s.red_sum[warp] = term;
+        __syncthreads();
+        if (tid == 0) {
+            float csum = 0.0f;
+            for (int i = 0; i < kWarps; i++) csum += s.red_sum[i];
+            ChunkStats st;
+            st.max = cmax;
+            st.sum = cmax > -INFINITY ? csum : 0.0f;
+            st.flags = cflags;
+            st.unused = 0;
+            p.stats[blk] = st;
+        }
+
+        const int k = p.k;
+        if (k > 0) {
+            uint64_t* out = p.keys + (size_t)blk * (size_t)k;
+            if (n_in <= k) {
+                // Every column of the chunk is kept: slot = column - first column.
+                const uint32_t first = (uint32_t)(lo_in - (int64_t)a);
+                each_in(0, kWords, [&](float x, uint32_t id) {
+                    if (id < V) out[id - first] = element_key(x, id);
+                });
+                for (int i = (int)n_in + tid; i < k; i += kThreads) out[i] = 0;
+            } else {
+                // A threshold t that at least k elements reach: the k-th largest group max.
+                uint64_t tkey;
+                if constexpr (G == 1) {
+                    tkey = block_select<1>(s.sel, nullptr, (uint32_t)k, [&](auto&& f) { f(max_key(m)); });
+                } else {
+                    zero_hist32(s.u.hist32);
+                    tkey = block_select<32>(s.sel, s.u.hist32, (uint32_t)k, [&](auto&& f) {
+#pragma unroll
+                        for (int g = 0; g < G; g++) f(max_key(gmax[g]));
+                    });
+                }
+                // Candidates: every element >= t0 (NaN never). When t0 is -inf (fewer than k
+                // groups hold a finite value: a short chunk, a masked row), every finite
+                // element and the chunk's first k columns instead: the top k are the finite
+                // ones, then -inf ones by increasing column.
+                const uint32_t thi = (uint32_t)(tkey >> 32);
+                const bool all_finite = thi <= kNegInfKey;
+                const float t0 = all_finite ? -INFINITY : kdt::float_from_order_key(thi);
+                const uint32_t first = (uint32_t)(lo_in - (int64_t)a);  // the chunk's first column
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    if (all_finite || gmax[g] >= t0) {
+                        each_in(g * kGroupWords, (g + 1) * kGroupWords, [&](float x, uint32_t id) {
+                            if (all_finite ? (x > -INFINITY || id - first < (uint32_t)k) : x >= t0) {
+                                const uint32_t at = atomicAdd(&s.cand_n, 1u);
+                                if (at < (uint32_t)kCandCap) s.u.cand[at] = element_key(x, id);
+                            }
+                        });
+                    }
+                }
+                __syncthreads();
+                const uint32_t n = s.cand_n;
+                if (n >= (uint32_t)k && n <= (uint32_t)kCandCap) {
+                    const uint64_t T = block_select<1>(s.sel, nullptr, (uint32_t)k, [&](auto&& f) {
+                        for (uint32_t i = tid; i < n; i += kThreads) f(s.u.cand[i]);
+                    });
+                    for (uint32_t i = tid; i < n; i += kThreads) {
+                        const uint64_t key = s.u.cand[i];
+                        if (key >= T) {
+                            const uint32_t at = atomicAdd(&s.out_n, 1u);
+                            if (at < (uint32_t)k) out[at] = key;
+                        }
+                    }
+                } else {
+                    // Ties at t0 overflow the buffer (or a NaN hid candidates): an exact
+                    // select over every element, read back from shared memory (each thread
+                    // its own words, so no barrier is needed) to keep the registers free
+                    // for the common path.
+                    uint32_t* ws = s.u.words;
+#pragma unroll
+                    for (int q = 0; q < kWords; q++) ws[q * kThreads + tid] = w[q];
+                    auto each_shared = [&](auto&& fn) {
+#pragma unroll 2
+                        for (int q = 0; q < kWords; q++) {
+                            const uint32_t word = ws[q * kThreads + tid];
+#pragma unroll
+                            for (int h = 0; h < kPer; h++) {
+                                const int e = q * kPer + h, j = e / kVec, i = e % kVec;
+                                const uint32_t id = cbase + (uint32_t)(j * kThreads + tid) * kVec + (uint32_t)i - a;
+                                fn(E::get(word, h), id);
+                            }
+                        }
+                    };
+                    const uint64_t T = block_select<1>(s.sel, nullptr, (uint32_t)k, [&](auto&& f) {
+                        each_shared([&](float x, uint32_t id) { f(element_key(x, id)); });
+                    });
+                    each_shared([&](float x, uint32_t id) {
+                        const uint64_t key = element_key(x, id);
+                        if (key >= T) {
+                            const uint32_t at = atomicAdd(&s.out_n, 1u);
+                            if (at < (uint32_t)k) out[at] = key;
+                        }
+                    });
+                }
+            }
+        }
+        __syncthreads();  // the next chunk reuses the shared state
+    }
+}
+
+// ---- Finish kernel ----------------------------------------------------------------
+
+struct FinishParams {
+    const uint64_t* keys;      // [rows, chunks, k]
+    const ChunkStats* stats;   // [rows, chunks]
+    int64_t rows;
+    int64_t chunks;
+    int64_t vocab;
+    int32_t k;
+    int32_t stage;             // 1: the row's keys fit the dynamic shared buffer
+    float* out_logprobs;       // [rows, k]
+    int32_t* out_ids;          // [rows, k]
+    int32_t* row_status;       // [rows]
+};
+
+struct FinishSmem {
+    SelectSmem sel;
+    uint64_t sorted[kMaxK];
+    float red_max[kWarps];
+    float red_sum[kWarps];
+    uint32_t red_flags[kWarps];
+    uint32_t out_n;
+};
+
+// Sorts buf[0, n) descending (n a power of two) with a bitonic network.
+__device__ __forceinline__ void bitonic_desc(uint64_t* buf, uint32_t n) {
+    for (uint32_t size = 2; size <= n; size <<= 1) {
+        for (uint32_t stride = size >> 1; stride > 0; stride >>= 1) {
+            for (uint32_t i = threadIdx.x; i < n / 2; i += kThreads) {
+                const uint32_t lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                const uint64_t x = buf[lo], y = buf[hi];
+                const bool desc = (lo & size) == 0;
+                if (desc ? x < y : x > y) {
+                    buf[lo] = y;
+                    buf[hi] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_kernel(FinishParams p) {
+    __shared__ FinishSmem s;
+    extern __shared__ __align__(16) uint64_t dyn[];  // staged keys, or the per-lane histogram
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    s.sel.hist[tid] = 0;
+    const int k = p.k;
+    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+        const ChunkStats* st = p.stats + row * p.chunks;
+        float m = -INFINITY;
+        uint32_t flags = 0;
+        for (int64_t c = tid; c < p.chunks; c += kThreads) {
+            m = fmaxf(m, st[c].max);
+            flags |= st[c].flags;
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+            flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
+        }
+        if (lane == 0) {
+            s.red_max[warp] = m;
+            s.red_flags[warp] = flags;
+        }
+        if (tid == 0) s.out_n = 0;
+        __syncthreads();
+        float rmax = s.red_max[0];
+        uint32_t rflags = s.red_flags[0];
+        for (int i = 1; i < kWarps; i++) {
+            rmax = fmaxf(rmax, s.red_max[i]);
+            rflags |= s.red_flags[i];
+        }
+        const bool bad = rflags != 0 || !(rmax > -INFINITY);
+        float sum = 0.0f;
+        if (!bad) {
+            for (int64_t c = tid; c < p.chunks; c += kThreads) {
+                const float cm = st[c].max;
+                if (cm > -INFINITY) sum += st[c].sum * expf(cm - rmax);
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+        if (lane == 0) s.red_sum[warp] = sum;
+        __syncthreads();
+        float rsum = 0.0f;
+        for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+        if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
+
+        if (k > 0) {
+            float* lp = p.out_logprobs + row * k;
+            int32_t* ids = p.out_ids + row * k;
+            if (bad) {
+                for (int i = tid; i < k; i += kThreads) {
+                    lp[i] = __int_as_float(0x7FC00000);
+                    ids[i] = i;
+                }
+            } else {
+                const int64_t n = p.chunks * k;
+                const uint64_t* keys = p.keys + row * n;
+                uint64_t T;
+                if (p.stage) {
+                    for (int64_t i = tid; i < n; i += kThreads) dyn[i] = keys[i];
+                    __syncthreads();
+                    T = block_select<1>(s.sel, nullptr, (uint32_t)k, [&](auto&& f) {
+                        for (int64_t i = tid; i < n; i += kThreads) f(dyn[i]);
+                    });
+                } else {
+                    uint32_t* hist32 = reinterpret_cast<uint32_t*>(dyn);
+                    zero_hist32(hist32);
+                    T = block_select<32>(s.sel, hist32, (uint32_t)k, [&](auto&& f) {
+                        for (int64_t i = tid; i < n; i += kThreads) f(keys[i]);
+                    });
+                }
+                // Exactly k keys are >= T; gather them, pad to a power of two with 0.
+                for (int64_t i = tid; i < n; i += kThreads) {
+                    const uint64_t key = p.stage ? dyn[i] : keys[i];
+                    if (key >= T) {
+                        const uint32_t at = atomicAdd(&s.out_n, 1u);
+                        if (at < (uint32_t)k) s.sorted[at] = key;
+                    }
+                }
+                uint32_t pow2 = 1;
+                while (pow2 < (uint32_t)k) pow2 <<= 1;
+                for (uint32_t i = (uint32_t)k + tid; i < pow2; i += kThreads) s.sorted[i] = 0;
+                __syncthreads();
+                bitonic_desc(s.sorted, pow2);
+                const float log_sum = logf(rsum);
+                const uint32_t V = (uint32_t)p.vocab;
+                for (int i = tid; i < k; i += kThreads) {
+                    const uint64_t key = s.sorted[i];
+                    const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
+                    uint32_t id = ~(uint32_t)key;
+                    if ((key >> 32) < kNegInfKey || id >= V) {  // cannot happen: a bug
+                        p.row_status[row] = KDT_ERR_INTERNAL;
+                        id = 0;
+                    }
+                    lp[i] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
+                    ids[i] = (int32_t)id;
+                }
+            }
+        }
+        __syncthreads();  // the next row reuses the shared state
+    }
+}
+
+template <int D>
+void launch_chunks(const ChunkParams& p, int64_t k, cudaStream_t stream) {
+    const int64_t blocks = p.rows * p.chunks;
+    const unsigned grid = (unsigned)(blocks < (int64_t)INT32_MAX ? blocks : (int64_t)INT32_MAX);
+    if (k <= kFastMaxK) {
+        topk_chunk_kernel<D, 1><<<grid, kThreads, 0, stream>>>(p);
+    } else {
+        topk_chunk_kernel<D, kGroups><<<grid, kThreads, 0, stream>>>(p);
+    }
+}
+
+}  // namespace
+
+extern "C" kdt_status kdt_topk_logprobs_cuda_workspace_bytes(int64_t rows, int64_t vocab, int64_t k, size_t* bytes) {
+    if (bytes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bytes is NULL");
+    if (rows < 0 || vocab < 0 || k < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "rows (%lld), vocab (%lld) and k (%lld) must be >= 0",
+                        (long long)rows, (long long)vocab, (long long)k);
+    }
+    if (k > kMaxK) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "k (%lld) exceeds %lld", (long long)k, (long long)kMaxK);
+    if (k > vocab) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "k (%lld) exceeds vocab (%lld)", (long long)k, (long long)vocab);
+    }
+    if (rows > 0 && vocab > INT32_MAX) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "vocab %lld exceeds %d", (long long)vocab, INT32_MAX);
+    }
+    Layout l;
+    if (!layout_for(rows, vocab, k, &l)) {
+        return kdt_fail(KDT_ERR_OVERFLOW, "workspace for %lld rows of %lld logits, k %lld overflows", (long long)rows,
+                        (long long)vocab, (long long)k);
+    }
+    *bytes = l.total;
+    return kdt_ok();
+}
+
+extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k, float* out_logprobs, int32_t* out_ids,
+                                             int32_t* row_status, void* workspace, size_t workspace_bytes,
+                                             void* stream) {
+    kdt_status st = kdt::check_logits(logits, "logits", -1, -1);
+    if (st != KDT_OK) return st;
+    if (k < 0 || k > kMaxK) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "k (%lld) is outside [0, %lld]", (long long)k, (long long)kMaxK);
+    }
+    const int64_t B = logits->batch, L = logits->length, V = logits->vocab;
+    if (B == 0 || L == 0) return kdt_ok();
+    if (B > INT64_MAX / L) return kdt_fail(KDT_ERR_OVERFLOW, "logits: batch * length overflows");
+    const int64_t rows = B * L;
+    if (k > V) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "k (%lld) exceeds logits->vocab (%lld)", (long long)k, (long long)V);
+    if (row_status == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "row_status is NULL");
+    if (k > 0 && (out_logprobs == NULL || out_ids == NULL)) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", out_logprobs == NULL ? "out_logprobs" : "out_ids");
+    }
+    if (((uintptr_t)out_logprobs | (uintptr_t)out_ids | (uintptr_t)row_status) & 3u) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "%s is not 4-byte aligned",
+                        ((uintptr_t)row_status & 3u) ? "row_status"
+                        : ((uintptr_t)out_ids & 3u)  ? "out_ids"
+                                                     : "out_logprobs");
+    }
+    Layout l;
+    if (!layout_for(rows, V, k, &l)) {
+        return kdt_fail(KDT_ERR_OVERFLOW, "workspace for %lld rows of %lld logits, k %lld overflows", (long long)rows,
+                        (long long)V, (long long)k);
+    }
+    if (workspace == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "workspace is NULL (%zu bytes needed)", l.total);
+    }
+    if (workspace_bytes < l.total) {
+        return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL, "workspace has %zu bytes, %zu needed", workspace_bytes, l.total);
+    }
+    if (((uintptr_t)workspace & 255u) != 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
+    }
+
+    const size_t esize = kdt::float_dtype_size(logits->dtype);
+    const int64_t vec = (int64_t)(16 / esize);
+    const int64_t chunk = kMinChunk * (int64_t)(4 / esize);
+    ChunkParams cp;
+    cp.data = static_cast<const char*>(logits->data);
+    cp.batch_stride = logits->batch_stride;
+    cp.row_stride = logits->row_stride;
+    cp.length = L;
+    cp.rows = rows;
+    cp.vocab = V;
+    cp.chunks = (V + vec - 1 + chunk - 1) / chunk;  // <= l.chunks
+    cp.k = (int32_t)k;
+    cp.stats = reinterpret_cast<ChunkStats*>(workspace);
+    cp.keys = reinterpret_cast<uint64_t*>(static_cast<char*>(workspace) + l.keys);
+    cudaStream_t s = kdt::as_stream(stream);
+    switch (logits->dtype) {
+        case KDT_DTYPE_FLOAT32: launch_chunks<KDT_DTYPE_FLOAT32>(cp, k, s); break;
+        case KDT_DTYPE_FLOAT16: launch_chunks<KDT_DTYPE_FLOAT16>(cp, k, s); break;
+        default: launch_chunks<KDT_DTYPE_BFLOAT16>(cp, k, s); break;
+    }
+    st = kdt::launch_status("top-k chunk kernel");
+    if (st != KDT_OK) return st;
+
+    FinishParams fp;
+    fp.keys = cp.keys;
+    fp.stats = cp.stats;
+    fp.rows = rows;
+    fp.chunks = cp.chunks;
+    fp.vocab = V;
+    fp.k = (int32_t)k;
+    fp.stage = cp.chunks * k <= kStageCap ? 1 : 0;
+    fp.out_logprobs = out_logprobs;
+    fp.out_ids = out_ids;
+    fp.row_status = row_status;
+    // Staged keys, or (when they do not fit) the 32 KB per-lane histogram.
+    const size_t dyn_bytes = fp.stage ? (size_t)(cp.chunks * k) * sizeof(uint64_t) : (size_t)kHist32Words * 4u;
+    const unsigned grid = (unsigned)(rows < (int64_t)INT32_MAX ? rows : (int64_t)INT32_MAX);
+    topk_finish_kernel<<<grid, kThreads, dyn_bytes, s>>>(fp);
+    st = kdt::launch_status("top-k finish kernel");
+    if (st != KDT_OK) return st;
+    return kdt_ok();
+}

@@ -1,0 +1,570 @@
+// GPU verification (spec: ddtree-tree-build.md, "Verification"): the walk of
+// kdt_verify_greedy_cpu (native/verify.c) on given target tokens, on the argmax of the
+// target's logits, or on Gumbel-max samples of them. One thread block per request.
+//
+// Every block first checks its tree's links in parallel (verify.c's check_tree) and, for
+// trees of up to kStageMax rows, copies tokens and links into shared memory while doing
+// so; then warp 0 walks (lane 0 follows the child list, the warp checks stop tokens).
+// From logits, each step first reduces the current node's row with the whole block
+// (16-byte loads when the row is 16-byte aligned, groups of four scalar loads otherwise),
+// so only the rows the walk visits are read. Statuses and their order per request are
+// verify.c's: links (KDT_ERR_VALUE), then the cap (KDT_ERR_INVALID_ARGUMENT), then the
+// walk (negative or NaN target: KDT_ERR_VALUE; path too long: KDT_ERR_SHAPE).
+//
+// Sampling draws, for request b, node i, token v (documented in include/kdtree.h):
+//   key     = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
+//   counter = (v / 4, i, b, offset & 0xFFFFFFFF)
+//   x       = word v % 4 of Philox4x32-10(counter, key)
+//   u       = ((x >> 8) + 0.5) * 2^-24 = (2k + 1) * 2^-25 with k = x >> 8, in (0, 1)
+//   score   = logit / temperature - log(-log(u)), float32, ties by lower id.
+// u itself is not representable in float32 when u > 0.5, and rounding it would give
+// u = 1 (an infinite score) for k = 2^24 - 1; so -log(u) is evaluated from exact float32
+// arguments: -logf((2k + 1) * 2^-25) for k < 2^23, else
+// -log1pf(-(2^25 - 2k - 1) * 2^-25). The division and the sum are IEEE round-to-nearest.
+#include "common.cuh"
+
+#include <math.h>
+#include <string.h>
+
+namespace {
+
+constexpr int kWalkThreads = 128;    // given tokens: the block checks links, warp 0 walks
+constexpr int kRowThreads = 512;     // from logits: the block reduces each visited row
+constexpr int kUnroll = 4;           // 16-byte loads in flight per thread in a row scan
+constexpr int64_t kStageMax = 2048;  // trees with N + 1 <= kStageMax rows go to shared memory
+constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr uint64_t kRowBad = ~0ull;  // reduced row value: NaN (or, sampling, +inf) in the row
+constexpr float kTwoPowM25 = 2.98023223876953125e-8f;  // 2^-25, exact
+// Above every Gumbel value the generator can give: u <= 1 - 2^-25, so -log(u) >= ~2^-25
+// and -log(-log(u)) <= 25 log 2 = 17.33 (plus rounding).
+constexpr float kGumbelMax = 18.0f;
+
+enum Mode { kGiven = 0, kArgmax = 1, kSample = 2 };
+
+struct Params {
+    int64_t batch, budget;
+    const int32_t* num_nodes;
+    const int32_t* tokens;
+    const int32_t* first_child;
+    const int32_t* next_sibling;
+    const int32_t* target_tokens;  // kGiven: [B, N+1]
+    kdt_logits logits;             // kArgmax, kSample: [B, N+1, V]
+    float temperature;             // kSample
+    uint32_t key0, key1, ctr3;     // kSample: Philox key and the counter's last word
+    const int32_t* stop_tokens;
+    int64_t num_stop_tokens;
+    const int64_t* max_commit;  // [B] or NULL
+    int64_t path_capacity;
+    int32_t* accepted_nodes;  // [B, path_capacity]
+    int32_t* accept_length;   // [B]
+    int32_t* bonus_token;     // [B]
+    int32_t* target_out;      // kArgmax, kSample: [B, N+1] or NULL
+    int32_t* status;          // [B]
+    int stage;                // 1: the tree arrays are copied to shared memory
+};
+
+// One request's tree as the walk reads it (shared or device memory).
+struct TreeView {
+    const int32_t* tok;
+    const int32_t* fc;
+    const int32_t* ns;
+    const int32_t* target;  // kGiven only
+    int32_t n;
+};
+
+// The walk's state; warp 0 holds it (every lane the same values).
+struct Walk {
+    int32_t cur;
+    int32_t bonus;
+    int32_t status;
+    int64_t len;  // accepted draft nodes
+};
+
+// One step of verify.c's walk from w.cur, given the target's token `want` (>= 0) there.
+// Called by all 32 lanes of warp 0 with the same arguments; returns true when the walk
+// ends (w.status, w.bonus say how). Writes path[len] (lane 0) for an accepted node.
+__device__ bool walk_step(Walk& w, int32_t want, const TreeView& t, const Params& p, int64_t cap, int32_t* path) {
+    const int lane = threadIdx.x & 31;
+    int32_t next = -1, cycle = 0;
+    if (lane == 0) {
+        int32_t steps = 0;
+        for (int32_t c = t.fc[w.cur]; c != -1; c = t.ns[c]) {
+            if (++steps > t.n) {  // unreachable after the link check; verify.c has it
+                cycle = 1;
+                break;
+            }
+            if (t.tok[c] == want) {
+                next = c;
+                break;
+            }
+        }
+    }
+    next = __shfl_sync(kFullMask, next, 0);
+    cycle = __shfl_sync(kFullMask, cycle, 0);
+    if (cycle) {
+        w.status = KDT_ERR_VALUE;
+        return true;
+    }
+    if (next < 0) {  // no child matches: the target's token is the bonus
+        w.bonus = want;
+        return true;
+    }
+    int stop = 0;
+    for (int64_t j = lane; j < p.num_stop_tokens; j += 32) stop |= p.stop_tokens[j] == want;
+    stop = __any_sync(kFullMask, stop);
+    if (!stop && w.len + 2 > cap) {  // accepting `next` plus a bonus would pass the cap
+        w.bonus = want;
+        return true;
+    }
+    if (w.len + 2 > p.path_capacity) {
+        w.status = KDT_ERR_SHAPE;
+        return true;
+    }
+    if (w.len >= t.n) {  // unreachable after the link check (the path increases)
+        w.status = KDT_ERR_VALUE;
+        return true;
+    }
+    w.cur = next;
+    w.len++;
+    if (lane == 0) path[w.len] = next;
+    return stop != 0;  // an accepted stop token ends the walk without a bonus
+}
+
+// Best element a thread has seen in a row: value (logit or score) and token id (-1: none).
+struct Best {
+    float x;
+    int32_t v;
+    int bad;
+};
+
+// Gumbel noise -log(-log(u)) for one Philox word, u = ((bits >> 8) + 0.5) * 2^-24 (see the
+// file comment for the exact float32 evaluation). Always finite: in [-2.86, 17.34].
+__device__ __forceinline__ float gumbel_noise(uint32_t bits) {
+    const uint32_t k = bits >> 8;
+    float e;  // -log(u) > 0
+    if (k < (1u << 23)) {
+        e = -logf((float)(2u * k + 1u) * kTwoPowM25);
+    } else {
+        e = -log1pf(-(float)((1u << 25) - 2u * k - 1u) * kTwoPowM25);
+    }
+    return -logf(e);
+}
+
+// Folds `cnt` (1..4) consecutive logits x[0..cnt) of tokens v0.. (v0 % 4 == 0) into best.
+template <int M>
+__device__ __forceinline__ void take_group(Best& best, const float* x, int cnt, int64_t v0, const Params& p,
+                                           uint32_t node, uint32_t req) {
+    if constexpr (M == kArgmax) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (k < cnt) {
+                best.bad |= isnan(x[k]);
+                if (best.v < 0 || x[k] > best.x) {  // increasing ids per thread: ties keep the lower
+                    best.x = x[k];
+                    best.v = (int32_t)(v0 + k);
+                }
+            }
+        }
+    } else {
+        float s[4], smax = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s[k] = -INFINITY;
+            if (k < cnt) {
+                best.bad |= isnan(x[k]) || x[k] == INFINITY;
+                s[k] = __fdiv_rn(x[k], p.temperature);
+                smax = fmaxf(smax, s[k]);
+            }
+        }
+        // Exact skip: every score of this group is below the thread's best (g <= kGumbelMax
+        // and rounding is monotone), so it could neither win nor tie.
+        if (smax == -INFINITY || smax + kGumbelMax < best.x) return;
+        const kdt::Philox4 r = kdt::philox4x32_10((uint32_t)(v0 >> 2), node, req, p.ctr3, p.key0, p.key1);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (k < cnt) {
+                const float score = __fadd_rn(s[k], gumbel_noise(r.x[k]));
+                if (score > best.x) {  // -inf (a -inf logit) never passes; ties keep the lower id
+                    best.x = score;
+                    best.v = (int32_t)(v0 + k);
+                }
+            }
+        }
+    }
+}
+
+// The 16 / esize logits of one 16-byte chunk, in order.
+template <int Dtype>
+__device__ __forceinline__ void unpack_chunk(const uint4& q, float* x) {
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    if constexpr (Dtype == KDT_DTYPE_FLOAT32) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) x[k] = __uint_as_float(w[k]);
+    } else if constexpr (Dtype == KDT_DTYPE_BFLOAT16) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            x[2 * k] = __uint_as_float(w[k] << 16);
+            x[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            x[2 * k] = __half2float(__ushort_as_half((unsigned short)(w[k] & 0xFFFFu)));
+            x[2 * k + 1] = __half2float(__ushort_as_half((unsigned short)(w[k] >> 16)));
+        }
+    }
+}
+
+// Max over the block of one uint64 per thread; every thread gets the result. Contains one
+// barrier; the caller must pass another barrier before the next call (s_warp is reused).
+__device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* s_warp) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const uint64_t o = __shfl_xor_sync(kFullMask, v, off);
+        v = o > v ? o : v;
+    }
+    if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = v;
+    __syncthreads();
+    uint64_t r = 0;
+    const int warps = (int)(blockDim.x >> 5);
+    for (int k = 0; k < warps; k++) r = s_warp[k] > r ? s_warp[k] : r;
+    return r;
+}
+
+// The target's token at one node from its logits row (argmax, or the Gumbel-max draw),
+// computed by the whole block. Returns (order_key(value) << 32) | ~token; kRowBad for a
+// NaN (sampling: also +inf) logit; 0 when no token has a score above -inf (sampling).
+template <int M, int Dtype>
+__device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint32_t node, uint32_t req,
+                               uint64_t* s_warp) {
+    constexpr int kEsize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
+    constexpr int kChunk = 16 / kEsize;  // logits per 16-byte load: 4 or 8 (1 or 2 groups)
+    const int64_t nthreads = blockDim.x;
+    Best best = {-INFINITY, -1, 0};
+    int64_t v_scalar = 0;  // the scalar loop below starts here (a multiple of 4)
+    if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+        const uint4* vec = reinterpret_cast<const uint4*>(row);
+        const int64_t chunks = V / kChunk;
+        // Thread t takes chunks t, t + T, t + 2T, ... (T threads): each warp load is 512
+        // contiguous bytes; kUnroll loads are issued before any is used.
+        for (int64_t c0 = threadIdx.x; c0 < chunks; c0 += kUnroll * nthreads) {
+            uint4 q[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++) {
+                const int64_t c = c0 + u * nthreads;
+                q[u] = c < chunks ? __ldg(vec + c) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++) {
+                const int64_t c = c0 + u * nthreads;
+                if (c < chunks) {
+                    float x[kChunk];
+                    unpack_chunk<Dtype>(q[u], x);
+#pragma unroll
+                    for (int g = 0; g < kChunk / 4; g++) {
+                        take_group<M>(best, x + 4 * g, 4, c * kChunk + 4 * g, p, node, req);
+                    }
+                }
+            }
+        }
+        v_scalar = chunks * kChunk;
+    }
+    // The tail of an aligned row, or all of an unaligned one: groups of four tokens (one
+    // Philox call each when sampling), scalar loads.
+    const int64_t groups = (V + 3) / 4;
+    for (int64_t g = v_scalar / 4 + threadIdx.x; g < groups; g += nthreads) {
+        const int64_t v0 = 4 * g;
+        const int cnt = V - v0 < 4 ? (int)(V - v0) : 4;
+        float x[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) x[k] = k < cnt ? kdt::load_logit<Dtype>(row, v0 + k) : 0.0f;
+        take_group<M>(best, x, cnt, v0, p, node, req);
+    }
+    uint64_t mine = 0;
+    if (best.bad) {
+        mine = kRowBad;
+    } else if (best.v >= 0) {
+        const float x = best.x == 0.0f ? 0.0f : best.x;  // -0 ties with +0: the lower id wins
+        mine = ((uint64_t)kdt::float_order_key(x) << 32) | (uint64_t)(~(uint32_t)best.v);
+    }
+    return block_max_u64(mine, s_warp);
+}
+
+template <int M, int Dtype>
+__global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) verify_kernel(Params p) {
+    extern __shared__ int32_t s_tree[];  // staged tok, fc, ns (and, kGiven, targets): rows each
+    __shared__ uint64_t s_warp[32];
+    __shared__ int64_t s_len;
+    __shared__ int32_t s_cur, s_done, s_status, s_bonus;
+
+    const int64_t b = blockIdx.x;
+    const int64_t rows = p.budget + 1;
+    const int64_t base = b * rows;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t nthreads = blockDim.x;
+    const int32_t n = p.num_nodes[b];
+    const int32_t* g_tok = p.tokens + base;
+    const int32_t* g_fc = p.first_child + base;
+    const int32_t* g_ns = p.next_sibling + base;
+    TreeView t;
+    t.n = n;
+    if (p.stage) {
+        t.tok = s_tree;
+        t.fc = s_tree + rows;
+        t.ns = s_tree + 2 * rows;
+        t.target = M == kGiven ? s_tree + 3 * rows : nullptr;
+    } else {
+        t.tok = g_tok;
+        t.fc = g_fc;
+        t.ns = g_ns;
+        t.target = M == kGiven ? p.target_tokens + base : nullptr;
+    }
+
+    // 1. verify.c's check_tree, in parallel; stage the tree on the way.
+    int bad = n < 0 || (int64_t)n > p.budget;
+    if (!bad) {
+        for (int64_t i = tid; i <= n; i += nthreads) {
+            const int32_t fc = g_fc[i], ns = g_ns[i];
+            bad |= fc != -1 && (fc <= i || fc > n);
+            bad |= ns != -1 && (i == 0 || ns <= i || ns > n);
+            if (p.stage) {
+                s_tree[i] = g_tok[i];
+                s_tree[rows + i] = fc;
+                s_tree[2 * rows + i] = ns;
+                if constexpr (M == kGiven) s_tree[3 * rows + i] = p.target_tokens[base + i];
+            }
+        }
+    }
+    if (M != kGiven && p.target_out != nullptr) {
+        for (int64_t i = tid; i < rows; i += nthreads) p.target_out[base + i] = -1;
+    }
+    bad = __syncthreads_or(bad);
+    const int64_t cap = p.max_commit != nullptr ? p.max_commit[b] : INT64_MAX;
+    const int32_t status0 = bad ? KDT_ERR_VALUE : cap < 0 ? KDT_ERR_INVALID_ARGUMENT : KDT_OK;
+    if (tid == 0) {
+        s_cur = 0;
+        s_done = 0;
+        s_status = status0;
+        s_len = 0;
+        s_bonus = -1;
+    }
+    __syncthreads();
+
+    // 2. The walk (cap 0: nothing is committed and no row is read).
+    int32_t* path = p.accepted_nodes + b * p.path_capacity;
+    if constexpr (M == kGiven) {
+        if (warp == 0 && status0 == KDT_OK && cap > 0) {
+            Walk w = {0, -1, KDT_OK, 0};
+            for (;;) {
+                const int32_t want = t.target[w.cur];
+                if (want < 0) {
+                    w.status = KDT_ERR_VALUE;
+                    break;
+                }
+                if (walk_step(w, want, t, p, cap, path)) break;
+            }
+            if (lane == 0) {
+                s_status = w.status;
+                s_len = w.len;
+                s_bonus = w.bonus;
+            }
+        }
+    } else if (status0 == KDT_OK && cap > 0) {  // uniform over the block
+        const size_t esize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
+        const char* logits = static_cast<const char*>(p.logits.data);
+        Walk w = {0, -1, KDT_OK, 0};  // meaningful in warp 0 only
+        for (;;) {
+            // Everyone reads s_cur here; warp 0 writes it only after reduce_row's barrier.
+            const int32_t cur = s_cur;
+            const int64_t at = b * p.logits.batch_stride + (int64_t)cur * p.logits.row_stride;
+            const char* row = logits + at * (int64_t)esize;
+            const uint64_t r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b, s_warp);
+            if (warp == 0) {
+                bool done;
+                if (r == kRowBad || r == 0) {  // NaN, or (sampling) +inf or nothing above -inf
+                    w.status = KDT_ERR_VALUE;
+                    done = true;
+                } else {
+                    const int32_t want = (int32_t)~(uint32_t)r;
+                    if (lane == 0 && p.target_out != nullptr) p.target_out[base + cur] = want;
+                    done = walk_step(w, want, t, p, cap, path);
+                }
+                if (lane == 0) {
+                    s_cur = w.cur;
+                    s_done = done;
+                    if (done) {
+                        s_status = w.status;
+                        s_len = w.len;
+                        s_bonus = w.bonus;
+                    }
+                }
+            }
+            __syncthreads();
+            if (s_done) break;  // s_done changes again only after the next reduce_row barrier
+        }
+    }
+    __syncthreads();
+
+    // 3. Outputs: the rest of the path row (a failed request: all of it), length, bonus.
+    const int32_t status = s_status;
+    const int64_t len = status == KDT_OK ? s_len : 0;
+    for (int64_t j = tid; j < p.path_capacity; j += nthreads) {
+        if (status != KDT_OK || j > len) {
+            path[j] = -1;
+        } else if (j == 0) {
+            path[0] = 0;
+        }
+    }
+    if (tid == 0) {
+        p.accept_length[b] = (int32_t)len;
+        p.bonus_token[b] = status == KDT_OK ? s_bonus : -1;
+        p.status[b] = status;
+    }
+}
+
+// Host checks shared by the three entry points that need no device data; fills the tree,
+// stop-token, cap and size fields of p. B == 0 is accepted here (the caller returns).
+kdt_status check_scalars(const kdt_trees* trees, int64_t num_stop_tokens, int64_t path_capacity, Params* p) {
+    if (trees == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "trees is NULL");
+    const int64_t B = trees->batch, N = trees->budget;
+    if (B < 0 || B > INT32_MAX || N < 0 || N > kMaxBudget) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "trees batch (%lld) must be in [0, %d] and budget (%lld) in [0, %lld]", (long long)B,
+                        INT32_MAX, (long long)N, (long long)kMaxBudget);
+    }
+    if (num_stop_tokens < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "num_stop_tokens %lld is negative", (long long)num_stop_tokens);
+    }
+    if (path_capacity < 1) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "path_capacity %lld must be >= 1", (long long)path_capacity);
+    }
+    // Element offsets b * (N + 1) + i and b * path_capacity + j, in bytes, fit int64.
+    if ((unsigned __int128)B * (uint64_t)(N + 1) * 4u > (unsigned __int128)INT64_MAX ||
+        (unsigned __int128)B * (uint64_t)path_capacity * 4u > (unsigned __int128)INT64_MAX) {
+        return kdt_fail(KDT_ERR_OVERFLOW, "batch %lld x path_capacity %lld (or budget %lld + 1) overflows",
+                        (long long)B, (long long)path_capacity, (long long)N);
+    }
+    memset(p, 0, sizeof *p);
+    p->batch = B;
+    p->budget = N;
+    p->num_stop_tokens = num_stop_tokens;
+    p->path_capacity = path_capacity;
+    return KDT_OK;
+}
+
+// Host checks of the device pointers (B > 0), then the rest of p.
+kdt_status check_pointers(const kdt_trees* trees, const int32_t* stop_tokens, const int64_t* max_commit,
+                          int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
+                          int32_t* request_status, Params* p) {
+    if (trees->num_nodes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "trees->num_nodes is NULL");
+    if (trees->tokens == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "trees->tokens is NULL");
+    if (trees->first_child == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "trees->first_child is NULL");
+    if (trees->next_sibling == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "trees->next_sibling is NULL");
+    if (p->num_stop_tokens > 0 && stop_tokens == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "stop_tokens is NULL with num_stop_tokens %lld",
+                        (long long)p->num_stop_tokens);
+    }
+    if (accepted_nodes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "accepted_nodes is NULL");
+    if (accept_length == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "accept_length is NULL");
+    if (bonus_token == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bonus_token is NULL");
+    if (request_status == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "request_status is NULL");
+    p->num_nodes = trees->num_nodes;
+    p->tokens = trees->tokens;
+    p->first_child = trees->first_child;
+    p->next_sibling = trees->next_sibling;
+    p->stop_tokens = stop_tokens;
+    p->max_commit = max_commit;
+    p->accepted_nodes = accepted_nodes;
+    p->accept_length = accept_length;
+    p->bonus_token = bonus_token;
+    p->status = request_status;
+    return KDT_OK;
+}
+
+template <int M, int Dtype>
+kdt_status launch(Params p, void* stream, const char* what) {
+    const int64_t rows = p.budget + 1;
+    p.stage = rows <= kStageMax;
+    const size_t smem = p.stage ? (size_t)(M == kGiven ? 4 : 3) * (size_t)rows * sizeof(int32_t) : 0;
+    verify_kernel<M, Dtype><<<(unsigned)p.batch, M == kGiven ? kWalkThreads : kRowThreads, smem,
+                              kdt::as_stream(stream)>>>(p);
+    const kdt_status st = kdt::launch_status(what);
+    return st != KDT_OK ? st : kdt_ok();
+}
+
+template <int M>
+kdt_status launch_dtype(const Params& p, void* stream, const char* what) {
+    switch (p.logits.dtype) {
+        case KDT_DTYPE_FLOAT32: return launch<M, KDT_DTYPE_FLOAT32>(p, stream, what);
+        case KDT_DTYPE_FLOAT16: return launch<M, KDT_DTYPE_FLOAT16>(p, stream, what);
+        case KDT_DTYPE_BFLOAT16: return launch<M, KDT_DTYPE_BFLOAT16>(p, stream, what);
+        default: return kdt_fail(KDT_ERR_INTERNAL, "%s: dtype %d passed the checks", what, (int)p.logits.dtype);
+    }
+}
+
+}  // namespace
+
+extern "C" kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
+                                             const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                             const int64_t* max_commit, int64_t path_capacity,
+                                             int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
+                                             int32_t* request_status, void* stream) {
+    Params p;
+    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
+    if (st != KDT_OK) return st;
+    if (p.batch == 0) return kdt_ok();
+    st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
+                        &p);
+    if (st != KDT_OK) return st;
+    if (target_tokens == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "target_tokens is NULL");
+    p.target_tokens = target_tokens;
+    return launch<kGiven, KDT_DTYPE_FLOAT32>(p, stream, "kdt_verify_greedy_cuda");
+}
+
+extern "C" kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                                         const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                         const int64_t* max_commit, int64_t path_capacity,
+                                                         int32_t* accepted_nodes, int32_t* accept_length,
+                                                         int32_t* bonus_token, int32_t* target_tokens,
+                                                         int32_t* request_status, void* stream) {
+    Params p;
+    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
+    if (st != KDT_OK) return st;
+    st = kdt::check_logits(target_logits, "target_logits", p.batch, p.budget + 1);
+    if (st != KDT_OK) return st;
+    if (p.batch == 0) return kdt_ok();
+    st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
+                        &p);
+    if (st != KDT_OK) return st;
+    p.logits = *target_logits;
+    p.target_out = target_tokens;
+    return launch_dtype<kArgmax>(p, stream, "kdt_verify_greedy_from_logits_cuda");
+}
+
+extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                                         float temperature, uint64_t seed, uint64_t offset,
+                                                         const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                         const int64_t* max_commit, int64_t path_capacity,
+                                                         int32_t* accepted_nodes, int32_t* accept_length,
+                                                         int32_t* bonus_token, int32_t* target_tokens,
+                                                         int32_t* request_status, void* stream) {
+    Params p;
+    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
+    if (st != KDT_OK) return st;
+    if (!isfinite(temperature) || !(temperature > 0.0f)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "temperature %g must be finite and > 0", (double)temperature);
+    }
+    st = kdt::check_logits(target_logits, "target_logits", p.batch, p.budget + 1);
+    if (st != KDT_OK) return st;
+    if (p.batch == 0) return kdt_ok();
+    st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
+                        &p);
+    if (st != KDT_OK) return st;
+    p.logits = *target_logits;
+    p.target_out = target_tokens;
+    p.temperature = temperature;
+    p.key0 = (uint32_t)seed;
+    p.key1 = (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32);
+    p.ctr3 = (uint32_t)offset;
+    return launch_dtype<kSample>(p, stream, "kdt_verify_sample_from_logits_cuda");
+}

@@ -1,0 +1,475 @@
+"""GPU front end of libkdtree: the kdtree functions on CUDA arrays (torch, CuPy, ...).
+
+The public functions in :mod:`kdtree.api` dispatch here when their array inputs are CUDA
+arrays (:func:`kdtree._device.is_device_array`). Every kernel runs on the caller's current
+stream (or ``stream=``) and on the device of the inputs; outputs are allocated with the
+inputs' library. Nothing here synchronises except error checking: with
+``errors="raise"`` (the default) the per-request / per-row statuses are copied to the host
+after the launch and the first failure raises :class:`KdtreeError`; with
+``errors="status"`` nothing is copied and the statuses are returned for the caller to
+inspect later (the whole round then stays on the device, capturable in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _device as dev
+from . import _lib
+from ._lib import KdtreeError
+from ._types import Acceptance, TreeBatch
+
+_DTYPE_CODES = {"float32": 12, "float16": 10, "bfloat16": 11}  # kdt_dtype
+MASK_KINDS = {"bool": 0, "bits": 1, "additive": None, "flashinfer": 5}
+_ADDITIVE = {"float32": 2, "float16": 3, "bfloat16": 4}
+_STATUS_OK = 0
+
+_TREE_FIELDS = {
+    "num_nodes": ("int32", 1),
+    "tokens": ("int32", 2),
+    "depths": ("int32", 2),
+    "parents": ("int32", 2),
+    "logw": ("float64", 2),
+    "positions": ("int64", 2),
+    "visibility": ("bool", 3),
+    "visibility_bits": ("uint32", 3),
+    "first_child": ("int32", 2),
+    "next_sibling": ("int32", 2),
+}
+
+
+def _check_errors(errors: str) -> None:
+    if errors not in ("raise", "status"):
+        raise ValueError(f'errors must be "raise" or "status", got {errors!r}')
+
+
+def _raise_on_status(status, what: str, unit: str = "request") -> None:
+    """Copies a device status array to the host and raises on the first failure."""
+    host = dev.to_host(status).reshape(-1)
+    bad = np.flatnonzero(host != _STATUS_OK)
+    if bad.size:
+        i = int(bad[0])
+        code = int(host[i])
+        name = _lib.STATUS_NAMES.get(code, f"status {code}")
+        more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
+        raise KdtreeError(code, f"{unit} {i}: {name}{more}; pass errors='status' to get the per-{unit} "
+                          "statuses instead", what)
+
+
+def _view(obj, name: str, dtype: str | tuple[str, ...], ndim: int | None = None, stream: int | None = None,
+          contiguous: bool = True) -> dev.DeviceArray:
+    v = dev.view(obj, name, stream)
+    allowed = (dtype,) if isinstance(dtype, str) else dtype
+    if v.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype {' or '.join(allowed)}, got {v.dtype}")
+    if ndim is not None and len(v.shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {v.shape}")
+    if contiguous and not v.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (shape {v.shape}, strides {v.strides})")
+    return v
+
+
+def _same_device(views: list[dev.DeviceArray]) -> None:
+    devices = {v.device for v in views}
+    if len(devices) > 1:
+        raise ValueError(f"inputs are on different CUDA devices: {sorted(devices)}")
+
+
+def _workspace(like, nbytes: int):
+    """A 256-byte aligned device buffer of at least nbytes (torch/CuPy allocators align
+    to 256 or more; checked)."""
+    buf = dev.empty(like, (max(int(nbytes), 1) + 256,), "uint8")
+    v = dev.view(buf, "workspace")
+    pad = (-v.ptr) % 256
+    return buf, v.ptr + pad, int(nbytes)
+
+
+def _logits_struct(v: dev.DeviceArray, name: str) -> _lib.KdtLogits:
+    """kdt_logits of a [B, L, V] (or [R, V], [V]) device view; the vocab axis must have
+    stride 1."""
+    if v.dtype not in _DTYPE_CODES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {v.dtype}")
+    shape, strides = v.shape, v.strides
+    if len(shape) == 1:
+        shape, strides = (1, 1) + shape, (0, 0) + strides
+    elif len(shape) == 2:
+        shape, strides = (shape[0], 1, shape[1]), (strides[0], 0, strides[1])
+    elif len(shape) != 3:
+        raise ValueError(f"{name} must be [B, L, V], [R, V] or [V], got shape {v.shape}")
+    if shape[2] > 1 and strides[2] != 1:
+        raise ValueError(f"{name}: the vocab axis must be contiguous (stride 1), got strides {v.strides}")
+    if min(strides) < 0:
+        raise ValueError(f"{name}: negative strides are not supported ({v.strides})")
+    return _lib.KdtLogits(v.ptr, _DTYPE_CODES[v.dtype], 0, shape[0], shape[1], shape[2], strides[0], strides[1])
+
+
+def _trees_struct(t: TreeBatch, stream: int) -> tuple[_lib.KdtTrees, list]:
+    views = []
+    ptrs = []
+    rows = t.budget + 1
+    words = (rows + 31) // 32
+    for name, (dtype, ndim) in _TREE_FIELDS.items():
+        a = getattr(t, name)
+        if a is None:
+            if name == "num_nodes":
+                raise ValueError("trees.num_nodes is required")
+            ptrs.append(None)
+            continue
+        v = _view(a, f"trees.{name}", ("bool", "uint8") if dtype == "bool" else dtype, ndim, stream)
+        want = {1: (t.batch,), 2: (t.batch, rows),
+                3: (t.batch, rows, rows if name == "visibility" else words)}[ndim]
+        if v.shape != want:
+            raise ValueError(f"trees.{name} must have shape {want}, got {v.shape}")
+        views.append(v)
+        ptrs.append(v.ptr)
+    _same_device(views)
+    return _lib.KdtTrees(t.batch, t.budget, *ptrs), views
+
+
+def empty_trees(like, batch: int, budget: int, depth: int) -> TreeBatch:
+    """Uninitialised GPU outputs for a tree build, allocated like `like`."""
+    rows = budget + 1
+    words = (rows + 31) // 32
+    return TreeBatch(
+        num_nodes=dev.empty(like, (batch,), "int32"),
+        tokens=dev.empty(like, (batch, rows), "int32"),
+        depths=dev.empty(like, (batch, rows), "int32"),
+        parents=dev.empty(like, (batch, rows), "int32"),
+        logw=dev.empty(like, (batch, rows), "float64"),
+        positions=dev.empty(like, (batch, rows), "int64"),
+        visibility=dev.empty(like, (batch, rows, rows), "bool"),
+        visibility_bits=dev.empty(like, (batch, rows, words), "uint32"),
+        first_child=dev.empty(like, (batch, rows), "int32"),
+        next_sibling=dev.empty(like, (batch, rows), "int32"),
+        budget=int(budget),
+        depth=int(depth),
+    )
+
+
+def _optional(obj, name, dtype, shape, like, stream):
+    """A device view of an optional small input (a host array is copied to the device)."""
+    if obj is None:
+        return None, None
+    if not dev.is_device_array(obj):
+        obj = dev.from_host(like, np.ascontiguousarray(np.asarray(obj).reshape(shape), dtype=dtype))
+    v = _view(obj, name, dtype, len(shape), stream)
+    if v.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {v.shape}")
+    return obj, v
+
+
+def _prepare_out(out, like, batch, budget, depth):
+    if out is None:
+        return empty_trees(like, batch, budget, depth)
+    if not isinstance(out, TreeBatch):
+        raise TypeError(f"out must be a TreeBatch, got {type(out).__name__}")
+    if out.batch != batch:
+        raise ValueError(f"out holds {out.batch} requests, the input {batch}")
+    out.budget, out.depth = budget, depth  # checked against the arrays in _trees_struct
+    return out
+
+
+def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, vocab_size, pad_token, out,
+                errors, stream) -> TreeBatch:
+    _check_errors(errors)
+    s = dev.current_stream(logprobs, stream)
+    lp = _view(logprobs, "logprobs", "float32", None, s)
+    ids = _view(token_ids, "token_ids", "int32", None, s)
+    if len(lp.shape) == 2:
+        batch, depth, width = 1, lp.shape[0], lp.shape[1]
+    elif len(lp.shape) == 3:
+        batch, depth, width = lp.shape
+    else:
+        raise ValueError(f"logprobs must be [B, L, K] or [L, K], got shape {lp.shape}")
+    if ids.shape != lp.shape:
+        raise ValueError(f"token_ids {ids.shape} must have the shape of logprobs {lp.shape}")
+    lib = _lib.load()
+    with dev.on_device(logprobs):
+        roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logprobs, s)
+        pos, pv = _optional(root_positions, "root_positions", "int64", (batch,), logprobs, s)
+        out = _prepare_out(out, logprobs, batch, budget, depth)
+        struct, views = _trees_struct(out, s)
+        _same_device([lp, ids, *views] + [v for v in (rv, pv) if v is not None])
+        status = dev.empty(logprobs, (batch,), "int32")
+        sv = dev.view(status, "request_status")
+        need = ctypes.c_size_t()
+        lib.kdt_trees_build_cuda_workspace_bytes(batch, budget, depth, width, ctypes.byref(need))
+        ws, ws_ptr, ws_bytes = _workspace(logprobs, need.value)
+        draft = _lib.KdtDraft(batch, depth, width, lp.ptr, ids.ptr, rv.ptr if rv else None,
+                              pv.ptr if pv else None, vocab_size, pad_token)
+        lib.kdt_trees_build_cuda(ctypes.byref(draft), ctypes.byref(struct), sv.ptr, ws_ptr, ws_bytes, s)
+        del ws, roots, pos  # the allocator keeps the memory until the stream is done with it
+    out.request_status = status
+    if errors == "raise":
+        _raise_on_status(status, "build_trees")
+    return out
+
+
+def topk_logprobs(logits, k: int, *, errors: str, stream):
+    _check_errors(errors)
+    s = dev.current_stream(logits, stream)
+    v = dev.view(logits, "logits", s)
+    if len(v.shape) < 1:
+        raise ValueError("logits must have at least one dimension [..., V]")
+    lead = v.shape[:-1]
+    vocab = v.shape[-1]
+    if not 0 <= k <= min(vocab, 1024):
+        raise ValueError(f"k must be in [0, min(V={vocab}, 1024)] on the GPU, got {k}")
+    if len(v.shape) > 3:  # merge leading axes when their strides allow it
+        rows = int(np.prod(lead, dtype=np.int64))
+        merged = _merge_leading(v)
+        if merged is None:
+            raise ValueError(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
+                             "merged into rows; pass a [B, L, V] view")
+        v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
+    struct = _logits_struct(v, "logits")
+    rows = int(struct.batch * struct.length)
+    lib = _lib.load()
+    with dev.on_device(logits):
+        out_lp = dev.empty(logits, lead + (k,), "float32")
+        out_ids = dev.empty(logits, lead + (k,), "int32")
+        status = dev.empty(logits, lead if lead else (1,), "int32")
+        need = ctypes.c_size_t()
+        lib.kdt_topk_logprobs_cuda_workspace_bytes(rows, vocab, k, ctypes.byref(need))
+        ws, ws_ptr, ws_bytes = _workspace(logits, need.value)
+        lib.kdt_topk_logprobs_cuda(ctypes.byref(struct), k, dev.view(out_lp, "out").ptr,
+                                   dev.view(out_ids, "out").ptr, dev.view(status, "status").ptr,
+                                   ws_ptr, ws_bytes, s)
+        del ws
+    if errors == "raise":
+        _raise_on_status(status, "topk_logprobs", "row")
+        return out_lp, out_ids
+    return out_lp, out_ids, status
+
+
+def _merge_leading(v: dev.DeviceArray) -> int | None:
+    """The row stride when v's leading axes form one evenly strided axis, else None."""
+    lead, strides = v.shape[:-1], v.strides[:-1]
+    row = strides[-1]
+    expect = row
+    for extent, stride in zip(reversed(lead), reversed(strides), strict=True):
+        if extent != 1 and stride != expect:
+            return None
+        expect = expect * extent if extent != 1 else expect
+    return row
+
+
+def build_trees_from_logits(logits, width, budget, *, root_tokens, root_positions, pad_token, out, errors,
+                            stream) -> TreeBatch:
+    _check_errors(errors)
+    s = dev.current_stream(logits, stream)
+    v = dev.view(logits, "logits", s)
+    struct = _logits_struct(v, "logits")
+    batch, depth, vocab = struct.batch, struct.length, struct.vocab
+    lib = _lib.load()
+    with dev.on_device(logits):
+        roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logits, s)
+        pos, pv = _optional(root_positions, "root_positions", "int64", (batch,), logits, s)
+        out = _prepare_out(out, logits, batch, budget, depth)
+        tstruct, views = _trees_struct(out, s)
+        _same_device([v, *views])
+        status = dev.empty(logits, (batch,), "int32")
+        need = ctypes.c_size_t()
+        lib.kdt_trees_build_from_logits_cuda_workspace_bytes(batch, budget, depth, vocab, width, ctypes.byref(need))
+        ws, ws_ptr, ws_bytes = _workspace(logits, need.value)
+        lib.kdt_trees_build_from_logits_cuda(
+            ctypes.byref(struct), width, rv.ptr if rv else None, pv.ptr if pv else None, pad_token,
+            ctypes.byref(tstruct), dev.view(status, "status").ptr, ws_ptr, ws_bytes, s)
+        del ws, roots, pos
+    out.request_status = status
+    if errors == "raise":
+        _raise_on_status(status, "build_trees_from_logits")
+    return out
+
+
+def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: str, columns, errors, stream):
+    _check_errors(errors)
+    like = trees.num_nodes
+    s = dev.current_stream(like, stream)
+    batch, rows = trees.batch, trees.budget + 1
+    lib = _lib.load()
+    with dev.on_device(like):
+        tstruct, views = _trees_struct(trees, s)
+        prefix, pv = _optional(prefix_lengths, "prefix_lengths", "int64", (batch,), like, s)
+        if pv is None:
+            raise ValueError("prefix_lengths is required (zeros for no prefix)")
+        _same_device([*views, pv])
+        if kind == "flashinfer":
+            if columns is not None:
+                raise ValueError("columns is not used with kind='flashinfer'")
+            host_prefix = dev.to_host(prefix).astype(np.int64)  # sizes the ragged output
+            if (host_prefix < 0).any():
+                raise ValueError(f"prefix_lengths must be >= 0, got {host_prefix.tolist()}")
+            nbytes = int(sum((rows * (int(p) + rows) + 7) // 8 for p in host_prefix))
+            mask = dev.empty(like, (nbytes,), "uint8")
+            indptr = dev.empty(like, (batch + 1,), "int32")
+            code, ncols = MASK_KINDS["flashinfer"], 0
+        else:
+            if columns is None:
+                host_prefix = dev.to_host(prefix)
+                columns = int(host_prefix.max()) + rows if batch else rows
+            ncols = int(columns)
+            if kind == "bool":
+                code, shape, odt = 0, (batch, rows, ncols), "uint8"
+            elif kind == "bits":
+                code, shape, odt = 1, (batch, rows, (ncols + 31) // 32), "uint32"
+            elif kind == "additive":
+                if dtype not in _ADDITIVE:
+                    raise ValueError(f"dtype must be float32, float16 or bfloat16 for additive masks, got {dtype!r}")
+                code, shape, odt = _ADDITIVE[dtype], (batch, rows, ncols), dtype
+            else:
+                raise ValueError(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
+            mask = dev.empty(like, shape, odt)
+            indptr = None
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dev._ITEMSIZE[odt]
+        positions = dev.empty(like, (batch, rows), "int64")
+        status = dev.empty(like, (batch,), "int32")
+        lib.kdt_tree_attention_mask_cuda(
+            ctypes.byref(tstruct), pv.ptr, code, ncols, dev.view(mask, "mask").ptr if nbytes else None, nbytes,
+            dev.view(indptr, "indptr").ptr if indptr is not None else None, dev.view(positions, "positions").ptr,
+            dev.view(status, "status").ptr, s)
+        del prefix
+    if kind == "bool" and dev._library(mask) == "torch":
+        mask = mask.view(dtype=__import__("sys").modules["torch"].bool)
+    if errors == "raise":
+        _raise_on_status(status, "tree_attention_mask")
+        return mask, indptr, positions
+    return mask, indptr, positions, status
+
+
+def _verify_common(trees, stop_tokens, max_commit, s):
+    like = trees.num_nodes
+    batch = trees.batch
+    tstruct, views = _trees_struct(trees, s)
+    stop_list = [int(x) for x in stop_tokens]
+    stops = dev.from_host(like, np.asarray(stop_list, np.int32)) if stop_list else None
+    sv = dev.view(stops, "stop_tokens") if stops is not None else None
+    caps, cv = (None, None)
+    if max_commit is not None:
+        if dev.is_device_array(max_commit):
+            caps, cv = _optional(max_commit, "max_commit", "int64", (batch,), like, s)
+        else:
+            host = np.broadcast_to(np.asarray(max_commit, dtype=np.int64), (batch,))
+            if (host < 0).any():
+                raise ValueError(f"max_commit must be >= 0, got {host.tolist()}")
+            caps, cv = _optional(np.ascontiguousarray(host), "max_commit", "int64", (batch,), like, s)
+    width = trees.depth + 1
+    accepted = dev.empty(like, (batch, width), "int32")
+    length = dev.empty(like, (batch,), "int32")
+    bonus = dev.empty(like, (batch,), "int32")
+    status = dev.empty(like, (batch,), "int32")
+    keep = (stops, caps)
+    ptrs = (sv.ptr if sv else None, len(stop_list), cv.ptr if cv else None, width,
+            dev.view(accepted, "a").ptr, dev.view(length, "l").ptr, dev.view(bonus, "b").ptr)
+    return tstruct, views, ptrs, (accepted, length, bonus, status), keep
+
+
+def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, errors, stream) -> Acceptance:
+    _check_errors(errors)
+    like = trees.num_nodes
+    s = dev.current_stream(like, stream)
+    lib = _lib.load()
+    with dev.on_device(like):
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s)
+        target, tv = _optional(target_tokens, "target_tokens", "int32", (trees.batch, trees.budget + 1), like, s)
+        _same_device([*views, tv])
+        lib.kdt_verify_greedy_cuda(ctypes.byref(tstruct), tv.ptr, *ptrs, dev.view(outs[3], "s").ptr, s)
+        del keep, target
+    acc = Acceptance(*outs[:3], request_status=outs[3])
+    if errors == "raise":
+        _raise_on_status(outs[3], "verify_greedy")
+    return acc
+
+
+def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, offset, stop_tokens, max_commit,
+                       errors, stream) -> Acceptance:
+    _check_errors(errors)
+    like = trees.num_nodes
+    s = dev.current_stream(like, stream)
+    v = dev.view(target_logits, "target_logits", s)
+    struct = _logits_struct(v, "target_logits")
+    lib = _lib.load()
+    with dev.on_device(like):
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s)
+        _same_device([*views, v])
+        chosen = dev.empty(like, (trees.batch, trees.budget + 1), "int32")
+        tail = (dev.view(chosen, "t").ptr, dev.view(outs[3], "s").ptr, s)
+        if temperature is None:
+            lib.kdt_verify_greedy_from_logits_cuda(ctypes.byref(tstruct), ctypes.byref(struct), *ptrs, *tail)
+            what = "verify_greedy_from_logits"
+        else:
+            lib.kdt_verify_sample_from_logits_cuda(ctypes.byref(tstruct), ctypes.byref(struct), temperature, seed,
+                                                   offset, *ptrs, *tail)
+            what = "verify_sample_from_logits"
+        del keep
+    acc = Acceptance(*outs[:3], request_status=outs[3], target_tokens=chosen)
+    if errors == "raise":
+        _raise_on_status(outs[3], what)
+    return acc
+
+
+_POINTER_TABLES: dict[tuple, object] = {}
+
+
+def _pointer_table(like, views: list[dev.DeviceArray]):
+    """A device array of the layers' base pointers (cached per set of tensors)."""
+    key = (tuple(v.ptr for v in views), views[0].device)
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) > 64:
+            _POINTER_TABLES.clear()
+        table = dev.from_host(like, np.asarray([v.ptr for v in views], np.uint64).view(np.int64))
+        _POINTER_TABLES[key] = table
+    return table
+
+
+def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, layout: str, errors, stream):
+    _check_errors(errors)
+    k_layers = list(k_layers)
+    v_layers = None if v_layers is None else list(v_layers)
+    if not k_layers:
+        raise ValueError("k_layers is empty")
+    if v_layers is not None and len(v_layers) != len(k_layers):
+        raise ValueError(f"{len(k_layers)} K layers but {len(v_layers)} V layers")
+    like = k_layers[0]
+    s = dev.current_stream(like, stream)
+    kv = [_view(t, f"k_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
+          for i, t in enumerate(k_layers)]
+    vv = [] if v_layers is None else [
+        _view(t, f"v_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
+        for i, t in enumerate(v_layers)]
+    first = kv[0]
+    for i, t in enumerate(kv + vv):
+        if t.shape != first.shape or t.strides != first.strides or t.dtype != first.dtype:
+            raise ValueError(f"every K and V layer must share shape, strides and dtype; layer tensor {i} has "
+                             f"{t.shape} {t.strides} {t.dtype}, the first {first.shape} {first.strides} {first.dtype}")
+    if layout == "bhsd":
+        (batch, heads, seq, dim), (bs, hs, ss, ds) = first.shape, first.strides
+    elif layout == "bshd":
+        (batch, seq, heads, dim), (bs, ss, hs, ds) = first.shape, first.strides
+    else:
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if dim > 1 and ds != 1:
+        raise ValueError(f"the head_dim axis must be contiguous, got strides {first.strides}")
+    lib = _lib.load()
+    with dev.on_device(like):
+        ktab = _pointer_table(like, kv)
+        vtab = _pointer_table(like, vv) if vv else None
+        prefix, pv = _optional(prefix_lengths, "prefix_lengths", "int64", (batch,), like, s)
+        acc = _view(acceptance.accepted_nodes, "accepted_nodes", "int32", 2, s)
+        alen = _view(acceptance.accept_length, "accept_length", "int32", 1, s)
+        if acc.shape[0] != batch or alen.shape[0] != batch:
+            raise ValueError(f"acceptance holds {acc.shape[0]} requests, the cache {batch}")
+        _same_device([*kv, *vv, pv, acc, alen])
+        cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, dev.view(vtab, "v").ptr if vtab is not None else None,
+                                len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads, seq, dim, bs, hs, ss)
+        status = dev.empty(like, (batch,), "int32")
+        lib.kdt_compact_kv_cuda(ctypes.byref(cache), pv.ptr, acc.ptr, alen.ptr, acc.shape[1],
+                                dev.view(status, "s").ptr, s)
+        del prefix
+    if errors == "raise":
+        _raise_on_status(status, "compact_kv")
+        return None
+    return status

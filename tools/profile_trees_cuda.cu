@@ -1,0 +1,91 @@
+// Phase timing of the shared-memory tree-build kernel (versions 2 and 3): this file
+// compiles native/cuda/trees_cuda.cu with KDT_TREES_PROFILE, so the kernel records
+// clock64() at its phase boundaries (load + validation, expansion, outputs + masks), and
+// prints the median over blocks in microseconds, next to the whole launch (CUDA events).
+// Same inputs as tools/bench_trees_cuda.cu (B = 64, L = 16, K = N, peaked). Device only.
+#define KDT_TREES_PROFILE 1
+#include "../native/cuda/trees_cuda.cu"
+
+#include <algorithm>
+#include <stdio.h>
+#include <string.h>
+#include <vector>
+
+#define CK(call)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        if (e_ != cudaSuccess) { fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); return 1; } \
+    } while (0)
+
+static uint64_t s_rng = 88172645463325252ull;
+static double unit01() { s_rng ^= s_rng << 13; s_rng ^= s_rng >> 7; s_rng ^= s_rng << 17; return (double)(s_rng >> 11) / 9007199254740992.0; }
+
+int main() {
+    int dev_count = 0;
+    if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) { printf("SKIP: no GPU\n"); return 0; }
+    int clock_khz = 0;
+    CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+    const double cyc_per_us = clock_khz / 1000.0;
+    const int64_t B = 64, L = 16;
+    printf("SM clock %.0f MHz; median over %lld blocks, microseconds\n", cyc_per_us, (long long)B);
+    printf("%6s %8s %10s %10s %10s %10s\n", "N", "launch", "load+val", "expand", "outputs", "block");
+    for (int64_t N : {64, 128, 256, 1024}) {
+        const int64_t K = N;
+        std::vector<float> lp((size_t)B * L * K);
+        std::vector<int32_t> ids(lp.size());
+        for (size_t row = 0; row < lp.size() / K; row++) {
+            float* r = &lp[row * K];
+            r[0] = -0.08f;
+            for (int64_t k = 1; k < K; k++) r[k] = -8.0f - 6.0f * (float)unit01();
+            std::sort(r + 1, r + K, [](float a, float b) { return a > b; });
+            for (int64_t k = 0; k < K; k++) ids[row * K + k] = (int32_t)(k * 37 + row % 11);
+        }
+        float* d_lp; int32_t* d_ids; int32_t* d_status; int32_t* d_num;
+        CK(cudaMalloc(&d_lp, lp.size() * 4));
+        CK(cudaMalloc(&d_ids, ids.size() * 4));
+        CK(cudaMemcpy(d_lp, lp.data(), lp.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&d_status, B * 4));
+        CK(cudaMalloc(&d_num, B * 4));
+        kdt_trees t; memset(&t, 0, sizeof t);
+        t.batch = B; t.budget = N; t.num_nodes = d_num;
+        const size_t rows = (size_t)(B * (N + 1));
+        CK(cudaMalloc((void**)&t.tokens, rows * 4)); CK(cudaMalloc((void**)&t.depths, rows * 4));
+        CK(cudaMalloc((void**)&t.parents, rows * 4)); CK(cudaMalloc((void**)&t.first_child, rows * 4));
+        CK(cudaMalloc((void**)&t.next_sibling, rows * 4)); CK(cudaMalloc((void**)&t.logw, rows * 8));
+        CK(cudaMalloc((void**)&t.positions, rows * 8)); CK(cudaMalloc((void**)&t.visibility, rows * (N + 1)));
+        CK(cudaMalloc((void**)&t.visibility_bits, rows * ((N + 32) / 32) * 4));
+        size_t ws; void* d_ws;
+        if (kdt_trees_build_cuda_workspace_bytes(B, N, L, K, &ws) != KDT_OK) return 1;
+        CK(cudaMalloc(&d_ws, ws));
+        kdt_draft d = {B, L, K, d_lp, d_ids, NULL, NULL, 0, -1};
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        std::vector<float> launch;
+        std::vector<double> ph[4];
+        for (int rep = 0; rep < 12; rep++) {
+            CK(cudaEventRecord(e0));
+            if (kdt_trees_build_cuda(&d, &t, d_status, d_ws, ws, NULL) != KDT_OK) { fprintf(stderr, "%s\n", kdt_last_error()); return 1; }
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (rep < 2) continue;
+            launch.push_back(ms * 1000.0f);
+            long long prof[64][4];
+            CK(cudaMemcpyFromSymbol(prof, kdt_prof, sizeof prof));
+            for (int64_t blk = 0; blk < B; blk++) {
+                ph[0].push_back((prof[blk][1] - prof[blk][0]) / cyc_per_us);
+                ph[1].push_back((prof[blk][2] - prof[blk][1]) / cyc_per_us);
+                ph[2].push_back((prof[blk][3] - prof[blk][2]) / cyc_per_us);
+                ph[3].push_back((prof[blk][3] - prof[blk][0]) / cyc_per_us);
+            }
+        }
+        std::sort(launch.begin(), launch.end());
+        double med[4];
+        for (int i = 0; i < 4; i++) { std::sort(ph[i].begin(), ph[i].end()); med[i] = ph[i][ph[i].size() / 2]; }
+        printf("%6lld %8.1f %10.1f %10.1f %10.1f %10.1f\n", (long long)N, launch[launch.size() / 2], med[0], med[1], med[2], med[3]);
+        cudaFree(d_lp); cudaFree(d_ids); cudaFree(d_ws); cudaFree(d_status); cudaFree(d_num);
+        cudaFree(t.tokens); cudaFree(t.depths); cudaFree(t.parents); cudaFree(t.first_child); cudaFree(t.next_sibling);
+        cudaFree(t.logw); cudaFree(t.positions); cudaFree(t.visibility); cudaFree(t.visibility_bits);
+    }
+    return 0;
+}
