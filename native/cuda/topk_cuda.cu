@@ -20,8 +20,12 @@
 // group maxima t (a group is the whole thread for k <= 128, else 1/16 of it): k groups
 // each hold an element >= t, so at least k elements are >= t and every element of the
 // chunk's top k is >= t. The elements >= t (typically about 1.1 k) go to a shared-memory
-// buffer, and a radix select finds the k-th largest key among them. When t is -inf, or
-// ties at t overflow the buffer, the radix select runs over all the chunk's keys instead.
+// buffer, and a radix select finds the k-th largest key among them. When t is -inf (fewer
+// than k groups hold a finite logit: a short chunk, a masked row) the buffer takes every
+// finite element and the chunk's first k columns instead, which again contain the top k
+// (the finite ones, then -inf ones by increasing column). When ties at t overflow the
+// buffer (or it holds fewer than k keys, which a NaN can cause), the radix select runs
+// over all the chunk's keys.
 // The radix select (block_select) walks 8-bit digits from the top of the 64-bit key,
 // skipping digits that every item shares, histogramming the items that still match the
 // chosen prefix, and stops once the digit's bin holds exactly the keys still needed: the

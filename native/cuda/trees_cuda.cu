@@ -26,7 +26,10 @@ namespace {
 __device__ long long kdt_prof[4096][4];
 #define KDT_PROBE(phase) \
     do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
+__device__ long long kdt_prof_v3[4096][4];  // passes, enumeration cycles, sort + check cycles, |P_T|
+#define KDT_V3_PROF(stmt) stmt
 #else
+#define KDT_V3_PROF(stmt)
 #define KDT_PROBE(phase) do { } while (0)
 #endif
 
@@ -324,14 +327,6 @@ __device__ inline bool cand_path_before(const Cands& c, int32_t a, int32_t b) {
     return ra < rb;
 }
 
-// Heap key order: larger score first, then rank path; -1 (padding) last.
-__device__ inline bool cand_before(const Cands& c, int32_t a, int32_t b) {
-    if (a < 0) return false;
-    if (b < 0) return true;
-    const double wa = c.logw[a], wb = c.logw[b];
-    if (wa != wb) return wa > wb;
-    return cand_path_before(c, a, b);
-}
 
 // One parent's chain of children (parent -1: the root's, at row 0) with scores >= T: the
 // chain is scored twice (once to count it, once to write it) so that it takes one atomic
@@ -340,32 +335,53 @@ __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_
                                        double T, int* count, int* pruned, int* root_fc) {
     const float* row = lp_s + (int64_t)d * kp;
     const double first = parent < 0 ? (double)row[0] : c.logw[parent] + (double)row[0];
+    // The chain's scores depend on each other (spec order: subtract, then add, rounded at
+    // each step), so they are computed one after another; the row values are fetched
+    // eight at a time ahead of that dependency chain.
     double w = first;
     int32_t len = 0;
-    for (int32_t r = 0;;) {
-        if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
-        if (w < T) {
-            atomicOr(pruned, 1);
-            break;
+    bool prune = false, stop = false;
+    for (int32_t r0 = 0; r0 < kp && !stop; r0 += 8) {
+        float v[9];
+#pragma unroll
+        for (int j = 0; j < 9; j++) v[j] = r0 + j < kp ? row[r0 + j] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {  // w: the score of rank r0 + j
+            if (r0 + j >= kp || isinf(w)) {  // -inf: never emitted; the rest of the row is -inf too
+                stop = true;
+                break;
+            }
+            if (w < T) {
+                prune = stop = true;
+                break;
+            }
+            len++;
+            w = (w - (double)v[j]) + (double)v[j + 1];  // spec: subtract first, then add
         }
-        len++;
-        if (++r >= kp) break;
-        w = (w - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
     }
+    if (prune) atomicOr(pruned, 1);
     if (len == 0) return;
     const int slot0 = atomicAdd(count, len);
     if (slot0 + len > c.cap) return;  // overflow: this threshold is too low
     w = first;
-    for (int32_t r = 0; r < len; r++) {
-        const int32_t slot = slot0 + r;
-        c.logw[slot] = w;
-        c.parent[slot] = parent;
-        c.rank[slot] = r;
-        c.depth[slot] = d + 1;
-        c.fc[slot] = -1;
-        c.ns[slot] = r + 1 < len ? slot + 1 : -1;
-        c.gen[slot] = r > 0 ? slot - 1 : parent;
-        if (r + 1 < len) w = (w - (double)row[r]) + (double)row[r + 1];
+    for (int32_t r0 = 0; r0 < len; r0 += 8) {
+        float v[9];
+#pragma unroll
+        for (int j = 0; j < 9; j++) v[j] = r0 + j < kp ? row[r0 + j] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int32_t r = r0 + j;
+            if (r >= len) break;
+            const int32_t slot = slot0 + r;
+            c.logw[slot] = w;
+            c.parent[slot] = parent;
+            c.rank[slot] = r;
+            c.depth[slot] = d + 1;
+            c.fc[slot] = -1;
+            c.ns[slot] = r + 1 < len ? slot + 1 : -1;
+            c.gen[slot] = r > 0 ? slot - 1 : parent;
+            w = (w - (double)v[j]) + (double)v[j + 1];
+        }
     }
     if (parent >= 0) c.fc[parent] = slot0;
     else *root_fc = slot0;
@@ -417,7 +433,9 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     double c_high = 0.0, c_low = 0.0;  // counts seen at the bracket ends (c_low: a lower bound)
     const double target = 1.5 * (double)N;
     int found = 0;
+    KDT_V3_PROF(long long prof_t0 = clock64(); int prof_passes = 0;)
     for (int iter = 0; iter < 60; iter++) {
+        KDT_V3_PROF(prof_passes++;)
         const int cnt = enumerate_pt(c, lp_s, L, kp, T, &s_count, &s_pruned, &s_root_fc);
         const int pruned = s_pruned;
         if (cnt > c.cap) {
@@ -444,24 +462,37 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         T = next;
     }
     if (!found) return -1;
+    KDT_V3_PROF(const long long prof_t1 = clock64();)
     const int M = s_count;
     const int64_t n = M < N ? M : N;
-    // Bitonic sort of the candidates by the heap's key.
+    // Bitonic sort of the candidates by the heap's key, on (score, index) pairs held side
+    // by side (c.logw is permuted along with c.order; no candidate table is read except
+    // the rank paths of exactly equal scores). Padding (index -1, score -inf) goes last.
     int P = 1;
     while (P < M) P <<= 1;
-    for (int i = threadIdx.x; i < P; i += blockDim.x) c.order[i] = i < M ? i : -1;
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        c.order[i] = i < M ? i : -1;
+        if (i >= M) c.logw[i] = -INFINITY;
+    }
     __syncthreads();
+    const int half = P >> 1;
     for (int k = 2; k <= P; k <<= 1) {
         for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < P; i += blockDim.x) {
-                const int l = i ^ j;
-                if (l > i) {
-                    const int32_t a = c.order[i], b = c.order[l];
-                    const bool up = (i & k) == 0;
-                    if (up ? cand_before(c, b, a) : cand_before(c, a, b)) {
-                        c.order[i] = b;
-                        c.order[l] = a;
-                    }
+            for (int q = threadIdx.x; q < half; q += blockDim.x) {
+                const int i = 2 * j * (q / j) + (q % j), l = i + j;  // the pair (i, l = i ^ j)
+                const double wi = c.logw[i], wl = c.logw[l];
+                const int32_t ai = c.order[i], al = c.order[l];
+                // l before i in heap order?
+                bool l_first;
+                if (wi != wl) l_first = wl > wi;
+                else if (ai < 0 || al < 0) l_first = ai < 0 && al >= 0;
+                else l_first = cand_path_before(c, al, ai);
+                const bool up = (i & k) == 0;  // this run ascends in heap order
+                if (up == l_first) {
+                    c.logw[i] = wl;
+                    c.logw[l] = wi;
+                    c.order[i] = al;
+                    c.order[l] = ai;
                 }
             }
             __syncthreads();
@@ -476,6 +507,12 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         if (g >= 0 && c.pos[g] >= k) atomicOr(&s_fail, 1);
     }
     __syncthreads();
+    KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) {
+        kdt_prof_v3[blockIdx.x][0] = prof_passes;
+        kdt_prof_v3[blockIdx.x][1] = prof_t1 - prof_t0;
+        kdt_prof_v3[blockIdx.x][2] = clock64() - prof_t1;
+        kdt_prof_v3[blockIdx.x][3] = M;
+    })
     if (s_fail) return -1;
     const int root_fc = s_root_fc;
     for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
@@ -488,7 +525,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
             node_depth[0] = 0;
         } else if (i <= n) {
             const int32_t a = c.order[i - 1];
-            logw_s[i] = c.logw[a];
+            logw_s[i] = c.logw[i - 1];  // sorted along with c.order
             node_rank[i] = c.rank[a];
             node_depth[i] = c.depth[a];
             node_par[i] = c.parent[a] < 0 ? 0 : c.pos[c.parent[a]] + 1;
