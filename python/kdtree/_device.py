@@ -276,7 +276,7 @@ def from_host(like, array: np.ndarray):
     lib = _library(like)
     if lib == "torch":
         torch = sys.modules["torch"]
-        return torch.from_numpy(np.ascontiguousarray(array)).to(like.device, non_blocking=False)
+        return torch.from_numpy(np.array(array, copy=True, order="C")).to(like.device, non_blocking=False)
     if lib == "cupy":
         return sys.modules["cupy"].asarray(array)
     raise TypeError(f"kdtree copies small inputs to the GPU with torch or CuPy, got {type(like).__name__}")
