@@ -134,8 +134,10 @@ def view(obj, name: str, stream: int | None = None) -> DeviceArray:
 
 
 def _from_dlpack(obj, name: str, device: int, stream: int | None) -> DeviceArray:
-    # The producer makes the data ready on `stream` (DLPack: 1 = legacy default stream).
-    s = 1 if not stream else int(stream)
+    # The producer makes the data ready on `stream` (DLPack: 1 = the legacy default stream,
+    # -1 = no synchronisation, for kdtree's own buffers, which are used on the stream that
+    # made them; a legacy-stream sync would also break CUDA graph capture).
+    s = -1 if stream is None else (1 if stream == 0 else int(stream))
     try:
         capsule = obj.__dlpack__(stream=s)
     except TypeError:
