@@ -24,9 +24,9 @@ for step in "${steps[@]}"; do
     KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 build-gpu/test_trees_cuda 2>&1 | tail -1 ;;
   sanitize)
-    for t in build-gpu/test_*_cuda; do
-      for tool in memcheck racecheck initcheck synccheck; do
-        KDT_CUDA_QUICK=1 KDT_CUDA_TREES=300 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$t" \
+    for tool in memcheck racecheck initcheck synccheck; do
+      for t in build-gpu/test_*_cuda; do
+        KDT_CUDA_QUICK=1 KDT_CUDA_TREES=300 timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 "$t" \
           > "$OUT/san-$(basename "$t")-$tool.log" 2>&1
         rc=$?
         echo "$(basename "$t") $tool: exit $rc, $(grep -h 'ERROR SUMMARY' "$OUT/san-$(basename "$t")-$tool.log" | tail -1)"
