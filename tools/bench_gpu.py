@@ -203,13 +203,31 @@ def bench_round(gen, repeats: int, budget: int = 64) -> dict:
         target.copy_(pair[1])
         graph.replay()
 
+    # Each stage alone, in its own graph on the same buffers (medians over CUDA events).
+    acc = kdtree.verify_greedy_from_logits(trees, target, errors="status")
+    stages = {
+        "top-k + build (from logits)": lambda _: kdtree.build_trees_from_logits(draft, K, budget, out=trees,
+                                                                                errors="status"),
+        "mask, additive bf16, C = 365": lambda _: kdtree.tree_attention_mask(
+            trees, prefix, kind="additive", dtype="bfloat16", columns=300 + budget + 1, errors="status"),
+        "mask, bit-packed uint32": lambda _: kdtree.tree_attention_mask(trees, prefix, kind="bits",
+                                                                        columns=300 + budget + 1, errors="status"),
+        "verify greedy from logits": lambda _: kdtree.verify_greedy_from_logits(trees, target, errors="status"),
+        "verify sampled from logits (T = 1)": lambda _: kdtree.verify_sample_from_logits(
+            trees, target, 1.0, seed=1, offset=2, errors="status"),
+        "KV compaction (1 layer)": lambda _: kdtree.compact_kv([k_cache], [v_cache], prefix, acc, errors="status"),
+    }
+    stage_us = {}
+    for name, fn in stages.items():
+        g = graphs_of(fn, [None])
+        stage_us[name] = cuda_median_us(lambda gr: gr.replay(), g, repeats)
     copies = cuda_median_us(lambda pair: (draft.copy_(pair[0]), target.copy_(pair[1])), pairs, repeats)
     ours = cuda_median_us(replay, pairs, repeats) - copies
     eager = wall_median_us(lambda _: round_(), [None], max(5, repeats // 4))
     prefix_host = prefix.cpu().numpy()
     published = wall_median_us(lambda _: published_round(draft, target, prefix_host, k_cache, v_cache, budget),
                                [None], 3)
-    return dict(graph=ours, eager=eager, published=published)
+    return dict(graph=ours, eager=eager, published=published, stages=stage_us)
 
 
 def main() -> None:
@@ -260,6 +278,11 @@ def main() -> None:
         print(f"| kdtree, one CUDA graph | {r['graph']:.1f} | {r['published'] / r['graph']:.0f}x |")
         print(f"| kdtree, eager (Python calls) | {r['eager']:.1f} | {r['published'] / r['eager']:.0f}x |")
         print(f"| published path | {r['published']:.0f} | 1x |")
+        print("\nstages alone (each in its own CUDA graph):")
+        print("| stage | us |")
+        print("|---|---|")
+        for name, us in r["stages"].items():
+            print(f"| {name} | {us:.1f} |")
 
 
 if __name__ == "__main__":
