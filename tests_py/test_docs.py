@@ -21,3 +21,13 @@ def test_spec_copy_matches_shared_spec():
 def test_readme_names_the_two_commands():
     text = (ROOT / "README.md").read_text()
     assert "nox -s demo" in text and "nox -s build test" in text
+
+
+def test_readme_gpu_example_is_the_one_the_device_runs():
+    """tools/readme_gpu_example.py (run on the GPU machine by tools/device_check.sh) is the
+    README's GPU example, verbatim."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\nimport torch, kdtree") + len("```python\n")
+    block = text[start : text.index("```", start)]
+    script = (ROOT / "tools" / "readme_gpu_example.py").read_text()
+    assert script.split('"""\n', 2)[-1] == block

@@ -34,7 +34,8 @@ for step in "${steps[@]}"; do
     done ;;
   python)
     KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONPATH=python python3 -m pytest tests_py/test_gpu.py \
-      tests_py/test_bindings.py -q -x -p no:cacheprovider 2>&1 | tail -15 ;;
+      tests_py/test_bindings.py -q -x -p no:cacheprovider 2>&1 | tail -15
+    KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONPATH=python python3 tools/readme_gpu_example.py && echo "README GPU example: ok" ;;
   profile)
     build-gpu/kdtree_profile_trees_cuda ;;
   bench)
