@@ -323,9 +323,10 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  *   256-byte aligned; its contents need not be initialised.
  * stream: cudaStream_t as void* (NULL: the legacy default stream).
  *
- * Returns (from host-side checks only) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT,
- * KDT_ERR_SHAPE, KDT_ERR_BUFFER_TOO_SMALL, KDT_ERR_OVERFLOW, KDT_ERR_CUDA (the launch
- * failed), KDT_ERR_UNSUPPORTED (no CUDA in this build).
+ * Returns (from host-side checks only) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT
+ * (also: a device array not aligned to its element size), KDT_ERR_SHAPE,
+ * KDT_ERR_BUFFER_TOO_SMALL, KDT_ERR_OVERFLOW, KDT_ERR_CUDA (the launch failed),
+ * KDT_ERR_UNSUPPORTED (no CUDA in this build).
  * One thread block per request. From N = 128 the tree is found by an exact parallel
  * enumeration (a score threshold, a sort by the heap's key, a check that the order is the
  * heap's); below that, or when the check fails or shared memory is too small, one thread
@@ -405,7 +406,8 @@ KDT_API kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batc
  *                  gives its request KDT_ERR_VALUE (a root-only tree) when N >= 1.
  * workspace:       kdt_trees_build_from_logits_cuda_workspace_bytes(B, N, L, V, K) bytes,
  *                  256-byte aligned.
- * Returns the host-side statuses of the two calls it makes.
+ * Returns the host-side statuses of the two calls it makes; the tree side is checked before
+ * anything is launched. B = 0 is a no-op (workspace may be NULL).
  */
 KDT_API kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
                                                     const int32_t* root_tokens,
@@ -516,7 +518,10 @@ KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, co
  * else -log1pf(-(2^25 - 2k - 1) * 2^-25)), and the token is argmax_v of
  * logit_v / temperature - logf(t) (correctly rounded division and addition), ties by
  * lower id. A -inf logit is never drawn.
- * temperature: finite, > 0. offset: advance it every round (e.g. the round number).
+ * temperature: finite, >= 1e-6 (smaller values can overflow logit / temperature; use the
+ * greedy call for T -> 0). offset: advance it every round (e.g. the round number). The
+ * (seed, offset) pairs that differ only in bits 32-63 with equal XOR collide by
+ * construction: keep seed < 2^32 or keep it fixed.
  * Other arguments as kdt_verify_greedy_from_logits_cuda (target_tokens: the draws).
  */
 KDT_API kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
@@ -551,7 +556,9 @@ typedef struct kdt_kv_cache {
  * the accepted path's rows move to the contiguous rows right after the prefix:
  * row p + accepted_nodes[b][j] -> row p + j for j = 0 .. accept_length[b] (root first).
  * The caller then treats the first p + accept_length[b] + 1 rows as the cache. Requests
- * whose path is already contiguous (accepted_nodes[b][j] == j) are not touched.
+ * whose path is already contiguous (accepted_nodes[b][j] == j) are not touched. The
+ * tensors must not overlap (no tensor shared by two layers or by K and V, no zero strides):
+ * each (layer, K or V, head) is moved by its own threads.
  *
  * accepted_nodes: device int32 [B, path_capacity], accept_length: device int32 [B] (the
  * outputs of the verify calls). prefix_lengths: device int64 [B].

@@ -139,6 +139,33 @@ int main(void) {
         lg.row_stride = INT64_MAX / 2;
         CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_OVERFLOW);
+        lg.row_stride = 10;
+        /* Tree-side arguments are checked before anything is launched. */
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, NULL, (void*)(uintptr_t)4096, need,
+                                                      NULL),
+                     KDT_ERR_NULL_POINTER);
+        CHECK_ERR_HAS("request_status");
+        t.logw = (double*)(uintptr_t)4100; /* misaligned float64 output */
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, (void*)(uintptr_t)4096, need,
+                                                      NULL),
+                     KDT_ERR_INVALID_ARGUMENT);
+        CHECK_ERR_HAS("out->logw");
+        d.logprobs = lp;
+        CHECK_STATUS(kdt_trees_build_cuda(&d, &t, status, (void*)(uintptr_t)4096, ws, NULL), KDT_ERR_INVALID_ARGUMENT);
+        CHECK_ERR_HAS("aligned");
+        d.logprobs = NULL;
+        t.logw = NULL;
+        /* An empty batch is a no-op, as the workspace query (0 bytes) promises. */
+        kdt_logits empty;
+        memset(&empty, 0, sizeof empty);
+        empty.dtype = KDT_DTYPE_FLOAT32;
+        empty.length = 3;
+        kdt_trees none;
+        memset(&none, 0, sizeof none);
+        none.budget = 5;
+        CHECK_OK(kdt_trees_build_from_logits_cuda_workspace_bytes(0, 5, 3, 0, 0, &need));
+        CHECK_EQ(need, 0);
+        CHECK_OK(kdt_trees_build_from_logits_cuda(&empty, 0, NULL, NULL, -1, &none, NULL, NULL, 0, NULL));
     }
     /* An empty batch needs nothing and launches nothing. */
     d.batch = 0;

@@ -145,9 +145,42 @@ def test_greedy_from_logits_takes_the_first_maximum():
     acc = kdtree.verify_greedy_from_logits(t, logits)
     assert acc.accepted_nodes[0].tolist() == [0, 1, 2]
     assert acc.accept_length.tolist() == [2] and acc.bonus_token.tolist() == [4]
-    logits[0, 3, 0] = np.nan
-    with pytest.raises(ValueError, match="is NaN"):
+    logits[0, 3, 0] = np.nan  # a row the walk does not visit: no error (as on the GPU)
+    again = kdtree.verify_greedy_from_logits(t, logits)
+    assert again.accepted_nodes[0].tolist() == [0, 1, 2] and again.bonus_token.tolist() == [4]
+    logits[0, 1, 5] = np.nan  # a visited row: the walk reports it
+    with pytest.raises(ValueError, match="node 1"):
         kdtree.verify_greedy_from_logits(t, logits)
+
+
+def test_cpu_compact_kv_checks_every_request_before_moving_anything():
+    k = np.arange(24, dtype=np.float32).reshape(1, 1, 12, 2)
+    before = k.copy()
+    acc = kdtree.Acceptance(np.array([[0, 2]], np.int32), np.array([1], np.int32), np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="prefix_lengths must be >= 0|outside the cache"):
+        kdtree.compact_kv([k], None, [-3], acc)
+    np.testing.assert_array_equal(k, before)
+    two = np.arange(48, dtype=np.float32).reshape(2, 1, 12, 2)
+    before = two.copy()
+    acc2 = kdtree.Acceptance(np.array([[0, 2, 3], [0, 3, 1]], np.int32), np.array([2, 2], np.int32),
+                             np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="request 1"):
+        kdtree.compact_kv([two], None, [0, 0], acc2)
+    np.testing.assert_array_equal(two, before)  # request 0 was not moved either
+    with pytest.raises(ValueError, match="outside the cache"):
+        kdtree.compact_kv([k], None, [8], kdtree.Acceptance(np.array([[0, 2, 5]], np.int32),
+                                                           np.array([2], np.int32), np.zeros(1, np.int32)))
+
+
+def test_status_mode_unpacks_the_same_on_the_cpu():
+    t = chain_and_sibling_tree()
+    mask, indptr, positions, status = kdtree.tree_attention_mask(t, [2], errors="status")
+    assert status.tolist() == [0]
+    lp, ids, row_status = kdtree.topk_logprobs(np.zeros((2, 5), np.float32), 3, errors="status")
+    assert row_status.tolist() == [0, 0]
+    t.num_nodes[0] = 99
+    with pytest.raises(ValueError, match="num_nodes 99"):
+        kdtree.tree_attention_mask(t, [2])
 
 
 def test_sampled_verification_is_reproducible_and_follows_the_draws():
@@ -161,8 +194,11 @@ def test_sampled_verification_is_reproducible_and_follows_the_draws():
     want = kdtree.verify_greedy(t, draws[None])
     assert a.accepted_nodes.tolist() == want.accepted_nodes.tolist()
     assert a.bonus_token.tolist() == want.bonus_token.tolist()
-    with pytest.raises(ValueError, match="temperature"):
-        kdtree.verify_sample_from_logits(t, logits, 0.0, seed=1, offset=0)
+    for bad in (0.0, 1e-39, 1e39, float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            kdtree.verify_sample_from_logits(t, logits, bad, seed=1, offset=0)
+    with pytest.raises(TypeError, match="temperature"):
+        kdtree.verify_sample_from_logits(t, logits, "1.0", seed=1, offset=0)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -9,6 +9,13 @@ kdt_status launch_status(const char* what) {
     return KDT_OK;
 }
 
+kdt_status check_aligned(const void* p, size_t align, const char* name) {
+    if (p != NULL && ((uintptr_t)p % align) != 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "%s is not aligned to %zu bytes", name, align);
+    }
+    return KDT_OK;
+}
+
 kdt_status check_logits(const kdt_logits* l, const char* name, int64_t expected_batch, int64_t expected_length) {
     if (l == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", name);
     const size_t esize = float_dtype_size(l->dtype);

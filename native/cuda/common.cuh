@@ -25,6 +25,11 @@ kdt_status launch_status(const char* what);
 kdt_status check_logits(const kdt_logits* logits, const char* name, int64_t expected_batch,
                         int64_t expected_length);
 
+// KDT_OK, or KDT_ERR_INVALID_ARGUMENT naming `name` when the (device) pointer `p` is not
+// aligned to `align` bytes: a misaligned access would leave a sticky error on the device.
+// NULL passes (the callers check required pointers separately).
+kdt_status check_aligned(const void* p, size_t align, const char* name);
+
 // Bytes per element of a logits / KV dtype (float32, float16, bfloat16), 0 for others.
 inline size_t float_dtype_size(int32_t dtype) {
     return dtype == KDT_DTYPE_FLOAT32 ? 4 : (dtype == KDT_DTYPE_FLOAT16 || dtype == KDT_DTYPE_BFLOAT16) ? 2 : 0;

@@ -105,9 +105,10 @@ __global__ void compact_kernel(CompactParams c) {
         const int64_t p = c.prefix[b];
         char* row0 = base + (b * c.batch_stride + h * c.head_stride + p * c.row_stride + slice * c.slice_elems) * c.esize;
         const int64_t step = c.row_stride * c.esize;
-        // The strides allow 16-byte slices; the tensor's own pointer decides (it lives in
-        // device memory): vectors when it is 16-byte aligned, elements when it is aligned
-        // to them, bytes otherwise (never a misaligned access).
+        // Copy width: a 16-byte vector when the slice is 16 bytes (the strides allowed it)
+        // and the tensor's pointer, known only here in device memory, is 16-byte aligned;
+        // elements when the pointer is aligned to them; bytes otherwise (never a
+        // misaligned access).
         const uintptr_t addr = (uintptr_t)base;
         if (c.slice_elems * c.esize == 16 && addr % 16 == 0) {
             move_slice<uint4>(row0, step, path, m, 1);

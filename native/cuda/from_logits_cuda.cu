@@ -21,7 +21,7 @@ kdt_status layout_for(int64_t batch, int64_t budget, int64_t depth, int64_t voca
                         (long long)batch, (long long)budget, (long long)depth, (long long)vocab, (long long)width);
     }
     if (width > vocab || width > 1024) {
-        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "width %lld must be <= vocab (%lld) and <= 1024", (long long)width,
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "width %lld must be <= min(vocab %lld, 1024)", (long long)width,
                         (long long)vocab);
     }
     const int64_t kp = width < budget ? width : budget;
@@ -69,7 +69,37 @@ extern "C" kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits,
         return kdt_fail(KDT_ERR_SHAPE, "out->batch (%lld) != logits->batch (%lld)", (long long)out->batch,
                         (long long)B);
     }
-    if (N < 0) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld is negative", (long long)N);
+    if (N < 0 || N > (int64_t)INT32_MAX - 2) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld is outside [0, %d]", (long long)N, INT32_MAX - 2);
+    }
+    if (B > INT32_MAX) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "batch %lld exceeds %d", (long long)B, INT32_MAX);
+    if (L > INT32_MAX - 1) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "depth %lld exceeds %d", (long long)L, INT32_MAX - 1);
+    if (B == 0) return kdt_ok();  // nothing to build (the workspace query says 0 bytes)
+    // The tree builder's own host checks, before the top-k launch (nothing is enqueued
+    // when an argument is wrong).
+    if (out->num_nodes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "out->num_nodes is NULL");
+    if (request_status == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "request_status is NULL");
+    if (out->visibility != NULL) {
+        size_t vb;
+        const kdt_status vst = kdt_trees_field_bytes(B, N, KDT_FIELD_VISIBILITY, &vb);
+        if (vst != KDT_OK) return vst;
+    }
+    {
+        const struct {
+            const void* ptr;
+            size_t align;
+            const char* name;
+        } aligned[] = {{root_tokens, 4, "root_tokens"}, {root_positions, 8, "root_positions"},
+                       {out->num_nodes, 4, "out->num_nodes"}, {out->tokens, 4, "out->tokens"},
+                       {out->depths, 4, "out->depths"}, {out->parents, 4, "out->parents"},
+                       {out->logw, 8, "out->logw"}, {out->positions, 8, "out->positions"},
+                       {out->visibility_bits, 4, "out->visibility_bits"}, {out->first_child, 4, "out->first_child"},
+                       {out->next_sibling, 4, "out->next_sibling"}, {request_status, 4, "request_status"}};
+        for (const auto& a : aligned) {
+            const kdt_status ast = kdt::check_aligned(a.ptr, a.align, a.name);
+            if (ast != KDT_OK) return ast;
+        }
+    }
     // An empty logits tensor may leave vocab at 0; the builder then has nothing to check.
     const int64_t vocab = logits->vocab;
     if (width < 0 || (B * L > 0 && (width > vocab || width > 1024))) {

@@ -17,6 +17,7 @@ extern "C" {
 #include "internal.h"
 }
 #include "tree_expand.h"
+#include "common.cuh"
 
 namespace {
 
@@ -804,6 +805,23 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         size_t vb;
         kdt_status st = kdt_trees_field_bytes(B, N, KDT_FIELD_VISIBILITY, &vb);
         if (st != KDT_OK) return st;
+    }
+    {
+        const struct {
+            const void* ptr;
+            size_t align;
+            const char* name;
+        } aligned[] = {{draft->logprobs, 4, "draft->logprobs"}, {draft->token_ids, 4, "draft->token_ids"},
+                       {draft->root_tokens, 4, "draft->root_tokens"}, {draft->root_positions, 8, "draft->root_positions"},
+                       {out->num_nodes, 4, "out->num_nodes"}, {out->tokens, 4, "out->tokens"},
+                       {out->depths, 4, "out->depths"}, {out->parents, 4, "out->parents"},
+                       {out->logw, 8, "out->logw"}, {out->positions, 8, "out->positions"},
+                       {out->visibility_bits, 4, "out->visibility_bits"}, {out->first_child, 4, "out->first_child"},
+                       {out->next_sibling, 4, "out->next_sibling"}, {request_status, 4, "request_status"}};
+        for (const auto& a : aligned) {
+            const kdt_status st = kdt::check_aligned(a.ptr, a.align, a.name);
+            if (st != KDT_OK) return st;
+        }
     }
     size_t need;
     kdt_status st = kdt_trees_build_cuda_workspace_bytes(B, N, L, K, &need);

@@ -468,6 +468,19 @@ kdt_status check_pointers(const kdt_trees* trees, const int32_t* stop_tokens, co
     if (accept_length == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "accept_length is NULL");
     if (bonus_token == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bonus_token is NULL");
     if (request_status == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "request_status is NULL");
+    const struct {
+        const void* ptr;
+        size_t align;
+        const char* name;
+    } aligned[] = {{trees->num_nodes, 4, "trees->num_nodes"}, {trees->tokens, 4, "trees->tokens"},
+                   {trees->first_child, 4, "trees->first_child"}, {trees->next_sibling, 4, "trees->next_sibling"},
+                   {stop_tokens, 4, "stop_tokens"}, {max_commit, 8, "max_commit"},
+                   {accepted_nodes, 4, "accepted_nodes"}, {accept_length, 4, "accept_length"},
+                   {bonus_token, 4, "bonus_token"}, {request_status, 4, "request_status"}};
+    for (const auto& a : aligned) {
+        const kdt_status st = kdt::check_aligned(a.ptr, a.align, a.name);
+        if (st != KDT_OK) return st;
+    }
     p->num_nodes = trees->num_nodes;
     p->tokens = trees->tokens;
     p->first_child = trees->first_child;
@@ -517,6 +530,8 @@ extern "C" kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32
                         &p);
     if (st != KDT_OK) return st;
     if (target_tokens == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "target_tokens is NULL");
+    st = kdt::check_aligned(target_tokens, 4, "target_tokens");
+    if (st != KDT_OK) return st;
     p.target_tokens = target_tokens;
     return launch<kGiven, KDT_DTYPE_FLOAT32>(p, stream, "kdt_verify_greedy_cuda");
 }
@@ -537,6 +552,8 @@ extern "C" kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees,
                         &p);
     if (st != KDT_OK) return st;
     p.logits = *target_logits;
+    st = kdt::check_aligned(target_tokens, 4, "target_tokens");
+    if (st != KDT_OK) return st;
     p.target_out = target_tokens;
     return launch_dtype<kArgmax>(p, stream, "kdt_verify_greedy_from_logits_cuda");
 }
@@ -551,8 +568,10 @@ extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
     Params p;
     kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
     if (st != KDT_OK) return st;
-    if (!isfinite(temperature) || !(temperature > 0.0f)) {
-        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "temperature %g must be finite and > 0", (double)temperature);
+    // Below 1e-6, logit / temperature can overflow float32 and every score become -inf or
+    // +inf: the draw would no longer be a sample (greedy is verify_greedy_from_logits).
+    if (!isfinite(temperature) || !(temperature >= 1e-6f)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "temperature %g must be finite and >= 1e-6", (double)temperature);
     }
     st = kdt::check_logits(target_logits, "target_logits", p.batch, p.budget + 1);
     if (st != KDT_OK) return st;
@@ -561,6 +580,8 @@ extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
                         &p);
     if (st != KDT_OK) return st;
     p.logits = *target_logits;
+    st = kdt::check_aligned(target_tokens, 4, "target_tokens");
+    if (st != KDT_OK) return st;
     p.target_out = target_tokens;
     p.temperature = temperature;
     p.key0 = (uint32_t)seed;

@@ -144,6 +144,11 @@ def _from_dlpack(obj, name: str, device: int, stream: int | None) -> DeviceArray
         capsule = obj.__dlpack__()
     ptr = _PyCapsule_GetPointer(capsule, b"dltensor")
     t = _DLTensor.from_address(ptr)  # DLManagedTensor starts with its DLTensor
+    if t.device.device_type not in (_KDLCUDA, _KDLCUDA_MANAGED) or t.device.device_id != device:
+        raise TypeError(f"{name}: the DLPack tensor is on device ({t.device.device_type}, {t.device.device_id}), "
+                        f"not the CUDA device {device} its producer reported")
+    if not 0 <= t.ndim <= 32 or (t.ndim and not t.shape):
+        raise TypeError(f"{name}: malformed DLPack tensor (ndim {t.ndim})")
     key = (t.dtype.code, t.dtype.bits)
     if t.dtype.lanes != 1 or key not in _BY_DLPACK:
         raise TypeError(f"{name} has an unsupported DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits})")
@@ -171,12 +176,14 @@ def _from_cai(obj, name: str) -> DeviceArray:
     if cai.get("strides") is None:
         strides = _contiguous_strides(shape)
     else:
-        if any(s % itemsize for s in cai["strides"]):
+        if len(cai["strides"]) != len(shape) or any(s % itemsize for s in cai["strides"]):
             raise TypeError(f"{name} has strides that are not whole elements: {cai['strides']}")
         strides = tuple(int(s) // itemsize for s in cai["strides"])
     if cai.get("mask") is not None:
         raise TypeError(f"{name}: masked arrays are not supported")
     ptr = int(cai["data"][0] or 0)
+    if not 0 <= ptr < 2**64:
+        raise TypeError(f"{name}: bad device pointer {ptr}")
     device = _cai_device(obj)
     return DeviceArray(ptr, shape, strides, dtype, device, obj)
 

@@ -86,14 +86,17 @@ def _workspace(like, nbytes: int):
     return buf, v.ptr + pad, int(nbytes)
 
 
-def _logits_struct(v: dev.DeviceArray, name: str) -> _lib.KdtLogits:
-    """kdt_logits of a [B, L, V] (or [R, V], [V]) device view; the vocab axis must have
-    stride 1."""
+def _logits_struct(v: dev.DeviceArray, name: str, two_d: str = "request") -> _lib.KdtLogits:
+    """kdt_logits of a [B, L, V] device view; a 2-D [L, V] view is one request
+    (two_d="request", as the CPU functions read it) or L independent rows (two_d="rows",
+    top-k), a 1-D [V] view one row. The vocab axis must have stride 1."""
     if v.dtype not in _DTYPE_CODES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {v.dtype}")
     shape, strides = v.shape, v.strides
     if len(shape) == 1:
         shape, strides = (1, 1) + shape, (0, 0) + strides
+    elif len(shape) == 2 and two_d == "request":
+        shape, strides = (1, shape[0], shape[1]), (0, strides[0], strides[1])
     elif len(shape) == 2:
         shape, strides = (shape[0], 1, shape[1]), (strides[0], 0, strides[1])
     elif len(shape) != 3:
@@ -224,7 +227,7 @@ def topk_logprobs(logits, k: int, *, errors: str, stream):
             raise ValueError(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
                              "merged into rows; pass a [B, L, V] view")
         v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
-    struct = _logits_struct(v, "logits")
+    struct = _logits_struct(v, "logits", two_d="rows")
     rows = int(struct.batch * struct.length)
     lib = _lib.load()
     with dev.on_device(logits):
@@ -441,6 +444,10 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         _view(t, f"v_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
         for i, t in enumerate(v_layers)]
     first = kv[0]
+    ptrs = [t.ptr for t in kv + vv]
+    if len(set(ptrs)) != len(ptrs):
+        raise ValueError("k_layers and v_layers must be distinct tensors (a tensor shared by two layers, or "
+                         "by K and V, would be moved twice)")
     for i, t in enumerate(kv + vv):
         if t.shape != first.shape or t.strides != first.strides or t.dtype != first.dtype:
             raise ValueError(f"every K and V layer must share shape, strides and dtype; layer tensor {i} has "
@@ -453,6 +460,8 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if dim > 1 and ds != 1:
         raise ValueError(f"the head_dim axis must be contiguous, got strides {first.strides}")
+    if (batch > 1 and bs == 0) or (heads > 1 and hs == 0) or (seq > 1 and ss == 0):
+        raise ValueError(f"the cache tensors must not overlap themselves (zero strides {first.strides})")
     lib = _lib.load()
     with dev.on_device(like):
         ktab = _pointer_table(like, kv)

@@ -34,6 +34,12 @@ def _gpu():
     return _gpu
 
 
+def _ok_status(batch_shape) -> np.ndarray:
+    """The status array a CPU call returns under errors="status": every entry KDT_OK (a
+    CPU call raises instead of reporting), so results unpack the same on CPU and GPU."""
+    return np.zeros(batch_shape, np.int32)
+
+
 def _cpu_only(stream, errors: str, name: str) -> None:
     if stream is not None:
         raise ValueError(f"{name}: stream= applies to GPU arrays only; the inputs are host arrays")
@@ -257,6 +263,7 @@ def build_trees(
     draft = _lib.KdtDraft(batch, depth, width, _ptr(lp), _ptr(ids), _ptr(roots), _ptr(pos), vocab, pad)
     lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(struct), None, 0)
     out.budget, out.depth = budget, depth  # only once the arrays hold this tree
+    out.request_status = _ok_status((batch,)) if errors == "status" else None
     return out
 
 
@@ -323,7 +330,8 @@ def verify_greedy(
         ctypes.byref(_trees_struct(trees)), _ptr(target), _ptr(stops) if stops.size else None,
         stops.size, _ptr(caps), width, _ptr(accepted), _ptr(length), _ptr(bonus),
     )
-    return Acceptance(accepted_nodes=accepted, accept_length=length, bonus_token=bonus)
+    return Acceptance(accepted_nodes=accepted, accept_length=length, bonus_token=bonus,
+                      request_status=_ok_status((batch,)) if errors == "status" else None)
 
 
 def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
@@ -360,9 +368,10 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     out_lp = np.empty(x.shape[:-1] + (k,), np.float32)
     out_ids = np.empty(x.shape[:-1] + (k,), np.int32)
-    if rows == 0:
-        return out_lp, out_ids
-    _lib.load().kdt_topk_logprobs_cpu(_ptr(x), rows, vocab, vocab, k, _ptr(out_lp), _ptr(out_ids))
+    if rows > 0:
+        _lib.load().kdt_topk_logprobs_cpu(_ptr(x), rows, vocab, vocab, k, _ptr(out_lp), _ptr(out_ids))
+    if errors == "status":
+        return out_lp, out_ids, _ok_status(x.shape[:-1] if x.ndim > 1 else (1,))
     return out_lp, out_ids
 
 
@@ -469,9 +478,21 @@ def tree_attention_mask(
                                           errors=errors, stream=stream)
     _cpu_only(stream, errors, "tree_attention_mask")
     batch, rows = trees.batch, trees.budget + 1
-    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths), (batch,)), "prefix_lengths", np.int64)
+    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths, dtype=np.int64 if np.size(prefix_lengths) == 0
+                                                   else None), (batch,)), "prefix_lengths", np.int64)
     if (prefix < 0).any():
         raise ValueError(f"prefix_lengths must be >= 0, got {prefix.tolist()}")
+    num_nodes = np.asarray(trees.num_nodes)
+    parents = np.asarray(trees.parents)
+    for b in range(batch):  # the same verdicts as the GPU call's request_status
+        n = int(num_nodes[b])
+        if not 0 <= n <= trees.budget:
+            raise ValueError(f"request {b}: num_nodes {n} outside [0, {trees.budget}]")
+        par = parents[b, 1 : n + 1]
+        if ((par < 0) | (par >= np.arange(1, n + 1))).any():
+            i = int(np.argmax((par < 0) | (par >= np.arange(1, n + 1)))) + 1
+            raise ValueError(f"request {b}, node {i}: parent {int(parents[b, i])} is not in [0, {i})")
+    status = (_ok_status((batch,)),) if errors == "status" else ()
     vis = np.asarray(trees.visibility, dtype=bool)
     depths = np.asarray(trees.depths, dtype=np.int64)
     real = np.arange(rows)[None, :] <= np.asarray(trees.num_nodes)[:, None]  # [B, N+1]
@@ -487,40 +508,57 @@ def tree_attention_mask(
     if kind == "flashinfer":
         if columns is not None:
             raise ValueError("columns is not used with kind='flashinfer'")
-        segments = [np.packbits(request_mask(b, int(prefix[b]) + rows).reshape(-1), bitorder="little")
-                    for b in range(batch)]
+        sizes = [(rows * (int(p) + rows) + 7) // 8 for p in prefix]
+        if sum(sizes) > _INT32_MAX:
+            raise ValueError(f"the packed masks need {sum(sizes)} bytes, more than int32 offsets allow")
         indptr = np.zeros(batch + 1, np.int64)
-        indptr[1:] = np.cumsum([len(s) for s in segments])
-        if indptr[-1] > _INT32_MAX:
-            raise ValueError(f"the packed masks need {indptr[-1]} bytes, more than int32 offsets allow")
-        mask = np.concatenate(segments) if segments else np.zeros(0, np.uint8)
-        return mask, indptr.astype(np.int32), positions
+        indptr[1:] = np.cumsum(sizes)
+        mask = np.zeros(int(indptr[-1]), np.uint8)
+        for b in range(batch):
+            mask[indptr[b] : indptr[b + 1]] = np.packbits(request_mask(b, int(prefix[b]) + rows).reshape(-1),
+                                                          bitorder="little")
+        return (mask, indptr.astype(np.int32), positions, *status)
     ncols = int(prefix.max()) + rows if columns is None and batch else (rows if columns is None else columns)
     if batch and int(prefix.max()) + rows > ncols:
         b = int(np.argmax(prefix + rows > ncols))
         raise ValueError(f"request {b}: prefix {int(prefix[b])} + {rows} tree rows exceeds columns {ncols}")
     dense = np.stack([request_mask(b, ncols) for b in range(batch)]) if batch else np.zeros((0, rows, ncols), bool)
     if kind == "bool":
-        return dense, None, positions
+        return (dense, None, positions, *status)
     if kind == "bits":
         words = (ncols + 31) // 32
         padded = np.zeros((batch, rows, words * 32), bool)
         padded[:, :, :ncols] = dense
         bits = np.packbits(padded.reshape(batch, rows, words, 32), axis=-1, bitorder="little")
-        return np.ascontiguousarray(bits).view("<u4").reshape(batch, rows, words), None, positions
+        return (np.ascontiguousarray(bits).view("<u4").reshape(batch, rows, words), None, positions, *status)
     if kind == "additive":
         if dtype not in _ADDITIVE_LOWEST:
             raise ValueError(f"dtype must be float32 or float16 for CPU additive masks, got {dtype!r}")
         lowest = _ADDITIVE_LOWEST[dtype]
-        return np.where(dense, 0, lowest).astype(dtype), None, positions
+        return (np.where(dense, 0, lowest).astype(dtype), None, positions, *status)
     raise ValueError(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
 
 
-def _argmax_rows(x: np.ndarray, name: str) -> np.ndarray:
-    if np.isnan(x).any():
-        where = tuple(int(i) for i in np.argwhere(np.isnan(x))[0])
-        raise ValueError(f"{name}{list(where)} is NaN")
-    return np.argmax(x, axis=-1).astype(np.int32)  # first maximum: ties go to the lower id
+def _target_logits(trees: TreeBatch, target_logits, name: str) -> np.ndarray:
+    """Host target logits as float [B, N+1, V] ([N+1, V] for B = 1), shape-checked."""
+    x = np.asarray(target_logits)
+    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+        raise TypeError(f"{name} must be a floating array, got dtype {x.dtype}")
+    if x.ndim == 2:
+        x = x[None]
+    want = (trees.batch, trees.budget + 1)
+    if x.ndim != 3 or x.shape[:2] != want or x.shape[2] < 1:
+        raise ValueError(f"{name} must have shape [{want[0]}, {want[1]}, V >= 1] (or [{want[1]}, V] for one "
+                         f"request), got {np.shape(target_logits)}")
+    return x
+
+
+def _argmax_rows(x: np.ndarray) -> np.ndarray:
+    """Argmax per row (ties: lower id); a row holding NaN gets -1, which the walk reports
+    (KDT_ERR_VALUE) only if it visits that node, as the GPU does."""
+    out = np.argmax(x, axis=-1).astype(np.int32)  # first maximum: ties go to the lower id
+    out[np.isnan(x).any(axis=-1)] = -1
+    return out
 
 
 def verify_greedy_from_logits(
@@ -554,10 +592,8 @@ def verify_greedy_from_logits(
                                          stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
                                          stream=stream)
     _cpu_only(stream, errors, "verify_greedy_from_logits")
-    x = np.asarray(target_logits)
-    if x.ndim == 2:
-        x = x[None]
-    return verify_greedy(trees, _argmax_rows(x, "target_logits"), stop_tokens=stop_tokens, max_commit=max_commit)
+    x = _target_logits(trees, target_logits, "target_logits")
+    return verify_greedy(trees, _argmax_rows(x), stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
 
 
 _PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
@@ -585,7 +621,9 @@ def gumbel_draws(logits_rows: np.ndarray, temperature: float, seed: int, offset:
                  nodes: np.ndarray) -> np.ndarray:
     """The documented draw of ``kdt_verify_sample_from_logits_cuda`` on the host, for rows
     ``logits_rows[j]`` at tree nodes ``nodes[j]`` of one request: the argmax of
-    ``logit / T - log(-log(u))`` in float32 (ties: lower id)."""
+    ``logit / T - log(-log(u))`` in float32 (ties: lower id); -1 for a row with a NaN or
+    +inf logit or only -inf logits. ``temperature`` must be a float32 >= 1e-6 (as checked
+    by :func:`verify_sample_from_logits`)."""
     rows = np.asarray(logits_rows, dtype=np.float32)
     vocab = rows.shape[-1]
     v = np.arange(vocab, dtype=np.uint64)
@@ -604,7 +642,8 @@ def gumbel_draws(logits_rows: np.ndarray, temperature: float, seed: int, offset:
         with np.errstate(divide="ignore", invalid="ignore"):
             score = rows[j] / np.float32(temperature) - np.log(t)
         if np.isnan(rows[j]).any() or np.isposinf(rows[j]).any() or np.isneginf(rows[j]).all():
-            raise ValueError(f"request {request}, node {int(node)}: logits row has NaN, +inf or only -inf")
+            out[j] = -1  # no draw: the walk reports KDT_ERR_VALUE if it visits this node
+            continue
         out[j] = int(np.argmax(score))
     return out
 
@@ -639,9 +678,15 @@ def verify_sample_from_logits(
     Returns:
         :class:`Acceptance` (GPU: ``target_tokens`` holds the draws at visited nodes).
     """
-    temperature = float(temperature)
-    if not np.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
+                                                                             np.floating)):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__} {temperature!r}")
+    with np.errstate(over="ignore"):  # an overflow is rejected just below
+        t32 = np.float32(temperature)  # the kernels compute in float32
+    if not np.isfinite(t32) or not t32 >= np.float32(1e-6):
+        raise ValueError(f"temperature must be finite and >= 1e-6 in float32 (use verify_greedy_from_logits for "
+                         f"T -> 0), got {temperature!r}")
+    temperature = float(t32)
     seed = _int_scalar(seed, "seed", 0, 2**64 - 1)
     offset = _int_scalar(offset, "offset", 0, 2**64 - 1)
     if _device.is_device_array(target_logits):
@@ -649,17 +694,13 @@ def verify_sample_from_logits(
                                          stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
                                          stream=stream)
     _cpu_only(stream, errors, "verify_sample_from_logits")
-    x = np.asarray(target_logits)
-    if x.ndim == 2:
-        x = x[None]
+    x = _target_logits(trees, target_logits, "target_logits")
     batch, rows = trees.batch, trees.budget + 1
-    if x.shape[:2] != (batch, rows):
-        raise ValueError(f"target_logits must be [{batch}, {rows}, V], got {np.shape(target_logits)}")
     draws = np.zeros((batch, rows), np.int32)
     for b in range(batch):
-        n = int(trees.num_nodes[b]) + 1
+        n = min(max(int(trees.num_nodes[b]), 0), trees.budget) + 1
         draws[b, :n] = gumbel_draws(x[b, :n], temperature, seed, offset, b, np.arange(n))
-    return verify_greedy(trees, draws, stop_tokens=stop_tokens, max_commit=max_commit)
+    return verify_greedy(trees, draws, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
 
 
 def compact_kv(
@@ -697,16 +738,40 @@ def compact_kv(
     _cpu_only(stream, errors, "compact_kv")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    accepted = np.asarray(acceptance.accepted_nodes)
-    length = np.asarray(acceptance.accept_length)
-    batch = accepted.shape[0]
-    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths), (batch,)), "prefix_lengths", np.int64)
+    if not k_layers:
+        raise ValueError("k_layers is empty")
+    if v_layers is not None and len(list(v_layers)) != len(k_layers):
+        raise ValueError(f"{len(k_layers)} K layers but {len(list(v_layers))} V layers")
     layers = k_layers + ([] if v_layers is None else list(v_layers))
+    shape = tuple(np.shape(layers[0]))
+    if len(shape) != 4 or any(tuple(np.shape(t)) != shape for t in layers):
+        raise ValueError(f"every K and V layer must have the same 4-D shape, got "
+                         f"{sorted({tuple(np.shape(t)) for t in layers})}")
+    if len({id(t) for t in layers}) != len(layers):
+        raise ValueError("k_layers and v_layers must be distinct tensors")
+    accepted = _int_array(acceptance.accepted_nodes, "accepted_nodes")
+    length = _int_array(acceptance.accept_length, "accept_length").reshape(-1)
+    batch = shape[0]
+    seq = shape[2] if layout == "bhsd" else shape[1]
+    if accepted.ndim != 2 or accepted.shape[0] != batch or length.shape != (batch,):
+        raise ValueError(f"acceptance must hold {batch} requests (accepted_nodes [B, P], accept_length [B]), got "
+                         f"{accepted.shape} and {length.shape}")
+    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths, dtype=np.int64 if np.size(prefix_lengths) == 0
+                                                   else None), (batch,)), "prefix_lengths", np.int64)
+    # Every request is checked before any row moves (the cache is untouched on error).
     for b in range(batch):
         m = int(length[b])
+        if not 0 <= m < accepted.shape[1]:
+            raise ValueError(f"request {b}: accept_length {m} outside [0, {accepted.shape[1] - 1}]")
         path = accepted[b, : m + 1]
         if path[0] != 0 or (np.diff(path) <= 0).any():
             raise ValueError(f"request {b}: accepted path {path.tolist()} must start at 0 and increase")
+        p = int(prefix[b])
+        if p < 0 or p + int(path[-1]) >= seq:
+            raise ValueError(f"request {b}: prefix {p} + node {int(path[-1])} is outside the cache's {seq} rows")
+    for b in range(batch):
+        m = int(length[b])
+        path = accepted[b, : m + 1]
         p = int(prefix[b])
         for j in range(1, m + 1):  # increasing j: a destination is never a later source
             src, dst = p + int(path[j]), p + j
@@ -717,4 +782,4 @@ def compact_kv(
                     t[b, :, dst, :] = t[b, :, src, :]
                 else:
                     t[b, dst, :, :] = t[b, src, :, :]
-    return None
+    return _ok_status((batch,)) if errors == "status" else None
