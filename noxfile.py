@@ -53,7 +53,7 @@ def test(session: nox.Session) -> None:
     # GPU tests (built when nvcc is found) skip with exit 77 where there is no GPU; -V shows
     # their output, which states why.
     session.run("ctest", "--test-dir", str(BUILD), "-L", "cuda", "-V", "--no-tests=ignore", external=True)
-    session.run("python", "-m", "pytest", str(ROOT / "tests_py"), "-q", *session.posargs,
+    session.run("python", "-m", "pytest", str(ROOT / "tests_py"), "-q", "-rs", *session.posargs,
                 env=_env())
 
 

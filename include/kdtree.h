@@ -65,8 +65,8 @@ typedef enum kdt_status {
     KDT_ERR_UNSUPPORTED = 10,     /* unknown version or dtype, feature not built          */
     KDT_ERR_NOT_FOUND = 11,       /* a named array is not in a KDTR file                  */
     KDT_ERR_BUFFER_TOO_SMALL = 12,/* a workspace is smaller than its size query says      */
-    KDT_ERR_NO_DEVICE = 13,       /* reserved: no CUDA device or driver                   */
-    KDT_ERR_CUDA = 14,            /* reserved: a CUDA runtime call failed                 */
+    KDT_ERR_NO_DEVICE = 13,       /* no CUDA device or driver                             */
+    KDT_ERR_CUDA = 14,            /* a CUDA runtime call (or a kernel launch) failed      */
     KDT_ERR_INTERNAL = 15         /* a bug in kdtree; please report it                    */
 } kdt_status;
 

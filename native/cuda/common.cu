@@ -5,6 +5,9 @@ namespace kdt {
 
 kdt_status launch_status(const char* what) {
     const cudaError_t err = cudaGetLastError();
+    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+        return kdt_fail(KDT_ERR_NO_DEVICE, "%s: no usable CUDA device: %s", what, cudaGetErrorString(err));
+    }
     if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "%s launch failed: %s", what, cudaGetErrorString(err));
     return KDT_OK;
 }

@@ -849,6 +849,10 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     // per device: those runtime calls cost tens of microseconds, more than small builds.
     int dev = 0, smem_max = 0;
     cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+        cudaGetLastError();
+        return kdt_fail(KDT_ERR_NO_DEVICE, "no usable CUDA device: %s", cudaGetErrorString(err));
+    }
     if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
     const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
     smem_max = g_smem_max[slot].load(std::memory_order_relaxed);

@@ -34,6 +34,18 @@ def _gpu():
     return _gpu
 
 
+def _prefix_lengths(prefix_lengths, batch: int) -> np.ndarray:
+    """prefix_lengths as int64 [B] (an int is used for every request)."""
+    a = np.asarray(prefix_lengths)
+    if a.size == 0 and batch == 0:
+        return np.zeros(0, np.int64)
+    if a.ndim == 0:
+        a = np.full(batch, a)
+    if a.shape != (batch,):
+        raise ValueError(f"prefix_lengths must be an int or have shape ({batch},), got shape {a.shape}")
+    return _int_array(a, "prefix_lengths", np.int64)
+
+
 def _ok_status(batch_shape) -> np.ndarray:
     """The status array a CPU call returns under errors="status": every entry KDT_OK (a
     CPU call raises instead of reporting), so results unpack the same on CPU and GPU."""
@@ -426,7 +438,8 @@ def build_trees_from_logits(
                        vocab_size=vocab if vocab > 0 else None, pad_token=pad, out=out)
 
 
-_ADDITIVE_LOWEST = {"float32": np.finfo(np.float32).min, "float16": np.finfo(np.float16).min}
+_ADDITIVE_LOWEST = {"float32": np.finfo(np.float32).min, "float16": np.finfo(np.float16).min,
+                    "bfloat16": -3.3895313892515355e38}  # bfloat16's lowest finite (0xFF7F)
 
 
 def tree_attention_mask(
@@ -455,7 +468,7 @@ def tree_attention_mask(
             0 visible, the dtype's lowest finite value hidden) or ``"flashinfer"`` (uint8,
             each request's ``[N+1, p+N+1]`` mask flattened and packed 8 per byte,
             little-endian, as FlashInfer's ``segment_packbits``; with ``mask_indptr``).
-        dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (GPU only).
+        dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (on the CPU via ml_dtypes).
         columns: C for the dense kinds (default ``max(p) + N + 1``); must be None for
             ``"flashinfer"``.
         errors, stream: GPU only, as :func:`build_trees`.
@@ -478,8 +491,7 @@ def tree_attention_mask(
                                           errors=errors, stream=stream)
     _cpu_only(stream, errors, "tree_attention_mask")
     batch, rows = trees.batch, trees.budget + 1
-    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths, dtype=np.int64 if np.size(prefix_lengths) == 0
-                                                   else None), (batch,)), "prefix_lengths", np.int64)
+    prefix = _prefix_lengths(prefix_lengths, batch)
     if (prefix < 0).any():
         raise ValueError(f"prefix_lengths must be >= 0, got {prefix.tolist()}")
     num_nodes = np.asarray(trees.num_nodes)
@@ -533,9 +545,14 @@ def tree_attention_mask(
         return (np.ascontiguousarray(bits).view("<u4").reshape(batch, rows, words), None, positions, *status)
     if kind == "additive":
         if dtype not in _ADDITIVE_LOWEST:
-            raise ValueError(f"dtype must be float32 or float16 for CPU additive masks, got {dtype!r}")
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+        np_dtype = dtype
+        if dtype == "bfloat16":
+            import ml_dtypes  # a dependency of the package (noxfile); numpy has no bfloat16
+
+            np_dtype = ml_dtypes.bfloat16
         lowest = _ADDITIVE_LOWEST[dtype]
-        return (np.where(dense, 0, lowest).astype(dtype), None, positions, *status)
+        return (np.where(dense, np.float32(0), np.float32(lowest)).astype(np_dtype), None, positions, *status)
     raise ValueError(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
 
 
@@ -756,8 +773,7 @@ def compact_kv(
     if accepted.ndim != 2 or accepted.shape[0] != batch or length.shape != (batch,):
         raise ValueError(f"acceptance must hold {batch} requests (accepted_nodes [B, P], accept_length [B]), got "
                          f"{accepted.shape} and {length.shape}")
-    prefix = _int_array(np.broadcast_to(np.asarray(prefix_lengths, dtype=np.int64 if np.size(prefix_lengths) == 0
-                                                   else None), (batch,)), "prefix_lengths", np.int64)
+    prefix = _prefix_lengths(prefix_lengths, batch)
     # Every request is checked before any row moves (the cache is untouched on error).
     for b in range(batch):
         m = int(length[b])
