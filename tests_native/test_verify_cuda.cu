@@ -1357,13 +1357,14 @@ static void test_host_errors() {
         bad.data = static_cast<const char*>(g.data) + 1;  // not aligned to 4-byte elements
         EXPECT_STATUS(call(&bad, 1.0f), KDT_ERR_INVALID_ARGUMENT);
     }
-    static const float kBadTemps[] = {0.0f, -1.0f, NAN, INFINITY, -INFINITY, -0.0f};
+    static const float kBadTemps[] = {0.0f, -1.0f, NAN, INFINITY, -INFINITY, -0.0f, 1e-30f, 9.9e-7f};
     for (float T : kBadTemps) {
         EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, T, 1, 2, NULL, 0, NULL, 3, nodes, len, bonus, NULL,
                                                          status, g_stream),
                       KDT_ERR_INVALID_ARGUMENT);
     }
-    EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, 1e-30f, 1, 2, NULL, 0, NULL, 3, nodes, len, bonus, NULL,
+    // The smallest temperature accepted (smaller ones could overflow logit / T).
+    EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, 1e-6f, 1, 2, NULL, 0, NULL, 3, nodes, len, bonus, NULL,
                                                      status, g_stream),
                   KDT_OK);
     CUDA_OK(cudaStreamSynchronize(g_stream));
