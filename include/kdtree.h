@@ -453,9 +453,11 @@ typedef enum kdt_mask_kind {
  *                 exceed mask_bytes or INT32_MAX bytes; then every request gets it and
  *                 `mask` is not written). A failed request's rows are all hidden (dense) and
  *                 its positions are its prefix length (0 when negative).
- * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_SHAPE
- * (columns < N + 1), KDT_ERR_BUFFER_TOO_SMALL (dense kinds), KDT_ERR_OVERFLOW,
- * KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (unknown kind,
+ * mask_indptr given for a dense kind, N > 262,143, B > INT32_MAX, a misaligned array),
+ * KDT_ERR_SHAPE (columns < N + 1), KDT_ERR_BUFFER_TOO_SMALL (dense kinds),
+ * KDT_ERR_OVERFLOW, KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED. On a FlashInfer capacity overflow
+ * mask_indptr is all zeros (positions are still written).
  */
 KDT_API kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
                                                 int32_t kind, int64_t columns, void* mask,
