@@ -1,5 +1,8 @@
 """The README's GPU example, run by tools/device_check.sh (python step)."""
-import torch, kdtree
+
+import torch
+
+import kdtree
 
 draft_logits = torch.randn(4, 15, 32000, device="cuda", dtype=torch.bfloat16)   # [B, L, V]
 roots = torch.tensor([11, 12, 13, 14], dtype=torch.int32, device="cuda")   # int32 ids
