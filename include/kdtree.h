@@ -333,7 +333,8 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * runs the heap (shared memory, else device memory). Every path gives the CPU builder's
  * bits. Testing knobs (environment): KDTREE_CUDA_TREES_HEAP=1 forces the heap,
  * KDTREE_CUDA_TREES_PARALLEL=1 the parallel path at any budget, KDTREE_CUDA_TREES_V1=1 the
- * device-memory heap. Speed: docs/perf-notes.md (not yet at the foundation goals).
+ * device-memory heap, KDTREE_CUDA_TREES_INLINE_MASKS=1 the masks inside the build kernel
+ * (by default trees from N = 256 get their masks from a second launch). Speed: docs/perf-notes.md (not yet at the foundation goals).
  */
 KDT_API kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
                                         void* workspace, size_t workspace_bytes, void* stream);

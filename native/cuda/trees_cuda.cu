@@ -39,6 +39,8 @@ constexpr int kMaxDevices = 64;
 std::atomic<int> g_smem_max[kMaxDevices];  // cudaDevAttrMaxSharedMemoryPerBlockOptin, 0: unknown
 std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel_smem may use
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
+// From this budget the shared-memory kernel leaves the masks to a second, wide launch.
+constexpr int64_t kSeparateMasksMinBudget = 256;
 
 struct BuildParams {
     kdt_draft draft;  // device pointers inside
@@ -50,6 +52,7 @@ struct BuildParams {
     int64_t cap;        // node capacity
     int64_t hash_slots; // power of two >= 2 K' (0 when K' == 0)
     int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
+    int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -738,12 +741,43 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         if (p.out.first_child) p.out.first_child[base + i] = fc_s[i];
         if (p.out.next_sibling) p.out.next_sibling[base + i] = ns_s[i];
     }
-    for (size_t i = warp; i < rows; i += warps) {
-        uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;
-        uint32_t* brow = p.out.visibility_bits ? p.out.visibility_bits + (base + i) * words : nullptr;
-        warp_write_mask_row((int64_t)i, n, (int64_t)rows, node_par, vrow, brow);
+    if (p.masks_separate) {
+        // The masks are written by mask_kernel, over many blocks: leave it the parents in
+        // this request's device workspace (the node-table slot of version 1's layout).
+        Layout glay;
+        layout_for(p.cap, p.hash_slots, &glay);
+        int32_t* g_par = reinterpret_cast<int32_t*>(p.workspace + (size_t)b * p.per_request + glay.tables) + (p.cap + 1);
+        for (int64_t i = threadIdx.x; i <= n; i += blockDim.x) g_par[i] = node_par[i];
+    } else {
+        for (size_t i = warp; i < rows; i += warps) {
+            uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;
+            uint32_t* brow = p.out.visibility_bits ? p.out.visibility_bits + (base + i) * words : nullptr;
+            warp_write_mask_row((int64_t)i, n, (int64_t)rows, node_par, vrow, brow);
+        }
     }
     KDT_PROBE(3);
+}
+
+// The masks of large trees, after build_kernel_smem: one warp per row over a grid of
+// (row blocks, requests), so every SM writes (one block per request reaches ~0.6 TB/s on
+// a 1 MB bool mask). Reads num_nodes and the parents build_kernel_smem left in the
+// workspace.
+constexpr int kMaskRowsPerBlock = kThreads / 32;
+__global__ void __launch_bounds__(kThreads) mask_kernel(BuildParams p) {
+    const int64_t b = blockIdx.y;
+    const size_t rows = (size_t)p.out.budget + 1;
+    const size_t words = (rows + 31) / 32;
+    const size_t i = (size_t)blockIdx.x * kMaskRowsPerBlock + threadIdx.x / 32;
+    if (i >= rows) return;  // whole warps leave together
+    Layout glay;
+    layout_for(p.cap, p.hash_slots, &glay);
+    const int32_t* g_par =
+        reinterpret_cast<const int32_t*>(p.workspace + (size_t)b * p.per_request + glay.tables) + (p.cap + 1);
+    const int64_t n = p.out.num_nodes[b];
+    const size_t base = (size_t)b * rows;
+    uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;
+    uint32_t* brow = p.out.visibility_bits ? p.out.visibility_bits + (base + i) * words : nullptr;
+    warp_write_mask_row((int64_t)i, n, (int64_t)rows, g_par, vrow, brow);
 }
 
 }  // namespace
@@ -834,6 +868,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
     }
     BuildParams p;
+    p.masks_separate = 0;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
@@ -886,7 +921,17 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
             }
             g_smem_set[slot].store(smem_max, std::memory_order_relaxed);
         }
+        // Large trees: the masks in a second, wide launch (measured on an H200: perf-notes).
+        const bool any_mask = out->visibility != NULL || out->visibility_bits != NULL;
+        p.masks_separate = any_mask && N >= kSeparateMasksMinBudget && B <= 65535 &&
+                           getenv("KDTREE_CUDA_TREES_INLINE_MASKS") == NULL;
         build_kernel_smem<<<(unsigned)B, kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        if (p.masks_separate) {
+            err = cudaGetLastError();
+            if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "tree build launch failed: %s", cudaGetErrorString(err));
+            const dim3 grid((unsigned)((N + 1 + kMaskRowsPerBlock - 1) / kMaskRowsPerBlock), (unsigned)B);
+            mask_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+        }
     } else {
         build_kernel<<<(unsigned)B, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
     }
