@@ -81,6 +81,7 @@ class DeviceArray:
     device: int
     obj: object
     _keep: object = None  # the DLPack capsule, alive while the pointer is used
+    readonly: bool = False  # __cuda_array_interface__'s read-only flag
 
     @property
     def itemsize(self) -> int:
@@ -202,7 +203,7 @@ def _from_cai(obj, name: str) -> DeviceArray:
     if not 0 <= ptr < 2**64:
         raise TypeError(f"{name}: bad device pointer {ptr}")
     device = _cai_device(obj)
-    return DeviceArray(ptr, shape, strides, dtype, device, obj)
+    return DeviceArray(ptr, shape, strides, dtype, device, obj, readonly=bool(cai["data"][1]))
 
 
 def _cai_device(obj) -> int:

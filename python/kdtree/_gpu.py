@@ -444,6 +444,8 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         _view(t, f"v_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
         for i, t in enumerate(v_layers)]
     first = kv[0]
+    if any(t.readonly for t in kv + vv):
+        raise ValueError("the KV cache tensors are read-only (__cuda_array_interface__); compaction writes them")
     ptrs = [t.ptr for t in kv + vv]
     if len(set(ptrs)) != len(ptrs):
         raise ValueError("k_layers and v_layers must be distinct tensors (a tensor shared by two layers, or "

@@ -641,12 +641,23 @@ def gumbel_draws(logits_rows: np.ndarray, temperature: float, seed: int, offset:
     ``logit / T - log(-log(u))`` in float32 (ties: lower id); -1 for a row with a NaN or
     +inf logit or only -inf logits. ``temperature`` must be a float32 >= 1e-6 (as checked
     by :func:`verify_sample_from_logits`)."""
+    seed = _int_scalar(seed, "seed", 0, 2**64 - 1)
+    offset = _int_scalar(offset, "offset", 0, 2**64 - 1)
+    request = _int_scalar(request, "request", 0, 2**32 - 1)
+    t32 = np.float32(temperature)
+    if not np.isfinite(t32) or not t32 >= np.float32(1e-6):
+        raise ValueError(f"temperature must be finite and >= 1e-6, got {temperature!r}")
     rows = np.asarray(logits_rows, dtype=np.float32)
+    nodes = np.asarray(nodes)
+    if rows.ndim != 2 or rows.shape[1] < 1 or nodes.shape != (rows.shape[0],):
+        raise ValueError(f"logits_rows must be [n, V >= 1] and nodes [n], got {rows.shape} and {nodes.shape}")
+    if nodes.size and (nodes.dtype.kind not in "iu" or nodes.min() < 0 or nodes.max() > 2**32 - 1):
+        raise ValueError("nodes must be integers in [0, 2^32)")
     vocab = rows.shape[-1]
     v = np.arange(vocab, dtype=np.uint64)
     out = np.empty(rows.shape[0], np.int32)
     key = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
-    for j, node in enumerate(np.asarray(nodes)):
+    for j, node in enumerate(nodes):
         words = philox4x32_10((v >> np.uint64(2), np.full(vocab, node, np.uint64),
                                np.full(vocab, request, np.uint64), np.full(vocab, offset & 0xFFFFFFFF, np.uint64)), key)
         x = np.choose((v & np.uint64(3)).astype(np.int64), words)
@@ -657,7 +668,7 @@ def gumbel_draws(logits_rows: np.ndarray, temperature: float, seed: int, offset:
         t[low] = -np.log(((2 * k[low] + 1).astype(np.float32)) * np.float32(2.0**-25))
         t[~low] = -np.log1p(-((2**25 - 2 * k[~low] - 1).astype(np.float32)) * np.float32(2.0**-25))
         with np.errstate(divide="ignore", invalid="ignore"):
-            score = rows[j] / np.float32(temperature) - np.log(t)
+            score = rows[j] / t32 - np.log(t)
         if np.isnan(rows[j]).any() or np.isposinf(rows[j]).any() or np.isneginf(rows[j]).all():
             out[j] = -1  # no draw: the walk reports KDT_ERR_VALUE if it visits this node
             continue
