@@ -20,27 +20,13 @@
 #include <vector>
 
 #include "kdtree.h"
+#define KDT_TEST_SEED 0x243F6A8885A308D3ull
+#include "cuda_harness.h"
 
 static int failures = 0;
 static int checks = 0;
 
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
-#define KDT_OK_OR_DIE(call)                                                                  \
-    do {                                                                                     \
-        kdt_status s_ = (call);                                                              \
-        if (s_ != KDT_OK) {                                                                  \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, kdt_last_error()); \
-            exit(1);                                                                         \
-        }                                                                                    \
-    } while (0)
 
 // Counts a failed check; prints the first few.
 #define EXPECT(cond, ...)                                                   \
@@ -62,15 +48,7 @@ static int checks = 0;
                kdt_last_error());                                                                  \
     } while (0)
 
-static uint64_t rng_state = 0x243F6A8885A308D3ull;
-static uint64_t next_u64() {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static int64_t uniform(int64_t lo, int64_t hi) { return lo + (int64_t)(next_u64() % (uint64_t)(hi - lo + 1)); }
-static double unit() { return (double)(next_u64() >> 11) / 9007199254740992.0; }
+
 
 static const char* kKindNames[] = {"bool", "bits", "f32", "f16", "bf16", "flashinfer"};
 

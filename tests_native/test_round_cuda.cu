@@ -17,24 +17,9 @@
 #include <vector>
 
 #include "kdtree.h"
+#include "cuda_harness.h"
 
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
-#define KDT_OK_OR_DIE(call)                                                                        \
-    do {                                                                                           \
-        kdt_status s_ = (call);                                                                    \
-        if (s_ != KDT_OK) {                                                                        \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, kdt_last_error());       \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 static int failures = 0;
 #define CHECK(cond, ...)                                                  \

@@ -1,0 +1,44 @@
+// Shared by the GPU tests (tests_native/test_*_cuda.cu): fatal checks of CUDA runtime and
+// kdtree calls (setup steps, not the assertions under test) and, when the test defines
+// KDT_TEST_SEED before including this header, a seeded xorshift64 generator.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kdtree.h"
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+#define KDT_OK_OR_DIE(call)                                                                  \
+    do {                                                                                     \
+        kdt_status s_ = (call);                                                              \
+        if (s_ != KDT_OK) {                                                                  \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, kdt_last_error()); \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+
+#ifdef KDT_TEST_SEED
+static uint64_t rng_state = KDT_TEST_SEED;
+static inline uint64_t next_u64() {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+// Uniform integer in [lo, hi].
+static inline int64_t uniform(int64_t lo, int64_t hi) { return lo + (int64_t)(next_u64() % (uint64_t)(hi - lo + 1)); }
+// Uniform double in [0, 1).
+static inline double unit() { return (double)(next_u64() >> 11) / 9007199254740992.0; }
+#endif
