@@ -494,6 +494,37 @@ kdt_status check_pointers(const kdt_trees* trees, const int32_t* stop_tokens, co
     return KDT_OK;
 }
 
+// The host checks shared by the two *_from_logits calls, in the CPU's order; fills p.
+// `sample`: the sampling call, whose `temperature` is checked (ignored otherwise).
+// *empty: an empty batch, nothing to launch (the status is then KDT_OK).
+kdt_status prepare_from_logits(const kdt_trees* trees, const kdt_logits* target_logits, const int32_t* stop_tokens,
+                               int64_t num_stop_tokens, const int64_t* max_commit, int64_t path_capacity,
+                               int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
+                               int32_t* target_tokens, int32_t* request_status, bool sample, float temperature,
+                               Params* p, bool* empty) {
+    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, p);
+    if (st != KDT_OK) return st;
+    // Below 1e-6, logit / temperature can overflow float32 and every score become -inf or
+    // +inf: the draw would no longer be a sample (greedy is verify_greedy_from_logits).
+    if (sample && !(isfinite(temperature) && temperature >= 1e-6f)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "temperature %g must be finite and >= 1e-6", (double)temperature);
+    }
+    st = kdt::check_logits(target_logits, "target_logits", p->batch, p->budget + 1);
+    if (st != KDT_OK) return st;
+    if (p->batch == 0) {
+        *empty = true;
+        return kdt_ok();
+    }
+    st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
+                        p);
+    if (st != KDT_OK) return st;
+    p->logits = *target_logits;
+    st = kdt::check_aligned(target_tokens, 4, "target_tokens");
+    if (st != KDT_OK) return st;
+    p->target_out = target_tokens;
+    return KDT_OK;
+}
+
 template <int M, int Dtype>
 kdt_status launch(Params p, void* stream, const char* what) {
     const int64_t rows = p.budget + 1;
@@ -543,18 +574,11 @@ extern "C" kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees,
                                                          int32_t* bonus_token, int32_t* target_tokens,
                                                          int32_t* request_status, void* stream) {
     Params p;
-    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
-    if (st != KDT_OK) return st;
-    st = kdt::check_logits(target_logits, "target_logits", p.batch, p.budget + 1);
-    if (st != KDT_OK) return st;
-    if (p.batch == 0) return kdt_ok();
-    st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
-                        &p);
-    if (st != KDT_OK) return st;
-    p.logits = *target_logits;
-    st = kdt::check_aligned(target_tokens, 4, "target_tokens");
-    if (st != KDT_OK) return st;
-    p.target_out = target_tokens;
+    bool empty = false;
+    const kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, max_commit,
+                                              path_capacity, accepted_nodes, accept_length, bonus_token,
+                                              target_tokens, request_status, false, 0.0f, &p, &empty);
+    if (st != KDT_OK || empty) return st;
     return launch_dtype<kArgmax>(p, stream, "kdt_verify_greedy_from_logits_cuda");
 }
 
@@ -566,23 +590,11 @@ extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
                                                          int32_t* bonus_token, int32_t* target_tokens,
                                                          int32_t* request_status, void* stream) {
     Params p;
-    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
-    if (st != KDT_OK) return st;
-    // Below 1e-6, logit / temperature can overflow float32 and every score become -inf or
-    // +inf: the draw would no longer be a sample (greedy is verify_greedy_from_logits).
-    if (!isfinite(temperature) || !(temperature >= 1e-6f)) {
-        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "temperature %g must be finite and >= 1e-6", (double)temperature);
-    }
-    st = kdt::check_logits(target_logits, "target_logits", p.batch, p.budget + 1);
-    if (st != KDT_OK) return st;
-    if (p.batch == 0) return kdt_ok();
-    st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
-                        &p);
-    if (st != KDT_OK) return st;
-    p.logits = *target_logits;
-    st = kdt::check_aligned(target_tokens, 4, "target_tokens");
-    if (st != KDT_OK) return st;
-    p.target_out = target_tokens;
+    bool empty = false;
+    const kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, max_commit,
+                                              path_capacity, accepted_nodes, accept_length, bonus_token,
+                                              target_tokens, request_status, true, temperature, &p, &empty);
+    if (st != KDT_OK || empty) return st;
     p.temperature = temperature;
     p.key0 = (uint32_t)seed;
     p.key1 = (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32);
