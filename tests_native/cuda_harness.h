@@ -1,6 +1,7 @@
 // Shared by the GPU tests (tests_native/test_*_cuda.cu): fatal checks of CUDA runtime and
-// kdtree calls (setup steps, not the assertions under test) and, when the test defines
-// KDT_TEST_SEED before including this header, a seeded xorshift64 generator.
+// kdtree calls (setup steps, not the assertions under test); when the test defines
+// KDT_TEST_SEED before including this header, a seeded xorshift64 generator; when it
+// defines KDT_TEST_EXPECT, counted assertions EXPECT / EXPECT_STATUS (`checks`, `failures`).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,4 +42,30 @@ static inline uint64_t next_u64() {
 static inline int64_t uniform(int64_t lo, int64_t hi) { return lo + (int64_t)(next_u64() % (uint64_t)(hi - lo + 1)); }
 // Uniform double in [0, 1).
 static inline double unit() { return (double)(next_u64() >> 11) / 9007199254740992.0; }
+#endif
+
+#ifdef KDT_TEST_EXPECT
+static int failures = 0;
+static long long checks = 0;
+
+// Counts a check; on failure prints the condition and a formatted detail (first 40 only).
+#define EXPECT(cond, ...)                                                           \
+    do {                                                                            \
+        checks++;                                                                   \
+        if (!(cond)) {                                                              \
+            if (failures < 40) {                                                    \
+                fprintf(stderr, "%s:%d: FAILED (%s): ", __FILE__, __LINE__, #cond); \
+                fprintf(stderr, __VA_ARGS__);                                       \
+                fprintf(stderr, "\n");                                              \
+            }                                                                       \
+            failures++;                                                             \
+        }                                                                           \
+    } while (0)
+
+#define EXPECT_STATUS(call, want)                                                              \
+    do {                                                                                       \
+        const kdt_status got_ = (call);                                                        \
+        EXPECT(got_ == (want), "%s: got %s, expected %s (%s)", #call, kdt_status_string(got_), \
+               kdt_status_string(want), kdt_last_error());                                     \
+    } while (0)
 #endif

@@ -20,33 +20,8 @@
 
 #include "kdtree.h"
 #define KDT_TEST_SEED 0x13198A2E03707344ull
+#define KDT_TEST_EXPECT
 #include "cuda_harness.h"
-
-static int failures = 0;
-static int checks = 0;
-
-
-
-#define EXPECT(cond, ...)                                                         \
-    do {                                                                          \
-        checks++;                                                                 \
-        if (!(cond)) {                                                            \
-            if (failures++ < 25) {                                                \
-                fprintf(stderr, "%s:%d: FAILED %s: ", __FILE__, __LINE__, #cond); \
-                fprintf(stderr, __VA_ARGS__);                                     \
-                fprintf(stderr, "\n");                                            \
-            }                                                                     \
-        }                                                                         \
-    } while (0)
-
-#define EXPECT_STATUS(call, expected)                                                                       \
-    do {                                                                                                    \
-        const kdt_status got_ = (call);                                                                     \
-        EXPECT(got_ == (expected), "%s returned %d, expected %d (%s)", #call, (int)got_, (int)(expected), \
-               kdt_last_error());                                                                           \
-    } while (0)
-
-
 
 static cudaStream_t stream;
 
@@ -398,6 +373,6 @@ int main() {
         run_case(c, false);
     }
     CUDA_OK(cudaStreamDestroy(stream));
-    printf("cuda compaction: %d checks, %d failed\n", checks, failures);
+    printf("cuda compaction: %lld checks, %d failed\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }

@@ -21,34 +21,8 @@
 
 #include "kdtree.h"
 #define KDT_TEST_SEED 0x243F6A8885A308D3ull
+#define KDT_TEST_EXPECT
 #include "cuda_harness.h"
-
-static int failures = 0;
-static int checks = 0;
-
-
-
-// Counts a failed check; prints the first few.
-#define EXPECT(cond, ...)                                                   \
-    do {                                                                    \
-        checks++;                                                           \
-        if (!(cond)) {                                                      \
-            if (failures++ < 25) {                                          \
-                fprintf(stderr, "%s:%d: FAILED %s: ", __FILE__, __LINE__, #cond); \
-                fprintf(stderr, __VA_ARGS__);                               \
-                fprintf(stderr, "\n");                                      \
-            }                                                               \
-        }                                                                   \
-    } while (0)
-
-#define EXPECT_STATUS(call, expected)                                                              \
-    do {                                                                                           \
-        const kdt_status got_ = (call);                                                            \
-        EXPECT(got_ == (expected), "%s returned %d, expected %d (%s)", #call, (int)got_, (int)(expected), \
-               kdt_last_error());                                                                  \
-    } while (0)
-
-
 
 static const char* kKindNames[] = {"bool", "bits", "f32", "f16", "bf16", "flashinfer"};
 
@@ -665,6 +639,6 @@ int main() {
     }
 
     CUDA_OK(cudaStreamDestroy(stream));
-    printf("cuda masks: %d checks, %d failed\n", checks, failures);
+    printf("cuda masks: %lld checks, %d failed\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }

@@ -38,38 +38,12 @@
 
 #include "kdtree.h"
 #define KDT_TEST_SEED 0x2545F4914F6CDD1Dull
+#define KDT_TEST_EXPECT
 #include "cuda_harness.h"
-
-static int failures = 0;
-static long long checks = 0;
-
-
-
-// Counts a check; on failure prints the condition and a formatted detail (first 40 only).
-#define EXPECT(cond, ...)                                                         \
-    do {                                                                          \
-        checks++;                                                                 \
-        if (!(cond)) {                                                            \
-            if (failures < 40) {                                                  \
-                fprintf(stderr, "%s:%d: FAILED (%s): ", __FILE__, __LINE__, #cond); \
-                fprintf(stderr, __VA_ARGS__);                                     \
-                fprintf(stderr, "\n");                                            \
-            }                                                                     \
-            failures++;                                                           \
-        }                                                                         \
-    } while (0)
-
-#define EXPECT_STATUS(call, want)                                                                     \
-    do {                                                                                              \
-        const kdt_status got_ = (call);                                                               \
-        EXPECT(got_ == (want), "%s: got %s, expected %s (%s)", #call, kdt_status_string(got_),        \
-               kdt_status_string(want), kdt_last_error());                                            \
-    } while (0)
 
 static cudaStream_t g_stream;
 
 // ---- Random numbers (xorshift64; fixed seed, so every run is the same) ----------------
-
 
 static float normal() {
     const double u = unit() + 1e-12, v = unit();
