@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kdtree.h"
+#include "peaked_draft.h"
 
 #define CK(call)                                                                                  \
     do {                                                                                          \
@@ -23,8 +24,6 @@
         if ((call) != KDT_OK) { fprintf(stderr, "%s: %s\n", #call, kdt_last_error()); return 1; } \
     } while (0)
 
-static uint64_t s = 88172645463325252ull;
-static double unit() { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return (double)(s >> 11) / 9007199254740992.0; }
 
 int main() {
     int32_t n_dev = 0;
@@ -33,15 +32,9 @@ int main() {
     printf("%6s %12s %14s %12s\n", "N", "GPU us", "CPU us (1 core)", "CPU/GPU");
     for (int64_t N : {64, 256, 1024}) {
         const int64_t K = N;
-        std::vector<float> lp((size_t)sets * B * L * K);
-        std::vector<int32_t> ids(lp.size());
-        for (size_t row = 0; row < lp.size() / K; row++) {
-            float* r = &lp[row * K];
-            r[0] = -0.08f;
-            for (int64_t k = 1; k < K; k++) r[k] = -8.0f - 6.0f * (float)unit();
-            std::sort(r + 1, r + K, [](float a, float b) { return a > b; });
-            for (int64_t k = 0; k < K; k++) ids[row * K + k] = (int32_t)(k * 37 + row % 11);
-        }
+        std::vector<float> lp;
+        std::vector<int32_t> ids;
+        fill_peaked_draft(lp, ids, (size_t)(sets * B * L), K);
         float* d_lp; int32_t* d_ids; int32_t* d_status; int32_t* d_num;
         CK(cudaMalloc(&d_lp, lp.size() * 4));
         CK(cudaMalloc(&d_ids, ids.size() * 4));

@@ -11,14 +11,14 @@
 #include <string.h>
 #include <vector>
 
+#include "peaked_draft.h"
+
 #define CK(call)                                                                                  \
     do {                                                                                          \
         cudaError_t e_ = (call);                                                                  \
         if (e_ != cudaSuccess) { fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); return 1; } \
     } while (0)
 
-static uint64_t s_rng = 88172645463325252ull;
-static double unit01() { s_rng ^= s_rng << 13; s_rng ^= s_rng >> 7; s_rng ^= s_rng << 17; return (double)(s_rng >> 11) / 9007199254740992.0; }
 
 int main() {
     int dev_count = 0;
@@ -31,15 +31,9 @@ int main() {
     printf("%6s %8s %10s %10s %10s %10s\n", "N", "launch", "load+val", "expand", "outputs", "block");
     for (int64_t N : {64, 128, 256, 1024}) {
         const int64_t K = N;
-        std::vector<float> lp((size_t)B * L * K);
-        std::vector<int32_t> ids(lp.size());
-        for (size_t row = 0; row < lp.size() / K; row++) {
-            float* r = &lp[row * K];
-            r[0] = -0.08f;
-            for (int64_t k = 1; k < K; k++) r[k] = -8.0f - 6.0f * (float)unit01();
-            std::sort(r + 1, r + K, [](float a, float b) { return a > b; });
-            for (int64_t k = 0; k < K; k++) ids[row * K + k] = (int32_t)(k * 37 + row % 11);
-        }
+        std::vector<float> lp;
+        std::vector<int32_t> ids;
+        fill_peaked_draft(lp, ids, (size_t)(B * L), K);
         float* d_lp; int32_t* d_ids; int32_t* d_status; int32_t* d_num;
         CK(cudaMalloc(&d_lp, lp.size() * 4));
         CK(cudaMalloc(&d_ids, ids.size() * 4));
