@@ -1,20 +1,24 @@
 // kdt_topk_logprobs_cuda against an independent host reference written here: float64
 // logsumexp and a (value descending, id ascending) partial sort of the row, for every
 // dtype (float32, float16, bfloat16; the test logits are exact values of the dtype),
-// vocabularies 1, 7, 1025, 8193, 151936 and 262144, k in {1, 2, 64, 1024} (where <= V),
+// vocabularies 1, 7, 1025, 8193, 151936 and 262144, k in {1, 2, 64, 128, 129, 1024} (where
+// <= V; k <= 128 runs the row kernel, larger k the chunk kernels),
 // padded and misaligned strides (the gaps hold NaN, which must never be read), a broadcast
-// row (stride 0), exact ties, all-equal rows, -inf entries (masked rows, rows with fewer
-// finite logits than k), and bad rows (NaN, +inf, all -inf) next to good ones. Ids must be
-// exactly the reference's, every id < V; log-probs within 2e-6 * |ref| + 2e-6.
+// row (stride 0), exact ties, all-equal rows, sorted rows, -inf entries (masked rows, rows
+// with fewer finite logits than k), and bad rows (NaN, +inf, all -inf) next to good ones.
+// Ids must be exactly the reference's, every id < V; log-probs within 2e-6 * |ref| + 2e-6.
 //
 // The bound: the kernel computes lp = (x - m) - log(S) in float32, S the float32 sum of
 // exp(x - m) over the row. x - m and the two subtractions round at most 1.5 ulp of |lp|
 // together (|x - m| and log S are both <= |lp|) and logf is within 1 ulp: ~3e-7 * |lp|,
 // the relative term. A relative error e on S is an absolute error e on log S: the hardware
-// 2^x is within 2 ulp (2.4e-7) per term, and the sums (per-thread chains of <= 16 terms,
-// warp trees, 8 warps, then the chunks) round ~45 times along any path: ~5e-7 typically
-// (random walk), ~3e-6 in the very worst case. 2e-6 absolute covers the typical error 4x;
-// the host emulation of the kernels peaked at 10% of this tolerance.
+// 2^x is within 2 ulp (2.4e-7) per term, and the sums round along any path ~45 times in
+// the chunk kernels (per-thread chains of <= 16 terms, warp trees, 8 warps, the chunks)
+// and ~140 times in the row kernel (a tree of each vector's 8 terms, a per-thread chain
+// of ceil(V / 2048) <= 128 vector sums, each rescale of the running sum, warp trees, 8
+// warps): ~5e-7 and ~8e-7 typically (random walk), ~3e-6 and ~9e-6 in the very worst
+// case. 2e-6 absolute covers the typical error 2.5-4x; a host emulation of the chunk
+// kernels peaked at 10% of this tolerance.
 // Also: the host-side argument checks (each returns its documented status and launches
 // nothing: the outputs keep their sentinel), k = 0 (only row_status), a reused workspace
 // full of garbage, and a call captured in a CUDA graph.
@@ -117,10 +121,11 @@ static float quantize(int32_t dtype, float x, uint32_t* bits) {
 
 enum {
     kNormal, kPeaked, kTies, kAllEqual, kMasked, kSparse, kLarge, kNaN, kPosInf, kAllNegInf, kSomeNegInf,
-    kNegInfHead, kKinds
+    kNegInfHead, kAscending, kDescending, kKinds
 };
 static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "masked", "sparse", "large",
-                                   "nan",    "+inf",   "all-inf", "some-inf",  "inf-head"};
+                                   "nan",    "+inf",   "all-inf", "some-inf",  "inf-head",
+                                   "ascending", "descending"};
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {
     const double scale = 0.5 + 3.0 * unit();
@@ -136,6 +141,10 @@ static void make_row(float* x, int64_t V, int64_t K, int kind) {
             case kAllNegInf: y = -INFINITY; break;
             case kSomeNegInf: y = unit() < 0.1 ? -INFINITY : scale * normal(); break;
             case kNegInfHead: y = v < 100 ? -INFINITY : scale * normal(); break;
+            // Sorted rows: ascending makes every element a new maximum (the row kernel's
+            // running threshold trails the whole row); descending settles it at once.
+            case kAscending: y = -8.0 + 16.0 * (double)v / (double)V; break;
+            case kDescending: y = 8.0 - 16.0 * (double)v / (double)V; break;
             default: y = scale * normal(); break;
         }
         x[v] = (float)y;
@@ -486,7 +495,7 @@ int main() {
     const int32_t dtypes[] = {KDT_DTYPE_FLOAT32, KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16};
     const int64_t vocabs_full[] = {1, 7, 1025, 8193, 151936, 262144};
     const int64_t vocabs_quick[] = {1, 7, 1025, 20000};
-    const int64_t ks[] = {1, 2, 64, 1024};
+    const int64_t ks[] = {1, 2, 64, 128, 129, 1024};  // 128: the row kernel's largest k
     const int64_t* vocabs = quick ? vocabs_quick : vocabs_full;
     const int n_vocabs = quick ? 4 : 6;
     for (int di = 0; di < 3; di++) {

@@ -23,7 +23,9 @@ for step in "${steps[@]}"; do
     KDTREE_CUDA_TREES_HEAP=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_INLINE_MASKS=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1 ;;
+    KDTREE_CUDA_TREES_INLINE_MASKS=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1
+    echo "-- top-k: the chunk kernels for every k"
+    KDTREE_CUDA_TOPK_CHUNKED=1 build-gpu/test_topk_cuda 2>&1 | tail -1 ;;
   sanitize)
     for tool in memcheck racecheck initcheck synccheck; do
       for t in build-gpu/test_*_cuda; do

@@ -41,8 +41,10 @@
 // and two launches, so a call can be captured in a CUDA graph.
 #include "common.cuh"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 namespace {
@@ -61,7 +63,7 @@ constexpr int kHist32Words = 256 * 32;     // the per-lane histogram: 256 bins x
 constexpr int64_t kMaxK = 1024;
 constexpr float kLog2e = 1.44269504088896340736f;
 constexpr uint32_t kNegInfKey = 0x007FFFFFu;  // float_order_key(-INFINITY)
-constexpr uint32_t kFlagNaN = 1u, kFlagPosInf = 2u;
+constexpr uint32_t kFlagNaN = 1u, kFlagPosInf = 2u, kFlagFinite = 4u;  // kFlagFinite: the row kernel only
 
 // Finish kernel: blocks per SM to fit (registers <= 32 at 8), within the SM's thread limit:
 // 2048 on sm_80/90/100/103, 1536 on sm_86/87/89/120/121, at least 1024 elsewhere.
@@ -227,12 +229,16 @@ struct SelectSmem {
 
 // The k-th largest of the block's items (1 <= k <= number of items), as a threshold T:
 // when the items are unique, exactly k of them are >= T; otherwise at least k are, and
-// fewer than k are > T. Every thread of the block must call it, with the same k;
+// fewer than k are > T. With retain_max > k the walk may stop earlier, at the first digit
+// whose boundary bin leaves at most retain_max items >= T (still at least k: a looser but
+// cheaper cut). Every thread of the block must call it, with the same k and retain_max;
 // for_each(f) calls f(key) on each of the calling thread's items (the same items on every
 // call). kCopies = 1: one shared histogram; 32: one per lane (hist32, 256 x 32 words,
 // zero on entry and left zero), so lanes of a warp never add to the same word.
 template <int kCopies, class ForEach>
-__device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32, uint32_t k, ForEach&& for_each) {
+__device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32, uint32_t k, ForEach&& for_each,
+                                                 uint32_t retain_max = 0) {
+    if (retain_max < k) retain_max = k;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     uint64_t o = 0, a = ~0ull;
     for_each([&](uint64_t key) {
@@ -318,7 +324,9 @@ __device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32
         needed -= s.sel_above;
         prefix |= (uint64_t)s.sel_digit << lo;
         pmask |= wmask;
-        if (s.sel_count == needed) break;  // every matching item is taken: T = prefix
+        // Every matching item is taken (always so once the bin holds exactly the keys still
+        // needed): T = prefix, with k - needed + sel_count items >= T.
+        if (k - needed + s.sel_count <= retain_max) break;
     }
     return prefix;
 }
@@ -728,6 +736,365 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
     }
 }
 
+// ---- Row kernel (k <= kRowMaxK) ---------------------------------------------------
+//
+// One block per row, reading it once. The row is streamed in trips: in trip t thread tid
+// holds the 16-byte vectors v = (t * 2 + j) * 256 + tid, j = 0, 1 (4,096 elements of a
+// 16-bit dtype, 2,048 of float32, per trip), and the next trip's loads are issued before
+// the current trip is processed, so every thread keeps loads in flight.
+// Per thread: a running max m and a sum of 2^((x - m) log2 e) (rescaled when m grows;
+// each vector's terms are summed as a tree first, so the thread's chain is ~V / 4,096
+// vector sums long), the NaN / +inf flags, and a filter: an element goes to the block's
+// candidate buffer in shared memory only when its key is > tau, where tau is a valid
+// bound at all times (at least k buffered keys are > tau, so an element with a smaller
+// key is not in the row's top k). A vector whose max is below tau's value costs one
+// comparison. tau starts from trip 0's thread maxima: each warp sorts its 32 maxima (a
+// bitonic network over shuffles) and takes the ceil(k / 8)-th; the smallest of the 8 warps'
+// values, t0, has at least k elements >= it (ceil(k / 8) threads in each warp hold one).
+// After each trip, when the buffer holds more than refine_at = max(4k, 256) keys (at most
+// kRowCap minus a trip), the block radix-selects
+// a cut keeping between k and 2k keys (block_select with a retain bound, usually one or
+// two digits of the value), compacts the buffer and sets tau = cut - 1. The trip size and
+// refine_at are such that a trip can never overflow the buffer. At the row's end the block
+// selects the exact k-th largest buffered key, gathers the k keys >= it, sorts them
+// (bitonic) and writes them as the finish kernel does. No workspace is used.
+constexpr int kRowMaxK = 128;
+constexpr int kRowU = 2;                                // vectors per thread per trip
+constexpr int kRowTripMax = kThreads * kRowU * 8;       // elements per trip (16-bit dtypes)
+constexpr int kRowCap = kRowTripMax + 4 * kRowMaxK;     // buffered keys
+constexpr int kPendCap = 128;                           // vectors queued per trip
+static_assert(kRowMaxK <= 8 * 32, "t0 needs ceil(k / 8) <= 32 lanes per warp");
+
+struct RowParams {
+    const char* data;        // logits->data
+    int64_t batch_stride;    // elements
+    int64_t row_stride;      // elements
+    int64_t length;          // L (>= 1)
+    int64_t rows;            // B * L
+    int64_t vocab;           // V
+    int32_t k;               // 0 .. kRowMaxK
+    float* out_logprobs;     // [rows, k]
+    int32_t* out_ids;        // [rows, k]
+    int32_t* row_status;     // [rows]
+};
+
+struct RowSmem {
+    SelectSmem sel;
+    uint64_t buf[kRowCap];         // candidate keys
+    uint64_t kept[2 * kRowMaxK];   // a refine's survivors
+    uint64_t sorted[kRowMaxK];
+    uint4 pend_vec[3][kPendCap];   // vectors waiting for their keys (see the kernel)
+    uint32_t pend_vid[3][kPendCap];
+    uint32_t pend_n[3];
+    float warp_t0[kWarps];
+    float red_max[kWarps], red_sum[kWarps];
+    uint32_t red_flags[kWarps];
+    uint32_t count, kept_n, out_n;
+};
+
+// The j-th largest (1 <= j <= 32) of the warp's values x (NaN as -inf), on every lane.
+__device__ __forceinline__ float warp_jth_largest(float x, int j) {
+    const int lane = threadIdx.x & 31;
+    if (isnan(x)) x = -INFINITY;
+    // Bitonic sort, descending by lane.
+    for (int size = 2; size <= 32; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            const float y = __shfl_xor_sync(0xFFFFFFFFu, x, stride);
+            const bool lower = (lane & stride) == 0, desc = (lane & size) == 0 || size == 32;
+            x = (lower == desc) ? fmaxf(x, y) : fminf(x, y);
+        }
+    }
+    return __shfl_sync(0xFFFFFFFFu, x, j - 1);
+}
+
+// Appends the keys > tau of one vector (words w0..w3, element 0 at column vid) to the
+// buffer; returns the buffer's count after this thread's last insertion (`last` when none
+// passed). Only elements whose value is >= tv (tau's value, rounded down) get a key.
+template <int D>
+__device__ __noinline__ uint32_t insert_candidates(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t vid,
+                                                   uint64_t tau, float tv, uint64_t* buf, uint32_t* count,
+                                                   uint32_t last) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
+    const uint32_t w[kVecWords] = {w0, w1, w2, w3};
+    uint32_t mask = 0;
+#pragma unroll
+    for (int e = 0; e < kVec; e++) mask |= (E::get(w[e / kPer], e % kPer) >= tv ? 1u : 0u) << e;
+    while (mask != 0) {
+        const int e = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const int q = e / kPer;
+        const uint32_t word = q == 0 ? w0 : q == 1 ? w1 : q == 2 ? w2 : w3;
+        const uint64_t key = element_key(E::get(word, e % kPer), vid + (uint32_t)e);
+        if (key > tau) {
+            const uint32_t at = atomicAdd(count, 1u);
+            buf[at] = key;
+            last = at + 1;
+        }
+    }
+    return last;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord;
+    constexpr int kVec = kVecWords * kPer;                  // elements per 16-byte load
+    constexpr int kEsize = 4 / kPer;
+    constexpr uint32_t kTrip = (uint32_t)(kThreads * kRowU);   // vectors per trip
+    constexpr uint32_t kRefineMax = (uint32_t)kRowCap - kTrip * kVec;  // >= 4 kRowMaxK: a trip always fits
+    __shared__ RowSmem s;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    s.sel.hist[tid] = 0;
+    const uint32_t V = (uint32_t)p.vocab;
+    const uint32_t k = (uint32_t)p.k;
+    const uint32_t retain = 2 * k;
+    const uint32_t refine_at = min(max(4 * k, 256u), kRefineMax);
+    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+        const int64_t b = row / p.length, l = row - b * p.length;
+        const char* rowp = p.data + (b * p.batch_stride + l * p.row_stride) * kEsize;
+        const uint32_t a = (uint32_t)(((uintptr_t)rowp & 15u) / kEsize);  // frame: position u is column u - a
+        const char* pa = rowp - (size_t)a * kEsize;
+        const uint32_t nvec = (a + V + kVec - 1) / kVec;
+        const uint32_t trips = (nvec + kTrip - 1) / kTrip;
+        // Vectors [v_lo, v_hi) lie wholly inside the row; trips made of them load unchecked.
+        const uint32_t v_lo = (a + kVec - 1) / kVec, v_hi = (a + V) / kVec;
+        if (tid == 0) {
+            s.count = 0;
+            s.out_n = 0;
+            s.pend_n[0] = s.pend_n[1] = s.pend_n[2] = 0;
+        }
+        __syncthreads();  // the previous row is done with the shared state
+
+        auto load = [&](uint32_t trip, uint32_t (&w)[kRowU][kVecWords]) {
+            const bool inside = trip * kTrip >= v_lo && (trip + 1) * kTrip <= v_hi;
+#pragma unroll
+            for (int j = 0; j < kRowU; j++) {
+                const uint32_t v = trip * kTrip + (uint32_t)(j * kThreads + tid);
+                const int64_t id0 = (int64_t)v * kVec - (int64_t)a;
+                if (inside || (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V)) {
+                    const uint4 x = __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)v * 16u));
+                    w[j][0] = x.x;
+                    w[j][1] = x.y;
+                    w[j][2] = x.z;
+                    w[j][3] = x.w;
+                } else {
+#pragma unroll
+                    for (int q = 0; q < kVecWords; q++) {
+                        uint32_t word = 0;
+#pragma unroll
+                        for (int h = 0; h < kPer; h++) {
+                            const int64_t id = id0 + q * kPer + h;
+                            const uint32_t bits = (v < nvec && id >= 0 && id < (int64_t)V)
+                                                      ? E::load_bits(pa, v * kVec + (uint32_t)(q * kPer + h))
+                                                      : E::kNegInfBits;
+                            word |= bits << (16 * h);
+                        }
+                        w[j][q] = word;
+                    }
+                }
+            }
+        };
+
+        uint32_t cur[kRowU][kVecWords], nxt[kRowU][kVecWords];
+        load(0, cur);
+        // m starts at the lowest finite value, not -inf, so that x - m is never -inf - -inf;
+        // mx (NaN-propagating) gives the flags and whether any logit is finite.
+        float m = -FLT_MAX, sum = 0.0f, mx = -INFINITY;
+        uint64_t tau = k == 0 ? ~0ull : 0;  // k = 0: nothing is buffered
+        float tv = -INFINITY;               // tau's value, rounded down
+        auto set_tau = [&](uint64_t t_new) {
+            tau = t_new;
+            const uint32_t th = (uint32_t)(tau >> 32);  // the keys just below -inf's are NaN patterns
+            tv = th <= kNegInfKey ? -INFINITY : kdt::float_from_order_key(th);
+        };
+        set_tau(tau);
+        // The candidate path. A vector whose max reaches tv is queued in trip t's list
+        // (t % 3) and its keys are made in trip t + 1 by one thread per queued vector, so
+        // the key work runs on full warps instead of on the one or two lanes that need it;
+        // the lists rotate so that a list is reset only when no thread reads or fills it.
+        // When a trip's list is full the lane makes its keys at once. Per trip at most
+        // kPendCap vectors' keys come from the list and the rest of the trip's elements
+        // directly: never more than one trip of elements, which the buffer has room for.
+        for (uint32_t t = 0; t < trips; t++) {
+            if (t + 1 < trips) load(t + 1, nxt);
+            uint32_t last = 0;  // the buffer's count after this thread's last insertion
+            if (t >= 1) {
+                const uint32_t pl = (t - 1) % 3, np = min(s.pend_n[pl], (uint32_t)kPendCap);
+                for (uint32_t i = (uint32_t)tid; i < np; i += kThreads) {
+                    const uint4 v = s.pend_vec[pl][i];
+                    last = insert_candidates<D>(v.x, v.y, v.z, v.w, s.pend_vid[pl][i], tau, tv, s.buf, &s.count, last);
+                }
+            }
+            if (tid == 0) s.pend_n[(t + 1) % 3] = 0;
+            float vmax[kRowU];
+#pragma unroll
+            for (int j = 0; j < kRowU; j++) {
+                const uint32_t pm = E::word_max(E::word_max(cur[j][0], cur[j][1]), E::word_max(cur[j][2], cur[j][3]));
+                const float vm = word_elems_max<D>(pm);
+                vmax[j] = vm;
+                mx = fmax_nan(mx, vm);
+                if (vm > m) {
+                    sum *= hw_exp2(__fmul_rn(__fsub_rn(m, vm), kLog2e));
+                    m = vm;
+                }
+                float e8[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; e++) {
+                    e8[e] = hw_exp2(__fmul_rn(__fsub_rn(E::get(cur[j][e / kPer], e % kPer), m), kLog2e));
+                }
+#pragma unroll
+                for (int width = kVec / 2; width > 0; width >>= 1) {
+#pragma unroll
+                    for (int e = 0; e < width; e++) e8[e] += e8[e + width];
+                }
+                sum += e8[0];
+            }
+            if (t == 0 && k > 0) {
+                // t0 from the thread maxima of trip 0 (see above): tau = key(t0, id 2^32 - 1)
+                // - 1, so every element whose value is >= t0 passes.
+                float tmax = vmax[0];
+#pragma unroll
+                for (int j = 1; j < kRowU; j++) tmax = fmax_nan(tmax, vmax[j]);
+                const float wt = warp_jth_largest(tmax, (int)((k + kWarps - 1) / kWarps));
+                if (lane == 0) s.warp_t0[warp] = wt;
+                __syncthreads();
+                float t0 = s.warp_t0[0];
+                for (int i = 1; i < kWarps; i++) t0 = fminf(t0, s.warp_t0[i]);
+                if (t0 == 0.0f) t0 = -0.0f;  // both zeros pass (their keys differ)
+                set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
+            }
+            const uint32_t pl = t % 3;
+#pragma unroll
+            for (int j = 0; j < kRowU; j++) {
+                // A real branch, rarely taken once tau settles.
+                const bool want = vmax[j] >= tv;
+                if (__any_sync(0xFFFFFFFFu, want) && want) {
+                    const uint32_t vid = (t * kTrip + (uint32_t)(j * kThreads + tid)) * kVec - a;  // element 0's column
+                    const uint32_t slot = atomicAdd(&s.pend_n[pl], 1u);
+                    if (slot < (uint32_t)kPendCap) {
+                        s.pend_vec[pl][slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
+                        s.pend_vid[pl][slot] = vid;
+                    } else {
+                        last = insert_candidates<D>(cur[j][0], cur[j][1], cur[j][2], cur[j][3], vid, tau, tv, s.buf,
+                                                    &s.count, last);
+                    }
+                }
+            }
+            // The largest `last` of the block is the buffer's count (or nobody inserted and
+            // the count is what it was, <= refine_at). The barrier also completes list t.
+            if (__syncthreads_or(last > refine_at)) {
+                const uint32_t n = s.count;
+                const uint64_t cut = block_select<1>(
+                    s.sel, nullptr, k,
+                    [&](auto&& f) {
+                        for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) f(s.buf[i]);
+                    },
+                    retain);
+                if (tid == 0) s.kept_n = 0;
+                __syncthreads();
+                for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) {
+                    const uint64_t key = s.buf[i];
+                    if (key >= cut) s.kept[atomicAdd(&s.kept_n, 1u)] = key;
+                }
+                __syncthreads();
+                const uint32_t kn = s.kept_n;  // k .. 2k
+                for (uint32_t i = (uint32_t)tid; i < kn; i += kThreads) s.buf[i] = s.kept[i];
+                if (tid == 0) s.count = kn;
+                set_tau(cut - 1);  // cut > 0: the buffer holds no NaN key (0)
+                __syncthreads();
+            }
+            if (t + 1 == trips) {
+                // The last list's keys now (at most kPendCap vectors: the buffer holds them),
+                // then the final selection below.
+                const uint32_t np = min(s.pend_n[pl], (uint32_t)kPendCap);
+                for (uint32_t i = (uint32_t)tid; i < np; i += kThreads) {
+                    const uint4 v = s.pend_vec[pl][i];
+                    insert_candidates<D>(v.x, v.y, v.z, v.w, s.pend_vid[pl][i], tau, tv, s.buf, &s.count, 0);
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int j = 0; j < kRowU; j++) {
+#pragma unroll
+                for (int q = 0; q < kVecWords; q++) cur[j][q] = nxt[j][q];
+            }
+        }
+
+        // The row's max, flags and sum rescaled to the max.
+        uint32_t flags = isnan(mx) ? kFlagNaN : mx == INFINITY ? kFlagPosInf : mx > -INFINITY ? kFlagFinite : 0u;
+        float wm = m;
+        for (int off = 16; off > 0; off >>= 1) {
+            wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, off));
+            flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
+        }
+        if (lane == 0) {
+            s.red_max[warp] = wm;
+            s.red_flags[warp] = flags;
+        }
+        __syncthreads();
+        float rmax = s.red_max[0];
+        uint32_t rflags = s.red_flags[0];
+        for (int i = 1; i < kWarps; i++) {
+            rmax = fmaxf(rmax, s.red_max[i]);
+            rflags |= s.red_flags[i];
+        }
+        const bool bad = (rflags & (kFlagNaN | kFlagPosInf)) != 0 || (rflags & kFlagFinite) == 0;
+        float term = bad ? 0.0f : sum * expf(m - rmax);
+        for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
+        if (lane == 0) s.red_sum[warp] = term;
+        __syncthreads();
+        float rsum = 0.0f;
+        for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+        if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
+        if (k == 0) continue;
+        float* lp = p.out_logprobs + row * (int64_t)k;
+        int32_t* ids = p.out_ids + row * (int64_t)k;
+        if (bad) {
+            for (int i = tid; i < (int)k; i += kThreads) {
+                lp[i] = __int_as_float(0x7FC00000);
+                ids[i] = i;
+            }
+            continue;
+        }
+        // The k largest buffered keys (at least k are > tau; the rest are not needed).
+        const uint32_t n = s.count;
+        const uint64_t T = block_select<1>(s.sel, nullptr, k, [&](auto&& f) {
+            for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) f(s.buf[i]);
+        });
+        for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) {
+            const uint64_t key = s.buf[i];
+            if (key >= T) {
+                const uint32_t at = atomicAdd(&s.out_n, 1u);
+                if (at < k) s.sorted[at] = key;
+            }
+        }
+        uint32_t pow2 = 1;
+        while (pow2 < k) pow2 <<= 1;
+        for (uint32_t i = k + (uint32_t)tid; i < pow2; i += kThreads) s.sorted[i] = 0;
+        __syncthreads();
+        bitonic_desc(s.sorted, pow2);
+        const float log_sum = logf(rsum);
+        for (int i = tid; i < (int)k; i += kThreads) {
+            const uint64_t key = s.sorted[i];
+            const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
+            uint32_t id = ~(uint32_t)key;
+            if ((key >> 32) < kNegInfKey || id >= V) {  // cannot happen: a bug
+                p.row_status[row] = KDT_ERR_INTERNAL;
+                id = 0;
+            }
+            lp[i] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
+            ids[i] = (int32_t)id;
+        }
+    }
+}
+
+template <int D>
+void launch_rows(const RowParams& p, cudaStream_t stream) {
+    const unsigned grid = (unsigned)(p.rows < (int64_t)INT32_MAX ? p.rows : (int64_t)INT32_MAX);
+    topk_row_kernel<D><<<grid, kThreads, 0, stream>>>(p);
+}
+
 template <int D>
 void launch_chunks(const ChunkParams& p, int64_t k, cudaStream_t stream) {
     const int64_t blocks = p.rows * p.chunks;
@@ -801,6 +1168,28 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "workspace must be 256-byte aligned");
     }
 
+    cudaStream_t s = kdt::as_stream(stream);
+    static const bool force_chunked = getenv("KDTREE_CUDA_TOPK_CHUNKED") != NULL;  // tests of the k > 128 path
+    if (k <= kRowMaxK && !force_chunked) {
+        RowParams rp;
+        rp.data = static_cast<const char*>(logits->data);
+        rp.batch_stride = logits->batch_stride;
+        rp.row_stride = logits->row_stride;
+        rp.length = L;
+        rp.rows = rows;
+        rp.vocab = V;
+        rp.k = (int32_t)k;
+        rp.out_logprobs = out_logprobs;
+        rp.out_ids = out_ids;
+        rp.row_status = row_status;
+        switch (logits->dtype) {
+            case KDT_DTYPE_FLOAT32: launch_rows<KDT_DTYPE_FLOAT32>(rp, s); break;
+            case KDT_DTYPE_FLOAT16: launch_rows<KDT_DTYPE_FLOAT16>(rp, s); break;
+            default: launch_rows<KDT_DTYPE_BFLOAT16>(rp, s); break;
+        }
+        return kdt::launch_status("top-k row kernel");
+    }
+
     const size_t esize = kdt::float_dtype_size(logits->dtype);
     const int64_t vec = (int64_t)(16 / esize);
     const int64_t chunk = kMinChunk * (int64_t)(4 / esize);
@@ -815,7 +1204,6 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
     cp.k = (int32_t)k;
     cp.stats = reinterpret_cast<ChunkStats*>(workspace);
     cp.keys = reinterpret_cast<uint64_t*>(static_cast<char*>(workspace) + l.keys);
-    cudaStream_t s = kdt::as_stream(stream);
     switch (logits->dtype) {
         case KDT_DTYPE_FLOAT32: launch_chunks<KDT_DTYPE_FLOAT32>(cp, k, s); break;
         case KDT_DTYPE_FLOAT16: launch_chunks<KDT_DTYPE_FLOAT16>(cp, k, s); break;
