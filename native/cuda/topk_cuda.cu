@@ -866,13 +866,25 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
         }
         __syncthreads();  // the previous row is done with the shared state
 
+        const uint4* row_vecs = reinterpret_cast<const uint4*>(pa) + tid;  // this thread's vector of trip 0
         auto load = [&](uint32_t trip, uint32_t (&w)[kRowU][kVecWords]) {
-            const bool inside = trip * kTrip >= v_lo && (trip + 1) * kTrip <= v_hi;
+            if (trip * kTrip >= v_lo && (trip + 1) * kTrip <= v_hi) {  // the whole trip is inside the row
+                const uint4* q = row_vecs + (size_t)trip * kTrip;
+#pragma unroll
+                for (int j = 0; j < kRowU; j++) {
+                    const uint4 x = __ldcs(q + j * kThreads);
+                    w[j][0] = x.x;
+                    w[j][1] = x.y;
+                    w[j][2] = x.z;
+                    w[j][3] = x.w;
+                }
+                return;
+            }
 #pragma unroll
             for (int j = 0; j < kRowU; j++) {
                 const uint32_t v = trip * kTrip + (uint32_t)(j * kThreads + tid);
                 const int64_t id0 = (int64_t)v * kVec - (int64_t)a;
-                if (inside || (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V)) {
+                if (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V) {
                     const uint4 x = __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)v * 16u));
                     w[j][0] = x.x;
                     w[j][1] = x.y;
@@ -896,8 +908,6 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             }
         };
 
-        uint32_t cur[kRowU][kVecWords], nxt[kRowU][kVecWords];
-        load(0, cur);
         // m starts at the lowest finite value, not -inf, so that x - m is never -inf - -inf;
         // mx (NaN-propagating) gives the flags and whether any logit is finite.
         float m = -FLT_MAX, sum = 0.0f, mx = -INFINITY;
@@ -916,7 +926,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
         // When a trip's list is full the lane makes its keys at once. Per trip at most
         // kPendCap vectors' keys come from the list and the rest of the trip's elements
         // directly: never more than one trip of elements, which the buffer has room for.
-        for (uint32_t t = 0; t < trips; t++) {
+        // The trip body runs with the two register sets swapped on odd trips (no copies).
+        auto trip_body = [&](uint32_t t, uint32_t (&cur)[kRowU][kVecWords], uint32_t (&nxt)[kRowU][kVecWords]) {
             if (t + 1 < trips) load(t + 1, nxt);
             uint32_t last = 0;  // the buffer's count after this thread's last insertion
             if (t >= 1) {
@@ -965,19 +976,22 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
             }
             const uint32_t pl = t % 3;
+            bool want_any = false;
 #pragma unroll
-            for (int j = 0; j < kRowU; j++) {
-                // A real branch, rarely taken once tau settles.
-                const bool want = vmax[j] >= tv;
-                if (__any_sync(0xFFFFFFFFu, want) && want) {
-                    const uint32_t vid = (t * kTrip + (uint32_t)(j * kThreads + tid)) * kVec - a;  // element 0's column
-                    const uint32_t slot = atomicAdd(&s.pend_n[pl], 1u);
-                    if (slot < (uint32_t)kPendCap) {
-                        s.pend_vec[pl][slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
-                        s.pend_vid[pl][slot] = vid;
-                    } else {
-                        last = insert_candidates<D>(cur[j][0], cur[j][1], cur[j][2], cur[j][3], vid, tau, tv, s.buf,
-                                                    &s.count, last);
+            for (int j = 0; j < kRowU; j++) want_any |= vmax[j] >= tv;
+            if (__any_sync(0xFFFFFFFFu, want_any)) {  // a real branch, rarely taken once tau settles
+#pragma unroll
+                for (int j = 0; j < kRowU; j++) {
+                    if (vmax[j] >= tv) {
+                        const uint32_t vid = (t * kTrip + (uint32_t)(j * kThreads + tid)) * kVec - a;  // element 0's column
+                        const uint32_t slot = atomicAdd(&s.pend_n[pl], 1u);
+                        if (slot < (uint32_t)kPendCap) {
+                            s.pend_vec[pl][slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
+                            s.pend_vid[pl][slot] = vid;
+                        } else {
+                            last = insert_candidates<D>(cur[j][0], cur[j][1], cur[j][2], cur[j][3], vid, tau, tv,
+                                                        s.buf, &s.count, last);
+                        }
                     }
                 }
             }
@@ -1014,11 +1028,12 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 }
                 __syncthreads();
             }
-#pragma unroll
-            for (int j = 0; j < kRowU; j++) {
-#pragma unroll
-                for (int q = 0; q < kVecWords; q++) cur[j][q] = nxt[j][q];
-            }
+        };
+        uint32_t wa[kRowU][kVecWords], wb[kRowU][kVecWords];
+        load(0, wa);
+        for (uint32_t t = 0; t < trips; t += 2) {
+            trip_body(t, wa, wb);
+            if (t + 1 < trips) trip_body(t + 1, wb, wa);
         }
 
         // The row's max, flags and sum rescaled to the max.
