@@ -1,5 +1,6 @@
-// Top-k log-probs from logits on the GPU (kdt_topk_logprobs_cuda), two kernels on the
-// caller's stream.
+// Top-k log-probs from logits on the GPU (kdt_topk_logprobs_cuda), on the caller's stream.
+// k <= 128: the row kernel (one block per row, described at its definition below). Larger
+// k (or KDTREE_CUDA_TOPK_CHUNKED set, for tests): the chunk and finish kernels here.
 //
 // Chunk kernel, one block per (row, chunk): a chunk is 256 threads x 32 words of the row
 // (16384 elements for float16/bfloat16, 8192 for float32), loaded once into registers with
