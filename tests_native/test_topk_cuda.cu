@@ -4,9 +4,10 @@
 // vocabularies 1, 7, 1025, 8193, 151936 and 262144, k in {1, 2, 64, 128, 129, 1024} (where
 // <= V; k <= 128 runs the row kernel, larger k the chunk kernels),
 // padded and misaligned strides (the gaps hold NaN, which must never be read), a broadcast
-// row (stride 0), exact ties, all-equal rows, sorted rows, -inf entries (masked rows, rows
-// with fewer finite logits than k), and bad rows (NaN, +inf, all -inf) next to good ones.
-// Ids must be exactly the reference's, every id < V; log-probs within 2e-6 * |ref| + 2e-6.
+// row (stride 0), exact ties, all-equal rows, sorted rows, logits near +-3e38, -inf
+// entries (masked rows, rows with fewer finite logits than k), and bad rows (NaN, +inf, all
+// -inf) next to good ones. Ids must be exactly the reference's, every id < V; log-probs
+// within 2e-6 * |ref| + 2e-6.
 //
 // The bound: the kernel computes lp = (x - m) - log(S) in float32, S the float32 sum of
 // exp(x - m) over the row. x - m and the two subtractions round at most 1.5 ulp of |lp|
@@ -121,11 +122,11 @@ static float quantize(int32_t dtype, float x, uint32_t* bits) {
 
 enum {
     kNormal, kPeaked, kTies, kAllEqual, kMasked, kSparse, kLarge, kNaN, kPosInf, kAllNegInf, kSomeNegInf,
-    kNegInfHead, kAscending, kDescending, kKinds
+    kNegInfHead, kAscending, kDescending, kHuge, kHugeNeg, kKinds
 };
 static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "masked", "sparse", "large",
                                    "nan",    "+inf",   "all-inf", "some-inf",  "inf-head",
-                                   "ascending", "descending"};
+                                   "ascending", "descending", "huge", "huge-negative"};
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {
     const double scale = 0.5 + 3.0 * unit();
@@ -145,6 +146,10 @@ static void make_row(float* x, int64_t V, int64_t K, int kind) {
             // running threshold trails the whole row); descending settles it at once.
             case kAscending: y = -8.0 + 16.0 * (double)v / (double)V; break;
             case kDescending: y = 8.0 - 16.0 * (double)v / (double)V; break;
+            // |max| above FLT_MAX / log2 e: the row kernel's m log2 e overflows and it
+            // sums the row again (float16 rounds these to +-inf: bad rows there).
+            case kHuge: y = (unit() < 0.5 ? 3.0e38 : -3.0e38) * (0.9 + 0.1 * unit()); break;
+            case kHugeNeg: y = -3.0e38 * (0.9 + 0.1 * unit()); break;
             default: y = scale * normal(); break;
         }
         x[v] = (float)y;
@@ -162,14 +167,15 @@ static void make_row(float* x, int64_t V, int64_t K, int kind) {
 
 struct RowRef {
     int32_t status;
-    double lse;
+    double max, log_sum;  // logsumexp = max + log_sum, kept apart so that x - max is exact at any scale
     std::vector<int32_t> order;  // the top min(V, 1024) ids, (value desc, id asc)
 };
 
 static RowRef reference(const float* x, int64_t V) {
     RowRef r;
     r.status = KDT_OK;
-    r.lse = 0;
+    r.max = 0;
+    r.log_sum = 0;
     bool finite = false;
     double m = -INFINITY;
     for (int64_t v = 0; v < V; v++) {
@@ -181,7 +187,8 @@ static RowRef reference(const float* x, int64_t V) {
     if (r.status != KDT_OK) return r;
     double sum = 0.0;
     for (int64_t v = 0; v < V; v++) sum += exp((double)x[v] - m);
-    r.lse = m + log(sum);
+    r.max = m;
+    r.log_sum = log(sum);
     std::vector<int32_t> idx((size_t)V);
     for (int64_t v = 0; v < V; v++) idx[(size_t)v] = (int32_t)v;
     const int64_t top = V < 1024 ? V : 1024;
@@ -284,7 +291,7 @@ static int compare(const Tensor& t, int64_t K, const std::vector<float>& lp, con
                     continue;
                 }
                 const int32_t want_id = ref.order[(size_t)i];
-                const double want = (double)(float)((double)x[want_id] - ref.lse);
+                const double want = (double)(float)(((double)x[want_id] - ref.max) - ref.log_sum);
                 if (id != want_id) {
                     snprintf(why, sizeof why, "rank %lld: id %d (value %.9g), expected %d (value %.9g)", (long long)i,
                              id, x[id], want_id, x[want_id]);

@@ -909,8 +909,12 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             }
         };
 
-        // m starts at the lowest finite value, not -inf, so that x - m is never -inf - -inf;
-        // mx (NaN-propagating) gives the flags and whether any logit is finite.
+        // Each term is 2^(x log2 e - c) with c = m log2 e rounded to float (one fma per
+        // logit): the rounding of c scales every term of this thread alike and cancels when
+        // the threads' sums are combined with the same c (see below). m and c start at the
+        // lowest finite value, not -inf, so that no term is -inf - -inf; mx (NaN-propagating)
+        // gives the flags and whether any logit is finite.
+        // (c is recomputed from m where needed rather than kept: one register fewer.)
         float m = -FLT_MAX, sum = 0.0f, mx = -INFINITY;
         uint64_t tau = k == 0 ? ~0ull : 0;  // k = 0: nothing is buffered
         float tv = -INFINITY;               // tau's value, rounded down
@@ -947,14 +951,13 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 vmax[j] = vm;
                 mx = fmax_nan(mx, vm);
                 if (vm > m) {
-                    sum *= hw_exp2(__fmul_rn(__fsub_rn(m, vm), kLog2e));
+                    sum *= hw_exp2(__fsub_rn(m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e), __fmul_rn(vm, kLog2e)));
                     m = vm;
                 }
+                const float c = m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e);
                 float e8[kVec];
 #pragma unroll
-                for (int e = 0; e < kVec; e++) {
-                    e8[e] = hw_exp2(__fmul_rn(__fsub_rn(E::get(cur[j][e / kPer], e % kPer), m), kLog2e));
-                }
+                for (int e = 0; e < kVec; e++) e8[e] = hw_exp2(__fmaf_rn(E::get(cur[j][e / kPer], e % kPer), kLog2e, -c));
 #pragma unroll
                 for (int width = kVec / 2; width > 0; width >>= 1) {
 #pragma unroll
@@ -1056,12 +1059,31 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             rflags |= s.red_flags[i];
         }
         const bool bad = (rflags & (kFlagNaN | kFlagPosInf)) != 0 || (rflags & kFlagFinite) == 0;
-        float term = bad ? 0.0f : sum * expf(m - rmax);
+        // S = sum over threads of sum * 2^(c - c_max) = sum over the row of 2^(x log2 e -
+        // c_max), c_max = rmax log2 e rounded as the threads rounded it; then
+        // log sum exp(x - rmax) = log S + (c_max ln 2 - rmax), the correction in float64.
+        const float c_max = __fmul_rn(rmax, kLog2e);
+        float term = bad ? 0.0f : sum * exp2f((m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e)) - c_max);
         for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
         if (lane == 0) s.red_sum[warp] = term;
         __syncthreads();
         float rsum = 0.0f;
         for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+        float log_sum = logf(rsum) + (float)((double)c_max * 0.69314718055994530942 - (double)rmax);
+        if (!bad && !(rsum > 0.0f && rsum < INFINITY)) {
+            // |rmax| > FLT_MAX / log2 e: c overflowed. Read the row again with x - rmax.
+            float s2 = 0.0f;
+            for (uint32_t id = (uint32_t)tid; id < V; id += kThreads) {
+                s2 += hw_exp2(__fmul_rn(__fsub_rn(kdt::load_logit<D>(rowp, id), rmax), kLog2e));
+            }
+            for (int off = 16; off > 0; off >>= 1) s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, off);
+            __syncthreads();  // every thread has read red_sum
+            if (lane == 0) s.red_sum[warp] = s2;
+            __syncthreads();
+            rsum = 0.0f;
+            for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+            log_sum = logf(rsum);
+        }
         if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
         if (k == 0) continue;
         float* lp = p.out_logprobs + row * (int64_t)k;
@@ -1085,22 +1107,21 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 if (at < k) s.sorted[at] = key;
             }
         }
-        uint32_t pow2 = 1;
-        while (pow2 < k) pow2 <<= 1;
-        for (uint32_t i = k + (uint32_t)tid; i < pow2; i += kThreads) s.sorted[i] = 0;
         __syncthreads();
-        bitonic_desc(s.sorted, pow2);
-        const float log_sum = logf(rsum);
+        // Exactly k keys, all different: each one's rank is the number of larger ones.
         for (int i = tid; i < (int)k; i += kThreads) {
             const uint64_t key = s.sorted[i];
+            uint32_t rank = 0;
+            for (uint32_t j = 0; j < k; j++) rank += s.sorted[j] > key ? 1u : 0u;
             const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
             uint32_t id = ~(uint32_t)key;
-            if ((key >> 32) < kNegInfKey || id >= V) {  // cannot happen: a bug
+            if ((key >> 32) < kNegInfKey || id >= V || rank >= k) {  // cannot happen: a bug
                 p.row_status[row] = KDT_ERR_INTERNAL;
                 id = 0;
+                rank = (uint32_t)i;
             }
-            lp[i] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
-            ids[i] = (int32_t)id;
+            lp[rank] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
+            ids[rank] = (int32_t)id;
         }
     }
 }
