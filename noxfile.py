@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parent
 BUILD = ROOT / "build"
 PYTHON_DEPS = ["numpy>=1.26", "ml_dtypes>=0.4", "tqdm>=4.60"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+# The transformer engine (kdtree.hf, kdtree.drafter): transformers is pinned to the release
+# the tests run against. torch stays below 2.14 so that machines holding a local CPU wheel
+# of 2.13 use it; KDTREE_TORCH overrides the requirement (e.g. "torch==2.14.1").
+MODEL_DEPS = [os.environ.get("KDTREE_TORCH", "torch>=2.4,<2.14"), "transformers==5.24.0", "tokenizers==0.23.3",
+              "safetensors==0.8.0"]
 
 nox.options.sessions = ["build", "test"]
 nox.options.reuse_existing_virtualenvs = True
@@ -48,7 +53,7 @@ def build(session: nox.Session) -> None:
 def test(session: nox.Session) -> None:
     """Run the native tests (ctest; GPU tests skip without a GPU) and pytest; builds first."""
     _cmake_build(session)
-    session.install(*PYTHON_DEPS, *TEST_DEPS)
+    session.install(*PYTHON_DEPS, *TEST_DEPS, *MODEL_DEPS)
     session.run("ctest", "--test-dir", str(BUILD), "-L", "cpu", "--output-on-failure", external=True)
     # GPU tests (built when nvcc is found) skip with exit 77 where there is no GPU; -V shows
     # their output, which states why.

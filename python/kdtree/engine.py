@@ -11,7 +11,9 @@ Trees", arXiv 2604.12989; tree rule and verification: the project spec
            root_positions=[its position])``;
 4. target  ``Target.score_tree(trees)``: one target call scores every node with the
            context its ancestors give (tree attention) and returns its chosen token per
-           node, int [B, N+1];
+           node, int [B, N+1]: the argmax for greedy decoding, or one independent draw
+           from the target's (tempered, top-p) distribution for sampling (the target
+           object decides, e.g. :class:`kdtree.hf.HFTarget`'s ``temperature``);
 5. verify  ``verify_greedy(trees, chosen, stop_tokens, max_commit=remaining)``: the walk
            from the root along the target's choices (the library's verification);
 6. commit  ``Target.commit(tokens, trees, acceptance)``: the accepted draft tokens and the
@@ -19,8 +21,9 @@ Trees", arXiv 2604.12989; tree rule and verification: the project spec
            keeping the accepted nodes' entries).
 
 The committed text equals what greedy autoregressive decoding of the target produces
-(the verification rule keeps the target's output exactly), with one target call per round
-instead of one per token. :func:`autoregressive_generate` is that baseline, through the
+(the verification rule keeps the target's output exactly; with sampled choices, the
+committed tokens follow the target's sampling distribution exactly), with one target call
+per round instead of one per token. :func:`autoregressive_generate` is that baseline, through the
 same :class:`Target`.
 """
 

@@ -1,0 +1,282 @@
+"""The transformers target (kdtree.hf) with the DDTree engine, on CPU in float64.
+
+Small randomly initialised Qwen3 models (no checkpoint needed) make every check exact up to
+float64 rounding, so an argmax cannot flip by rounding:
+- the tree forward's logits at every node equal a plain causal forward of the node's
+  root-to-node path (tree attention mask and positions are right);
+- after a round's compaction the KV cache (and the drafter features) equal those of a
+  fresh prefill of the committed tokens;
+- DDTree greedy output equals greedy autoregressive output token for token (20 prompts x
+  budgets 1, 4, 16, 64, 256), with fewer target forwards when the drafter is good;
+- sampling is lossless: with temperature 1 (and 1.5 with top-p 0.9) the first two generated
+  tokens follow the target's exact joint distribution (chi-square over 2,000 seeds), as
+  autoregressive sampling's do, and the same statistic rejects a wrong distribution.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
+
+import kdtree  # noqa: E402
+from kdtree.engine import autoregressive_generate, speculative_generate  # noqa: E402
+from kdtree.hf import HFTarget, top_p_filter  # noqa: E402
+
+
+def tiny_qwen3(vocab: int = 97, layers: int = 2, seed: int = 0):
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=1024, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    # Sharper distributions than the default init, so greedy paths are not all ties-free noise.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(25.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3()
+
+
+def path_tokens(trees, i: int) -> list[int]:
+    out = []
+    while i > 0:
+        out.append(int(trees.tokens[0, i]))
+        i = int(trees.parents[0, i])
+    return out[::-1]
+
+
+def causal_logits(model, seq: list[int]):
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0, -1]
+
+
+class NoisyOracleDrafter:
+    """A test drafter: the target's own greedy continuation (recomputed without a cache),
+    kept at each depth with probability ``keep`` and replaced by a random token otherwise,
+    returned as peaked logits plus noise. Deterministic for a seed."""
+
+    def __init__(self, model, keep: float, seed: int):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self.keep = keep
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, context, depth, features=None):
+        seq = list(context)
+        logits = self.rng.standard_normal((depth, self.vocab_size))
+        for d in range(depth):
+            tok = int(causal_logits(self.model, seq).argmax())
+            if self.rng.random() >= self.keep:
+                tok = int(self.rng.integers(self.vocab_size))
+            logits[d, tok] += 6.0
+            seq.append(tok)
+        return logits
+
+
+class RandomDrafter:
+    """Random logits (seeded): a drafter with no knowledge of the target."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab_size = vocab
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, context, depth, features=None):
+        return self.rng.standard_normal((depth, self.vocab_size)) * 2.0
+
+
+# ---- tree attention and positions ------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [1, 7, 40])
+def test_tree_forward_matches_each_path_forward(model, budget):
+    rng = np.random.default_rng(budget)
+    for trial in range(3):
+        prompt = rng.integers(0, 97, int(rng.integers(1, 20))).tolist()
+        target = HFTarget(model)
+        target.prefill(prompt)
+        depth = int(rng.integers(1, 6))
+        lp, ids = kdtree.topk_logprobs(rng.standard_normal((depth, 97)) * 2.0, min(budget, 97))
+        trees = kdtree.build_trees(lp, ids, budget, root_tokens=[prompt[-1]], root_positions=[len(prompt) - 1],
+                                   vocab_size=97)
+        logits = target.tree_logits(trees)
+        n = int(trees.num_nodes[0])
+        assert logits.shape == (budget + 1, 97)
+        for i in range(n + 1):
+            ref = causal_logits(model, prompt + path_tokens(trees, i))
+            assert torch.allclose(logits[i], ref, rtol=0, atol=1e-12), f"trial {trial}, node {i}"
+
+
+def test_tree_root_must_be_the_last_committed_token(model):
+    target = HFTarget(model)
+    target.prefill([5, 6, 7])
+    lp, ids = kdtree.topk_logprobs(np.zeros((2, 97)), 2)
+    wrong_token = kdtree.build_trees(lp, ids, 3, root_tokens=[8], root_positions=[2])
+    with pytest.raises(ValueError, match="root"):
+        target.tree_logits(wrong_token)
+    wrong_position = kdtree.build_trees(lp, ids, 3, root_tokens=[7], root_positions=[3])
+    with pytest.raises(ValueError, match="position"):
+        target.tree_logits(wrong_position)
+
+
+# ---- KV-cache compaction -----------------------------------------------------------------
+
+def test_compaction_equals_decoding_the_accepted_tokens(model):
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        prompt = rng.integers(0, 97, int(rng.integers(1, 15))).tolist()
+        target = HFTarget(model, feature_layers=(0, 2))
+        target.prefill(prompt)
+        depth = int(rng.integers(1, 7))
+        budget = int(rng.integers(1, 30))
+        lp, ids = kdtree.topk_logprobs(rng.standard_normal((depth, 97)), min(budget, 97))
+        trees = kdtree.build_trees(lp, ids, budget, root_tokens=[prompt[-1]], root_positions=[len(prompt) - 1])
+        target.tree_logits(trees)
+        # Accept a random root-to-node path (any node: the walk could end there).
+        n = int(trees.num_nodes[0])
+        end = int(rng.integers(0, n + 1))
+        nodes = []
+        i = end
+        while i > 0:
+            nodes.append(i)
+            i = int(trees.parents[0, i])
+        nodes = [0] + nodes[::-1]
+        bonus = int(rng.integers(97))
+        accepted = np.full((1, depth + 1), -1, dtype=np.int32)
+        accepted[0, : len(nodes)] = nodes
+        acc = kdtree.Acceptance(accepted, np.array([len(nodes) - 1], np.int32), np.array([bonus], np.int32))
+        committed = [int(trees.tokens[0, j]) for j in nodes[1:]] + [bonus]
+        target.commit(committed, trees, acc)
+        assert target.committed_tokens == prompt + committed
+        direct = HFTarget(model, feature_layers=(0, 2))
+        direct.prefill(prompt + committed)
+        assert target.cache_length == direct.cache_length == len(prompt) + len(committed) - 1
+        for a, b in zip(target.cache.layers, direct.cache.layers, strict=True):
+            assert torch.allclose(a.keys, b.keys, rtol=0, atol=1e-12), f"trial {trial}"
+            assert torch.allclose(a.values, b.values, rtol=0, atol=1e-12), f"trial {trial}"
+        assert torch.allclose(target.drafter_features(), direct.drafter_features(), rtol=0, atol=1e-12)
+
+
+def test_commit_needs_the_acceptance_after_a_tree(model):
+    target = HFTarget(model)
+    target.prefill([1, 2, 3])
+    lp, ids = kdtree.topk_logprobs(np.zeros((2, 97)), 2)
+    trees = kdtree.build_trees(lp, ids, 3, root_tokens=[3], root_positions=[2])
+    target.score_tree(trees)
+    with pytest.raises(ValueError, match="acceptance"):
+        target.commit([4], trees, None)
+
+
+# ---- greedy decoding is lossless -----------------------------------------------------------
+
+def test_greedy_ddtree_equals_greedy_ar(model):
+    rng = np.random.default_rng(2026)
+    prompts = [rng.integers(0, 97, int(rng.integers(1, 12))).tolist() for _ in range(20)]
+    saved = 0
+    for p_i, prompt in enumerate(prompts):
+        ar = autoregressive_generate(HFTarget(model), prompt, 20)
+        for budget in (1, 4, 16, 64, 256):
+            drafter = NoisyOracleDrafter(model, keep=0.8, seed=p_i * 10 + budget)
+            res = speculative_generate(HFTarget(model), drafter, prompt, 20, budget=budget, depth=6)
+            assert res.tokens == ar.tokens, f"prompt {p_i}, budget {budget}"
+            saved += ar.target_calls - res.target_calls
+            assert res.target_calls <= ar.target_calls
+    assert saved > 20 * 5 * 5  # a good drafter saves forwards (a mean of > 5 per run here)
+
+
+def test_stop_token_and_max_new_tokens_inside_the_accepted_path(model):
+    prompt = [3, 14, 15]
+    ar = autoregressive_generate(HFTarget(model), prompt, 12)
+    stop = ar.tokens[4]
+    first = ar.tokens.index(stop)
+    drafter = NoisyOracleDrafter(model, keep=1.0, seed=1)
+    res = speculative_generate(HFTarget(model), drafter, prompt, 12, budget=16, depth=8, stop_tokens=[stop])
+    assert res.tokens == ar.tokens[: first + 1] and res.stop_reason == "stop_token"
+    res = speculative_generate(HFTarget(model), NoisyOracleDrafter(model, 1.0, 2), prompt, 5, budget=16, depth=8)
+    assert res.tokens == ar.tokens[:5]
+
+
+# ---- sampling is lossless -------------------------------------------------------------------
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper quantile of chi-square(df) for the normal quantile z (3.09: p = 0.001), by the
+    Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def joint_first_two(model, prompt, temperature, top_p):
+    """Exact P(t1, t2) of the first two tokens of tempered top-p sampling."""
+    def dist(seq):
+        p = torch.softmax(causal_logits(model, seq) / temperature, dim=-1)[None]
+        return (top_p_filter(p, top_p) if top_p < 1.0 else p)[0].numpy()
+
+    p1 = dist(prompt)
+    return np.stack([p1[a] * dist(prompt + [a]) for a in range(len(p1))])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)])
+def test_sampling_is_lossless_chi_square(temperature, top_p):
+    vocab = 5
+    model = tiny_qwen3(vocab=vocab, seed=3)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.12)  # flatter: every pair likely enough to count
+    prompt = [1, 3, 0, 2]
+    expected = joint_first_two(model, prompt, temperature, top_p)
+    runs, ar_runs = 2000, 1000
+    counts = np.zeros((vocab, vocab))
+    ar_counts = np.zeros((vocab, vocab))
+    accepted = 0
+    for seed in range(runs):
+        drafter = RandomDrafter(vocab, seed)  # any drafter: the walk keeps the target's distribution
+        target = HFTarget(model, temperature=temperature, top_p=top_p, seed=seed)
+        res = speculative_generate(target, drafter, prompt, 2, budget=6, depth=2)
+        counts[res.tokens[0], res.tokens[1]] += 1
+        accepted += res.accepted[0]
+    for seed in range(ar_runs):
+        ar = autoregressive_generate(HFTarget(model, temperature=temperature, top_p=top_p, seed=10_000 + seed),
+                                     prompt, 2)
+        ar_counts[ar.tokens[0], ar.tokens[1]] += 1
+    assert accepted > runs // 4  # first rounds often accept a draft token (paths of length 2 checked)
+    cells = expected.reshape(-1) > 0
+    want = expected.reshape(-1)[cells]
+    limit = chi_square_critical(int(cells.sum()) - 1)
+    stat = float((((counts.reshape(-1)[cells] - want * runs) ** 2) / (want * runs)).sum())
+    ar_stat = float((((ar_counts.reshape(-1)[cells] - want * ar_runs) ** 2) / (want * ar_runs)).sum())
+    assert counts.reshape(-1)[~cells].sum() == 0  # nothing outside the nucleus
+    assert stat < limit, f"DDTree samples: chi-square {stat:.1f} >= {limit:.1f}"
+    assert ar_stat < limit, f"AR samples: chi-square {ar_stat:.1f} >= {limit:.1f}"
+    # The statistic has power: the same samples against a hotter distribution fail.
+    wrong = joint_first_two(model, prompt, temperature * 2.0, 1.0).reshape(-1)[cells] * runs
+    assert float((((counts.reshape(-1)[cells] - wrong) ** 2) / wrong).sum()) > limit
+
+
+def test_top_p_filter_keeps_the_smallest_nucleus():
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    out = top_p_filter(p, 0.75)
+    assert torch.allclose(out[0], torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64))
+    # ties: lower ids first, the smallest set reaching 0.75 is 3 tokens
+    assert torch.allclose(out[1], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0], dtype=torch.float64))
+    assert torch.allclose(top_p_filter(p, 0.1)[0], torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))
+
+
+def test_bad_arguments(model):
+    with pytest.raises(ValueError, match="temperature"):
+        HFTarget(model, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        HFTarget(model, top_p=0.0)
+    with pytest.raises(ValueError, match="feature layer"):
+        HFTarget(model, feature_layers=(3,))
+    target = HFTarget(model)
+    with pytest.raises(ValueError, match="outside"):
+        target.prefill([97])
+    with pytest.raises(ValueError, match="at least one"):
+        target.prefill([])
+    with pytest.raises(RuntimeError, match="prefill"):
+        HFTarget(model).next_token()
