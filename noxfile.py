@@ -24,7 +24,7 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 # the tests run against. torch stays below 2.14 so that machines holding a local CPU wheel
 # of 2.13 use it; KDTREE_TORCH overrides the requirement (e.g. "torch==2.14.1").
 MODEL_DEPS = [os.environ.get("KDTREE_TORCH", "torch>=2.4,<2.14"), "transformers==5.24.0", "tokenizers==0.23.3",
-              "safetensors==0.8.0"]
+              "safetensors==0.8.0", "matplotlib>=3.7"]
 
 nox.options.sessions = ["build", "test"]
 nox.options.reuse_existing_virtualenvs = True
@@ -72,12 +72,13 @@ def fixtures(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: lossless DDTree decoding with an n-gram target on stdlib text.
+    """The main job: lossless DDTree decoding of the shipped transformer pair on CPU.
 
-    Extra arguments go to ``python -m kdtree demo`` (e.g. ``nox -s demo -- --budget 256``).
+    Extra arguments go to ``python -m kdtree demo`` (e.g. ``nox -s demo -- --budget 256``,
+    ``-- --plot round.png``, or ``-- --model ngram`` for the byte n-gram pair).
     """
     _cmake_build(session)
-    session.install(*PYTHON_DEPS)
+    session.install(*PYTHON_DEPS, *MODEL_DEPS)
     session.run("python", "-m", "kdtree", "demo", *session.posargs, env=_env())
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
-FAST = ["--corpus-bytes", "150000", "--order", "8", "--no-progress"]
+FAST = ["--model", "ngram", "--corpus-bytes", "150000", "--order", "8", "--no-progress"]
 
 
 def run_cli(args, tmp_path, timeout=120):
@@ -166,8 +166,10 @@ def test_main_in_process_help(capsys):
     assert "(default: None)" not in flat and "(default: [])" not in flat
     assert "(default: False)" not in flat
     assert "heapq.py) (default" not in flat and "prompt fits) (default" not in flat
-    assert "(default: the standard library's heapq.py)" in flat
+    assert ("(default: the standard library's heapq.py with --model ngram, a slice of kdtree's engine.py "
+            "with the transformer pair)") in flat
     assert "(default: 64)" in flat
+    assert "--model {transformer,ngram}" in flat and "(default: transformer)" in flat
 
 
 def test_run_markers_fall_back_to_ascii():

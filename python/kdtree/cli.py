@@ -18,8 +18,11 @@ from collections.abc import Sequence
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kdtree.demo", "DDTree speculative decoding of a byte n-gram model on CPU, "
-                            "checked against greedy autoregressive decoding"),
+    "demo": ("kdtree.demo", "DDTree speculative decoding of the shipped transformer pair (or, with "
+                            "--model ngram, a byte n-gram model) on CPU, checked against greedy "
+                            "autoregressive decoding"),
+    "generate": ("kdtree.generate", "DDTree decoding with a transformer target and block drafter "
+                                    "(greedy or sampled, CPU or GPU)"),
 }
 
 

@@ -1,6 +1,11 @@
 """``python -m kdtree demo``: DDTree speculative decoding end to end on CPU.
 
-The target is an order-16 byte n-gram model with stupid backoff and the drafter an order-4
+By default (``--model transformer``) the demo is ``python -m kdtree generate`` with the
+transformer pair shipped in ``fixtures/models/stdlib-qwen3`` (:mod:`kdtree.generate`): a
+small Qwen3-style target and a DFlash-style block drafter, greedy, checked against
+autoregressive decoding. ``--model ngram`` runs the byte n-gram pair described below.
+
+With ``--model ngram`` the target is an order-16 byte n-gram model with stupid backoff and the drafter an order-4
 one unrolled along its own greedy chain (:mod:`kdtree.ngram`), both estimated from this
 Python's standard library sources (cached under :func:`kdtree.ngram.cache_dir`). The
 prompt is a slice of a standard-library file (default ``heapq.py`` from byte 14500, which
@@ -69,17 +74,30 @@ def _budget(text: str) -> int:
     return v
 
 
+# Flags of the n-gram pair only (their defaults; --model transformer rejects other values).
+NGRAM_ONLY = {"order": ngram.DEFAULT_ORDER, "draft_order": ngram.DEFAULT_DRAFT_ORDER, "backend": "auto",
+              "stop_byte": [], "no_cache": False, "corpus_bytes": ngram.DEFAULT_CORPUS_BYTES,
+              "prompt_bytes": DEFAULT_PROMPT_BYTES}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("transformer", "ngram"), default="transformer",
+                   help="transformer: the shipped Qwen3-style target and block drafter (kdtree generate); "
+                        "ngram: byte n-gram target and drafter estimated from the standard library")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="(transformer) write the acceptance histogram and one round's tree to this PNG/SVG")
     p.add_argument("--budget", type=_budget, default=64,
                    help=f"draft nodes per tree N (root excluded), 1..{MAX_BUDGET} (each tree's "
                         f"attention mask takes (N+1)^2 bytes)")
     p.add_argument("--depth", type=_int_in(1, 255), default=15,
                    help="draft positions per drafter call L (tree depth limit), 1..255")
-    p.add_argument("--max-new-tokens", type=_int_in(1), default=256,
-                   help="bytes to generate (an exact cap), >= 1")
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=None,
+                   help="tokens to generate, an exact cap (default: 96 tokens with the transformer pair, "
+                        "256 bytes with --model ngram)")
     p.add_argument("--prompt-file", type=Path, default=None,
                    help=f"file to take the prompt from (default: the standard library's "
-                        f"{DEFAULT_PROMPT})")
+                        f"{DEFAULT_PROMPT} with --model ngram, a slice of kdtree's engine.py "
+                        f"with the transformer pair)")
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,
                    help=f"first prompt byte in the file (default: {DEFAULT_OFFSET} for the "
                         f"default file, else 0; clamped so the prompt fits)")
@@ -233,9 +251,35 @@ def _corpus_lines(corpus: ngram.Corpus) -> list[str]:
     return [rule, f"{files}; {len(corpus.data):,} bytes, sha256 {corpus.sha256[:12]}"]
 
 
+def _run_transformer(args: argparse.Namespace) -> int:
+    from . import generate
+    from .cli import UsageError
+
+    changed = [f"--{k.replace('_', '-')}" for k, v in NGRAM_ONLY.items() if getattr(args, k) != v]
+    if changed:
+        raise UsageError(f"{', '.join(changed)} only apply to --model ngram")
+    gp = argparse.ArgumentParser()
+    generate.add_arguments(gp)
+    gargs = gp.parse_args([])
+    gargs.budget = args.budget
+    gargs.depth = args.depth
+    gargs.max_new_tokens = 96 if args.max_new_tokens is None else args.max_new_tokens
+    gargs.prompt_file = args.prompt_file
+    gargs.prompt_offset = args.prompt_offset
+    gargs.plot = args.plot
+    gargs.tree_nodes = args.tree_nodes
+    return generate.run(gargs, header="kdtree demo")
+
+
 def run(args: argparse.Namespace) -> int:
     from .cli import UsageError
 
+    if args.model == "transformer":
+        return _run_transformer(args)
+    if args.plot is not None:
+        raise UsageError("--plot only applies to --model transformer")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 256
     if args.draft_order > args.order:
         raise UsageError(f"--draft-order ({args.draft_order}) must be <= --order ({args.order})")
     ops, backend_desc = _ops(args.backend)

@@ -65,6 +65,9 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
     """
     torch = _torch()
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on stderr
 
     folder = Path(path)
     if not (folder / "config.json").is_file():

@@ -1,0 +1,262 @@
+"""``python -m kdtree generate``: DDTree speculative decoding of a transformer target with a
+block drafter (:mod:`kdtree.hf`, :mod:`kdtree.drafter`), on CPU or GPU.
+
+The default pair is the one shipped in ``fixtures/models/stdlib-qwen3`` (a 4.2 M-parameter
+Qwen3-style target and a DFlash-style drafter trained on the Python standard library; its
+``README.md`` is the model card). Greedy decoding (``--temperature 0``, the default) also
+runs plain autoregressive decoding of the same target and checks that the two outputs are
+identical (exit status 1 if not); sampling (``--temperature > 0``, optionally ``--top-p``)
+is lossless by construction (the walk keeps the target's distribution) and is reported
+without that check. Printed: the continuation, target forwards (AR vs DDTree), the mean
+acceptance length and its histogram, time per stage, and one round's draft tree;
+``--plot`` also writes them as a picture (matplotlib).
+
+Source: Ringel & Romano, arXiv 2604.12989; verification semantics: ``ddtree-tree-build.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from . import engine
+
+DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "")
+DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "stdlib-qwen3"
+EOS = "<|endoftext|>"
+MAX_BUDGET = 4096
+
+
+def _int_in(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {'>= ' + str(lo) if hi is None else f'in {lo}..{hi}'}, got {v}")
+        return v
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not ((v > lo if lo_open else v >= lo) and v <= hi):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+        return v
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: a slice of kdtree's own engine.py, text the "
+                                      "models never saw)")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--prompt-offset", type=_int_in(0), default=None,
+                   help="first character of the prompt within --prompt-file (default 0; 2000 for the default prompt)")
+    p.add_argument("--prompt-chars", type=_int_in(1), default=450,
+                   help="characters of the file used as the prompt (the shipped pair was trained on "
+                        "windows of 256-512 tokens: keep prompt + new tokens within that)")
+    p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
+                   help="folder with tokenizer.json, target/ and drafter/ (tools/train_models.py)")
+    p.add_argument("--budget", type=_int_in(1, MAX_BUDGET), default=64, help="draft nodes per tree N")
+    p.add_argument("--depth", type=_int_in(1), default=None,
+                   help="draft positions per round L (default and maximum: the drafter's block size - 1)")
+    p.add_argument("--max-new-tokens", type=_int_in(1), default=96, help="tokens to generate (exact cap)")
+    p.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0,
+                   help="0: greedy; > 0: sample from softmax(logits / T)")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus for sampling")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                   help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--no-ar", action="store_true", help="skip the autoregressive run (no identity check)")
+    p.add_argument("--no-eos-stop", action="store_true", help=f"do not stop at {EOS}")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="write the acceptance-length histogram and one round's tree to this PNG/SVG file")
+    p.add_argument("--tree-nodes", type=_int_in(0), default=30, help="draft-tree nodes to print")
+
+
+def _default_prompt(args) -> tuple[str, str]:
+    from .cli import UsageError
+
+    if args.prompt is not None:
+        if not args.prompt:
+            raise UsageError("--prompt is empty")
+        return args.prompt, "--prompt"
+    path = args.prompt_file if args.prompt_file is not None else Path(engine.__file__)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UsageError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    offset = args.prompt_offset if args.prompt_offset is not None else (0 if args.prompt_file else 2000)
+    offset = max(0, min(offset, len(text) - 1)) if text else 0
+    piece = text[offset: offset + args.prompt_chars]
+    if not piece:
+        raise UsageError(f"prompt file {path} is empty")
+    return piece, f"{path}, characters {offset}..{offset + len(piece)}"
+
+
+def load_pair(models: Path, device: str, dtype: str | None):
+    """(tokenizer, target model, drafter model) from a folder written by
+    tools/train_models.py. Raises UsageError for a missing folder or library."""
+    from .cli import UsageError
+
+    if not (models / "tokenizer.json").is_file():
+        raise UsageError(f"{models}: no tokenizer.json (expected a folder written by tools/train_models.py)")
+    try:
+        import torch  # noqa: F401
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}); "
+                         f"`nox -s demo` installs them") from None
+    from .drafter import load_drafter
+    from .hf import load_causal_lm
+
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    tok = Tokenizer.from_file(str(models / "tokenizer.json"))
+    target = load_causal_lm(models / "target", device=device, dtype=dtype)
+    drafter = load_drafter(models / "drafter", device=device, dtype=dtype)
+    return tok, target, drafter
+
+
+REPEAT_WINDOW = 8
+REPEAT_NOTE = 0.25
+
+
+def repeated_share(tokens: list[int], before: list[int], window: int = REPEAT_WINDOW) -> float:
+    """Share of ``tokens`` that end a ``window``-token run already seen earlier (in
+    ``before`` + the tokens so far): how much of a continuation is a loop."""
+    seq = list(before) + list(tokens)
+    seen: set[tuple[int, ...]] = set()
+    start = len(before)
+    hits = 0
+    for i in range(window, len(seq) + 1):
+        w = tuple(seq[i - window:i])
+        if i - 1 >= start and w in seen:
+            hits += 1
+        seen.add(w)
+    return hits / len(tokens) if tokens else 0.0
+
+
+def _token_str(tok) -> Any:
+    def show(t: int) -> str:
+        return repr(tok.decode([int(t)])) if t >= 0 else "<none>"
+    return show
+
+
+def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
+    from .cli import UsageError
+    from .drafter import BlockDrafterRunner
+    from .hf import HFTarget
+
+    prompt_text, prompt_desc = _default_prompt(args)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib; nox -s demo installs it)") from None
+    t0 = time.perf_counter()
+    tok, target_model, drafter_model = load_pair(args.models, args.device, args.dtype)
+    t_load = time.perf_counter() - t0
+    max_depth = drafter_model.config.max_depth
+    depth = max_depth if args.depth is None else args.depth
+    if depth > max_depth:
+        raise UsageError(f"--depth {depth} exceeds this drafter's {max_depth} positions per call")
+    prompt = tok.encode(prompt_text).ids
+    if not prompt:
+        raise UsageError("the prompt encodes to no tokens")
+    eos = tok.token_to_id(EOS)
+    stops = [] if args.no_eos_stop or eos is None else [eos]
+    layers = drafter_model.config.target_layers
+    out = sys.stdout
+    greedy = args.temperature == 0.0
+    n_params = sum(p.numel() for p in target_model.parameters())
+    d_params = sum(p.numel() for p in drafter_model.parameters())
+    print(f"{header}: DDTree speculative decoding (Ringel & Romano, arXiv 2604.12989)", file=out)
+    print(f"  models   : {args.models} (loaded in {t_load:.2f} s, {args.device}, "
+          f"{next(target_model.parameters()).dtype})", file=out)
+    print(f"  target   : {type(target_model).__name__}, {n_params / 1e6:.2f} M parameters, "
+          + ("greedy (argmax, ties to the lower id)" if greedy else
+             f"sampling, temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"), file=out)
+    print(f"  drafter  : DFlash-style block drafter, {d_params / 1e6:.2f} M parameters, target layers "
+          f"{list(layers)}, L={depth} positions per call", file=out)
+    print(f"  prompt   : {prompt_desc}: {len(prompt)} tokens", file=out)
+    print(f"  settings : budget N={args.budget}, depth L={depth}, max_new_tokens={args.max_new_tokens}, "
+          f"stop at {EOS if stops else 'nothing'}", file=out)
+    trained = int(getattr(target_model.config, "kdtree_trained_window", 0) or 0)
+    if trained and len(prompt) + args.max_new_tokens > trained:
+        print(f"  note     : prompt + new tokens ({len(prompt) + args.max_new_tokens}) exceed the {trained}-token "
+              f"windows the pair was trained on; expect weaker drafts", file=out)
+
+    def new_target():
+        return HFTarget(target_model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                        feature_layers=layers)
+
+    ar = None
+    if not args.no_ar:
+        ar = engine.autoregressive_generate(new_target(), prompt, args.max_new_tokens, stop_tokens=stops)
+    runner = BlockDrafterRunner(drafter_model)
+    sp = engine.speculative_generate(new_target(), runner, prompt, args.max_new_tokens, budget=args.budget,
+                                     depth=depth, stop_tokens=stops)
+
+    print(f"\n---- prompt (last 300 characters) {'-' * 30}", file=out)
+    print(prompt_text[-300:], file=out)
+    print(f"---- continuation ({len(sp.tokens)} tokens, stop: {sp.stop_reason}) {'-' * 24}", file=out)
+    print(tok.decode(sp.tokens), file=out)
+    print("-" * 66, file=out)
+    rep = repeated_share(sp.tokens, prompt)
+    status = 0
+    if ar is not None:
+        if greedy:
+            same = ar.tokens == sp.tokens
+            print(f"identical to greedy autoregressive decoding: {'YES' if same else 'NO'}", file=out)
+            status = 0 if same else 1
+        else:
+            print("sampling: the walk keeps the target's distribution (tests_py/test_hf.py checks it); "
+                  "the AR run is an independent sample", file=out)
+        ratio = ar.target_calls / max(1, sp.target_calls)
+        print(f"target forwards    : AR {ar.target_calls}, DDTree {sp.target_calls} ({ratio:.2f}x fewer); "
+              f"drafter calls {sp.drafter_calls}", file=out)
+        print(f"wall time          : AR {ar.wall:.2f} s, DDTree {sp.wall:.2f} s", file=out)
+    else:
+        print(f"target forwards    : DDTree {sp.target_calls} for {len(sp.tokens)} tokens; "
+              f"drafter calls {sp.drafter_calls}; wall {sp.wall:.2f} s", file=out)
+    print(f"acceptance length  : {sp.mean_acceptance_length:.2f} tokens per round (accepted draft tokens + "
+          f"bonus) over {sp.rounds} rounds", file=out)
+    if rep > REPEAT_NOTE:
+        print(f"note               : {100 * rep:.0f}% of the new tokens repeat an earlier {REPEAT_WINDOW}-token "
+              f"window (this small target loops); acceptance on repeated text is easy, so the ratio is "
+              f"optimistic", file=out)
+    hist = Counter(sp.committed)
+    print("histogram          : " + ", ".join(f"{k}: {hist[k]}" for k in sorted(hist))
+          + "   (tokens committed per round: rounds)", file=out)
+    total = sum(sp.times.values()) or 1.0
+    print("time per stage (DDTree)   total ms   per round ms   share", file=out)
+    for name in engine.STAGES:
+        v = sp.times[name]
+        per = 1e3 * v / sp.rounds if sp.rounds else 0.0
+        print(f"  {name:<8}               {1e3 * v:9.2f}   {per:12.3f}   {100 * v / total:4.1f}%", file=out)
+    tree_share = sum(sp.times[s] for s in ("topk", "build", "verify")) / total
+    print(f"  (tree overhead: top-k + build + verify = {100 * tree_share:.1f}% of the round)", file=out)
+    snap = sp.snapshot
+    if snap is not None:
+        print(f"\n---- draft tree of round {snap.index} of {sp.rounds} (commits "
+              f"{tok.decode(snap.committed)!r}; * = accepted path) ----", file=out)
+        print(engine.render_tree(snap.trees, 0, snap.acceptance, max_nodes=args.tree_nodes,
+                                 token_str=_token_str(tok)), file=out)
+    if args.plot is not None:
+        from .plots import plot_round
+
+        plot_round(sp, args.plot, token_str=lambda t: tok.decode([int(t)]), max_nodes=args.tree_nodes)
+        print(f"picture            : {args.plot}", file=out)
+    return status

@@ -1,0 +1,99 @@
+"""``python -m kdtree generate`` and the default ``demo`` (the shipped transformer pair in
+fixtures/models/stdlib-qwen3), run as subprocesses on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
+pytest.importorskip("tokenizers", reason="tokenizers is not installed (nox -s test installs it)")
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON_DIR = ROOT / "python"
+MODELS = ROOT / "fixtures" / "models" / "stdlib-qwen3"
+
+
+def run_cli(args, tmp_path, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PYTHON_DIR) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "kdtree", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=tmp_path)
+
+
+def field(out: str, name: str) -> str:
+    line = next(ln for ln in out.splitlines() if ln.startswith(name))
+    return line.split(":", 1)[1].strip()
+
+
+def test_shipped_pair_is_complete_and_small():
+    files = [p for p in MODELS.rglob("*") if p.is_file()]
+    names = {p.relative_to(MODELS).as_posix() for p in files}
+    for need in ("README.md", "training.json", "tokenizer.json", "target/config.json", "target/model.safetensors",
+                 "drafter/drafter_config.json", "drafter/drafter.safetensors"):
+        assert need in names
+    assert sum(p.stat().st_size for p in files) < 40 * 2**20
+
+
+def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
+    png = tmp_path / "round.png"
+    r = run_cli(["demo", "--max-new-tokens", "40", "--budget", "32", "--plot", str(png)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("kdtree demo: DDTree speculative decoding")
+    assert "Qwen3ForCausalLM" in out and "DFlash-style block drafter" in out
+    assert "identical to greedy autoregressive decoding: YES" in out
+    ar, dd = field(out, "target forwards").split(";")[0].replace("AR ", "").split(", DDTree ")
+    assert int(ar) == 40 and 1 <= int(dd.split()[0]) < 40  # the drafter saves forwards
+    hist = field(out, "histogram").split("   ")[0]
+    rounds = {int(k): int(v) for k, v in (kv.split(": ") for kv in hist.split(", "))}
+    assert sum(k * v for k, v in rounds.items()) == 40 and sum(rounds.values()) == int(dd.split()[0])
+    assert "draft tree of round" in out and "* root" in out
+    for stage in ("draft", "topk", "build", "target", "verify", "commit"):
+        assert f"\n  {stage} " in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Traceback" not in r.stderr and "Loading weights" not in r.stderr
+
+
+def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
+    args = ["generate", "--prompt", "def fib(n):\n    ", "--max-new-tokens", "16", "--budget", "8",
+            "--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--no-ar"]
+    r1 = run_cli(args, tmp_path)
+    r2 = run_cli(args, tmp_path)
+    assert r1.returncode == 0, r1.stderr
+    assert "sampling, temperature 0.9, top-p 0.95, seed 7" in r1.stdout
+    cont = r1.stdout.split("---- continuation")[1].split("\n-----")[0]
+    assert cont == r2.stdout.split("---- continuation")[1].split("\n-----")[0]
+    assert "(16 tokens, stop: max_new_tokens)" in cont
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--depth", "16"], "exceeds this drafter's 15 positions"),
+    (["generate", "--models", "nowhere"], "no tokenizer.json"),
+    (["generate", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--temperature", "-1"], "--temperature: must be in [0.0, 100.0]"),
+    (["generate", "--top-p", "0"], "--top-p: must be in (0.0, 1.0]"),
+    (["demo", "--order", "8"], "--order only apply to --model ngram"),
+    (["demo", "--model", "ngram", "--plot", "x.png"], "--plot only applies to --model transformer"),
+])
+def test_usage_errors(tmp_path, args, message):
+    r = run_cli(args, tmp_path, timeout=120)
+    assert r.returncode == 2, r.stdout
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_repeated_share():
+    sys.path.insert(0, str(PYTHON_DIR))
+    from kdtree.generate import repeated_share
+
+    assert repeated_share([], [1, 2]) == 0.0
+    assert repeated_share([1, 2, 3, 4], [9, 9, 9], window=2) == 0.0
+    # after the prompt 1 2, the new tokens 1 2 1 2 1 2 close the windows (2,1) (new), then
+    # (1,2) (2,1) (1,2) (2,1) (1,2), all seen before: 5 of 6
+    assert repeated_share([1, 2, 1, 2, 1, 2], [1, 2], window=2) == 5 / 6
+    assert repeated_share([5, 6, 5, 6], [], window=2) == 0.25  # only the last token closes a seen (5,6)
