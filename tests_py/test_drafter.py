@@ -87,8 +87,9 @@ def test_save_load_round_trip(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_drafter(tmp_path / "missing")
     (tmp_path / "drafter_config.json").write_text(json.dumps({**cfg, "hidden_size": 64}))
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises(ValueError, match="drafter.safetensors"):
         load_drafter(tmp_path)
+    assert not list(tmp_path.glob("*.tmp-*"))  # the atomic writes left no temporary file
     (tmp_path / "drafter_config.json").write_text(json.dumps({**cfg, "surprise": 1}))
     with pytest.raises(ValueError, match="unknown"):
         load_drafter(tmp_path)
@@ -97,6 +98,16 @@ def test_save_load_round_trip(tmp_path):
 def test_config_checks():
     with pytest.raises(ValueError, match="block_size"):
         small_config(block_size=1)
+    with pytest.raises(ValueError, match="block_size"):
+        small_config(block_size=10**9)
+    with pytest.raises(ValueError, match="block_size"):
+        small_config(block_size="16")
+    with pytest.raises(ValueError, match="feature_size"):
+        small_config(feature_size=24.5)
+    with pytest.raises(ValueError, match="target_layers"):
+        small_config(target_layers=(1, -2))
+    with pytest.raises(ValueError, match="JSON object"):
+        BlockDrafterConfig.from_json("[1, 2]")
     with pytest.raises(ValueError, match="head_dim"):
         small_config(head_dim=7)
     with pytest.raises(ValueError, match="vocab_size"):

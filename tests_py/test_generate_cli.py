@@ -78,8 +78,19 @@ def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
     (["generate", "--prompt", ""], "--prompt is empty"),
     (["generate", "--temperature", "-1"], "--temperature: must be in [0.0, 100.0]"),
     (["generate", "--top-p", "0"], "--top-p: must be in (0.0, 1.0]"),
-    (["demo", "--order", "8"], "--order only apply to --model ngram"),
+    (["demo", "--order", "8"], "--order only applies to --model ngram"),
+    (["demo", "--order", "8", "--no-cache"], "--order, --no-cache only apply to --model ngram"),
     (["demo", "--model", "ngram", "--plot", "x.png"], "--plot only applies to --model transformer"),
+    (["generate", "--device", "bogus"], "--device 'bogus'"),
+    (["generate", "--device", "meta"], "only cpu and cuda devices"),
+    (["generate", "--plot", "picture.xyz"], "must end in one of .png"),
+    (["generate", "--plot", "no/such/folder/p.png"], "does not exist"),
+    (["generate", "--temperature", "1e-9"], "must be 0 (greedy) or >= 1e-6"),
+    (["generate", "--seed", "-1"], "--seed: must be in 0.."),
+    (["generate", "--prompt-file", "/dev/zero"], "not a regular file"),
+    (["generate", "--prompt-file", ".", "--no-ar"], "Is a directory"),
+    (["generate", "--prompt-offset", "10000000"], "beyond the end"),
+    (["generate", "--max-new-tokens", "5000"], "exceed the target's 4096 positions"),
 ])
 def test_usage_errors(tmp_path, args, message):
     r = run_cli(args, tmp_path, timeout=120)
@@ -97,3 +108,20 @@ def test_repeated_share():
     # (1,2) (2,1) (1,2) (2,1) (1,2), all seen before: 5 of 6
     assert repeated_share([1, 2, 1, 2, 1, 2], [1, 2], window=2) == 5 / 6
     assert repeated_share([5, 6, 5, 6], [], window=2) == 0.25  # only the last token closes a seen (5,6)
+
+
+def test_broken_model_folders_are_usage_errors(tmp_path):
+    import shutil
+
+    only_tokenizer = tmp_path / "only"
+    only_tokenizer.mkdir()
+    shutil.copy(MODELS / "tokenizer.json", only_tokenizer / "tokenizer.json")
+    r = run_cli(["generate", "--models", str(only_tokenizer)], tmp_path)
+    assert r.returncode == 2 and "cannot load the models in" in r.stderr and "Traceback" not in r.stderr
+    mismatch = tmp_path / "mismatch"
+    shutil.copytree(MODELS, mismatch)
+    cfg = (mismatch / "drafter" / "drafter_config.json")
+    cfg.write_text(cfg.read_text().replace('"vocab_size": 4096', '"vocab_size": 5000'))
+    r = run_cli(["generate", "--models", str(mismatch)], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cannot load the models" in r.stderr or "does not fit the target" in r.stderr

@@ -15,6 +15,7 @@ float64 rounding, so an argmax cannot flip by rounding:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -280,3 +281,107 @@ def test_bad_arguments(model):
         target.prefill([])
     with pytest.raises(RuntimeError, match="prefill"):
         HFTarget(model).next_token()
+
+
+# ---- misuse is refused, and a refused call changes nothing -------------------------------------
+
+def _one_tree(model, prompt, budget=9, depth=4, seed=0):
+    target = HFTarget(model)
+    target.prefill(prompt)
+    rng = np.random.default_rng(seed)
+    lp, ids = kdtree.topk_logprobs(rng.standard_normal((depth, 97)) * 2.0, min(budget, 97))
+    trees = kdtree.build_trees(lp, ids, budget, root_tokens=[prompt[-1]], root_positions=[len(prompt) - 1])
+    return target, trees
+
+
+def test_stop_token_inside_the_path_keeps_the_cache_exact(model):
+    prompt = [11, 23, 40]
+    ar = autoregressive_generate(HFTarget(model), prompt, 12)
+    for stop in set(ar.tokens[:8]):
+        target = HFTarget(model)
+        res = speculative_generate(target, NoisyOracleDrafter(model, 1.0, 3), prompt, 12, budget=8, depth=8,
+                                   stop_tokens=[stop])
+        first = ar.tokens.index(stop)
+        assert res.tokens == ar.tokens[: first + 1]
+        assert target.cache_length == len(prompt) + len(res.tokens) - 1  # the stop token is the next root
+        # decoding on from here equals decoding the committed tokens from scratch
+        direct = HFTarget(model)
+        direct.prefill(prompt + res.tokens)
+        assert target.next_token() == direct.next_token()
+
+
+def test_refused_commit_changes_nothing(model):
+    prompt = [5, 9, 14, 2]
+    target, trees = _one_tree(model, prompt)
+    chosen = target.score_tree(trees)
+    acc = kdtree.verify_greedy(trees, chosen, max_commit=50)
+    good = acc.committed(trees, 0)
+    with pytest.raises(ValueError, match="not what the walk commits"):
+        target.commit(good + [1], trees, acc)
+    bad = kdtree.Acceptance(np.array([[0, 7, 8, -1, -1]], np.int32), np.array([2], np.int32),
+                            np.array([3], np.int32))
+    with pytest.raises(ValueError, match="not a child|start at the root|outside"):
+        target.commit([int(trees.tokens[0, 7]), int(trees.tokens[0, 8]), 3], trees, bad)
+    other, _ = _one_tree(model, prompt, seed=1)
+    with pytest.raises(ValueError, match="other trees"):
+        target.commit(good, kdtree.build_trees(*kdtree.topk_logprobs(np.zeros((2, 97)), 2), 3,
+                                               root_tokens=[2], root_positions=[3]), acc)
+    target.commit(good, trees, acc)  # the right commit still works
+    direct = HFTarget(model)
+    direct.prefill(prompt + good)
+    for a, b in zip(target.cache.layers, direct.cache.layers, strict=True):
+        assert torch.allclose(a.keys, b.keys, rtol=0, atol=1e-12)
+
+
+def test_call_order_is_enforced(model):
+    target, trees = _one_tree(model, [1, 2, 3])
+    target.score_tree(trees)
+    with pytest.raises(RuntimeError, match="not committed"):
+        target.score_tree(trees)
+    with pytest.raises(RuntimeError, match="not committed"):
+        target.next_token()
+    fresh = HFTarget(model)
+    fresh.prefill([1, 2, 3])
+    with pytest.raises(RuntimeError, match="without a forward"):
+        fresh.commit([4])
+    tok = fresh.next_token()
+    with pytest.raises(ValueError, match="exactly one token"):
+        fresh.commit([tok, tok])
+    with pytest.raises(ValueError, match="at least one"):
+        fresh.commit([])
+    fresh.commit([tok])
+    with pytest.raises(ValueError, match="not an integer"):
+        fresh.prefill([1.7, 2])
+    with pytest.raises(ValueError, match="not an integer"):
+        fresh.prefill([True, 2])
+
+
+def test_bad_trees_are_refused(model):
+    target, trees = _one_tree(model, [4, 8, 15, 16])
+    shifted = dataclasses.replace(trees, positions=trees.positions + np.where(np.arange(trees.positions.shape[1]) > 0,
+                                                                              50, 0)[None])
+    with pytest.raises(ValueError, match="position"):
+        target.tree_logits(shifted)
+    seeing = dataclasses.replace(trees, visibility=np.ones_like(trees.visibility))
+    with pytest.raises(ValueError, match="visibility"):
+        target.tree_logits(seeing)
+    target.tree_logits(trees)  # the refusals left no pending forward
+
+
+def test_positions_beyond_the_model_and_sliding_windows_are_refused():
+    cfg = transformers.Qwen3Config(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=16)
+    small = transformers.Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        HFTarget(small).prefill(list(range(20)))
+    cfg_sw = transformers.Qwen3Config(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      use_sliding_window=True, sliding_window=4,
+                                      layer_types=["sliding_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="sliding-window"):
+        HFTarget(transformers.Qwen3ForCausalLM(cfg_sw))
+    with pytest.raises(ValueError, match="temperature"):
+        HFTarget(small, temperature=1e-310)
+    with pytest.raises(ValueError, match="seed"):
+        HFTarget(small, seed=2**64)

@@ -360,6 +360,9 @@ target's own greedy continuations ({s['n_prompts']} prompts of {s['prompt']} tok
 {s['gen']} generated tokens each): {s['drafter_steps']} AdamW steps of {s['d_batch']} sequences x {s['anchors']}
 random anchors in the generated part; final training loss {r['drafter_final_loss']:.3f}.
 
+Context lengths: the target saw {s['seq']}-token windows, the drafter {s['prompt'] + s['gen']}-token sequences;
+`target/config.json` records the shorter as `kdtree_trained_window`.
+
 Per-position top-1 agreement with the target's greedy token ({r['agreement_anchors']} anchors in
 continuations of held-out prompts):
 

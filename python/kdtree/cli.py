@@ -30,13 +30,40 @@ class UsageError(Exception):
     """An input problem the user can fix; printed as one line, exit status 2."""
 
 
+MAX_PROMPT_FILE_BYTES = 64 * 2**20
+
+
+def read_regular_file(path) -> bytes:
+    """A prompt file's bytes: regular files only (a FIFO would block, /dev/zero never ends),
+    at most MAX_PROMPT_FILE_BYTES, not empty. Raises UsageError otherwise."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+                raise UsageError(f"prompt file {path} is {kind}")
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise UsageError(f"prompt file {path} is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB")
+    if not data:
+        raise UsageError(f"prompt file {path} is empty")
+    return data
+
+
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless the help already says its
     default or there is none worth showing (None, False, an empty list)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, []):
+        d = action.default
+        if "default" in text or d is None or d is False or (isinstance(d, list) and not d):
             return text
         return super()._get_help_string(action)
 

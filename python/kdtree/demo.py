@@ -25,8 +25,6 @@ Source: Ringel & Romano, arXiv 2604.12989; tree rule and verification semantics:
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
 import time
 from pathlib import Path
@@ -34,8 +32,9 @@ from pathlib import Path
 from . import engine, ngram
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
-    " Decodes a slice of a standard-library file with a byte n-gram target twice, greedy "
-    "autoregressive and DDTree, and checks the outputs are identical.")
+    " Decodes a continuation twice, greedy autoregressive and DDTree, with the shipped transformer pair "
+    "(default) or a byte n-gram pair (--model ngram), and checks the outputs are identical. Flags marked "
+    "(ngram) apply to --model ngram only.")
 DEFAULT_PROMPT = "heapq.py"
 DEFAULT_OFFSET = 14500
 DEFAULT_PROMPT_BYTES = 300
@@ -99,24 +98,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_PROMPT} with --model ngram, a slice of kdtree's engine.py "
                         f"with the transformer pair)")
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,
-                   help=f"first prompt byte in the file (default: {DEFAULT_OFFSET} for the "
-                        f"default file, else 0; clamped so the prompt fits)")
+                   help=f"first prompt byte (character with the transformer pair) in the file (default: "
+                        f"{DEFAULT_OFFSET} in heapq.py with --model ngram, 2000 in engine.py with the "
+                        f"transformer pair, else 0; clamped so the prompt fits)")
     p.add_argument("--prompt-bytes", type=_int_in(1), default=DEFAULT_PROMPT_BYTES,
-                   help="prompt length in bytes")
+                   help="(ngram) prompt length in bytes")
     p.add_argument("--stop-byte", type=_int_in(0, 255), action="append", default=[],
-                   metavar="BYTE", help="byte value that ends generation (repeatable; "
+                   metavar="BYTE", help="(ngram) byte value that ends generation (repeatable; "
                                         "e.g. 10 for newline)")
     p.add_argument("--order", type=_int_in(2, ngram.MAX_ORDER), default=ngram.DEFAULT_ORDER,
-                   help="target n-gram order (context = order - 1 bytes)")
+                   help="(ngram) target n-gram order (context = order - 1 bytes)")
     p.add_argument("--draft-order", type=_int_in(1, ngram.MAX_ORDER),
-                   default=ngram.DEFAULT_DRAFT_ORDER, help="drafter n-gram order (<= --order)")
+                   default=ngram.DEFAULT_DRAFT_ORDER, help="(ngram) drafter n-gram order (<= --order)")
     p.add_argument("--tree-nodes", type=_int_in(0), default=40,
                    help="most tree nodes drawn (the best by score)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), default="auto",
-                   help="tree ops: native libkdtree, the pure-Python reference, or auto "
+                   help="(ngram) tree ops: native libkdtree, the pure-Python reference, or auto "
                         "(native when it loads, else the reference)")
     p.add_argument("--no-cache", action="store_true",
-                   help="estimate the n-gram counts without reading or writing the cache")
+                   help="(ngram) estimate the n-gram counts without reading or writing the cache")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     # test-only: a small corpus makes a cold start take well under a second
     p.add_argument("--corpus-bytes", type=_int_in(1), default=ngram.DEFAULT_CORPUS_BYTES,
@@ -147,27 +147,11 @@ def _ops(backend: str):
     return reference, "pure-Python reference"
 
 
-MAX_PROMPT_FILE_BYTES = 64 * 2**20
-
-
 def _read_prompt(args) -> tuple[bytes, Path, int]:
-    from .cli import UsageError
+    from .cli import read_regular_file
 
     path = args.prompt_file if args.prompt_file is not None else ngram.stdlib_dir() / DEFAULT_PROMPT
-    try:
-        # Regular files only, read up to a cap: a FIFO would block, /dev/zero never ends.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                kind = "a directory" if stat.S_ISDIR(os.fstat(f.fileno()).st_mode) else "not a regular file"
-                raise UsageError(f"prompt file {path} is {kind}")
-            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_PROMPT_FILE_BYTES:
-        raise UsageError(f"prompt file {path} is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB")
-    if not data:
-        raise UsageError(f"prompt file {path} is empty")
+    data = read_regular_file(path)
     offset = args.prompt_offset
     if offset is None:
         offset = DEFAULT_OFFSET if args.prompt_file is None else 0
@@ -257,7 +241,7 @@ def _run_transformer(args: argparse.Namespace) -> int:
 
     changed = [f"--{k.replace('_', '-')}" for k, v in NGRAM_ONLY.items() if getattr(args, k) != v]
     if changed:
-        raise UsageError(f"{', '.join(changed)} only apply to --model ngram")
+        raise UsageError(f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to --model ngram")
     gp = argparse.ArgumentParser()
     generate.add_arguments(gp)
     gargs = gp.parse_args([])

@@ -57,13 +57,24 @@ class BlockDrafterConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        self.target_layers = tuple(int(i) for i in self.target_layers)
-        for name in ("vocab_size", "feature_size", "hidden_size", "num_layers", "num_heads", "head_dim",
-                     "intermediate_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not all(is_int(i) and i >= 0 for i in self.target_layers):
+            raise ValueError(f"target_layers must be integers >= 0, got {self.target_layers!r}")
+        self.target_layers = tuple(self.target_layers)
+        for name, cap in (("vocab_size", 2**31 - 1), ("feature_size", 2**20), ("hidden_size", 2**16),
+                          ("num_layers", 256), ("num_heads", 1024), ("head_dim", 2**12), ("intermediate_size", 2**20),
+                          ("block_size", 1024)):
+            v = getattr(self, name)
+            if not is_int(v) or not 1 <= v <= cap:
+                raise ValueError(f"{name} must be an integer in [1, {cap}], got {v!r}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (a bonus token and one draft), got {self.block_size}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings), got {self.head_dim}")
 
@@ -80,6 +91,8 @@ class BlockDrafterConfig:
     @classmethod
     def from_json(cls, text: str) -> BlockDrafterConfig:
         d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError(f"a drafter config must be a JSON object, got {type(d).__name__}")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
@@ -205,13 +218,16 @@ def BlockDrafter(config: BlockDrafterConfig):  # noqa: N802 - reads as a class
 
 def save_drafter(model: Any, folder: str | Path) -> None:
     """Write ``drafter_config.json`` and ``drafter.safetensors`` (float32) into ``folder``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from ._atomic import write_atomically
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_NAME).write_text(model.config.to_json() + "\n")
     state = {k: v.detach().to("cpu").float().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / WEIGHTS_NAME))
+    # weights first, then the config that names them; each file whole or not at all
+    write_atomically(folder / WEIGHTS_NAME, lambda f: f.write(save(state)))
+    write_atomically(folder / CONFIG_NAME, lambda f: f.write((model.config.to_json() + "\n").encode()))
 
 
 def load_drafter(folder: str | Path, *, device: str = "cpu", dtype: Any = None):
@@ -231,7 +247,10 @@ def load_drafter(folder: str | Path, *, device: str = "cpu", dtype: Any = None):
     cfg = BlockDrafterConfig.from_json((folder / CONFIG_NAME).read_text())
     model = BlockDrafter(cfg)
     state = load_file(str(folder / WEIGHTS_NAME))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that do not match the config
+        raise ValueError(f"{folder / WEIGHTS_NAME}: {str(exc).splitlines()[0]}") from None
     if missing or unexpected:
         raise ValueError(f"{folder / WEIGHTS_NAME}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     if isinstance(dtype, str):

@@ -148,6 +148,8 @@ def _default_ops() -> ModuleType:
 
 
 def _check_common(prompt: Sequence[int], max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if len(prompt) == 0:
         raise ValueError("the prompt must hold at least one token (the first tree's root)")
     if max_new_tokens < 0:
@@ -192,7 +194,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
                          max_new_tokens: int, *, budget: int, depth: int,
                          stop_tokens: Sequence[int] = (), ops: Any = None,
                          snapshot: str | int | None = "best",
-                         on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
+                         on_tokens: Callable[[int], None] | None = None,
+                         width: int | None = None) -> GenerationResult:
     """DDTree speculative decoding of ``target`` with ``drafter`` (see the module docstring).
 
     Args:
@@ -208,6 +211,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
             committing the most distinct tokens, then the longest accepted path: a run of
             one repeated token makes a dull picture), a round index, or None.
         on_tokens: called with the number of tokens committed after each round (progress).
+        width: top-K entries per depth given to the tree builder (default: the budget,
+            DDTree's choice; 1 gives the drafter's top-1 chain, DFlash's single draft).
 
     Returns:
         :class:`GenerationResult`.
@@ -223,7 +228,9 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
     if int(drafter.vocab_size) != vocab:
         raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {vocab}")
     ops = _default_ops() if ops is None else ops
-    k = min(budget, vocab)
+    if width is not None and width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    k = min(budget if width is None else width, vocab)
     stops = {int(t) for t in stop_tokens}
     stop_list = sorted(stops)
     res = GenerationResult(tokens=[])

@@ -40,6 +40,40 @@ import numpy as np
 
 # The transformers release the project tests against (noxfile.py installs it).
 TESTED_TRANSFORMERS = "5.24.0"
+# Smallest sampling temperature (as the GPU sampler's): logits / T must stay finite.
+MIN_TEMPERATURE = 1e-6
+
+
+def check_tree_structure(trees: Any, past: int) -> None:
+    """Request 0 of ``trees`` is a tree the target can score: parents precede children,
+    depths follow the parent links, positions are ``past + depth`` and each node row of
+    the visibility is its ancestors and itself, each padding row only itself. Raises
+    ValueError naming the first bad row (a TreeBatch from kdtree.build_trees passes)."""
+    n = int(trees.num_nodes[0])
+    rows = int(trees.budget) + 1
+    parents = np.asarray(trees.parents[0], dtype=np.int64)
+    depths = np.asarray(trees.depths[0], dtype=np.int64)
+    positions = np.asarray(trees.positions[0], dtype=np.int64)
+    vis = np.asarray(trees.visibility[0], dtype=bool)
+    if vis.shape != (rows, rows):
+        raise ValueError(f"trees.visibility[0] has shape {vis.shape}, expected ({rows}, {rows})")
+    want = np.zeros((rows, rows), dtype=bool)
+    want[0, 0] = True
+    for i in range(1, n + 1):
+        p = int(parents[i])
+        if not 0 <= p < i or depths[i] != depths[p] + 1:
+            raise ValueError(f"tree row {i}: parent {p} / depth {int(depths[i])} is not a valid tree link")
+        want[i] = want[p]
+        want[i, i] = True
+    for i in range(n + 1, rows):
+        want[i, i] = True
+    if (positions[: n + 1] != past + depths[: n + 1]).any():
+        bad = int(np.nonzero(positions[: n + 1] != past + depths[: n + 1])[0][0])
+        raise ValueError(f"tree row {bad}: position {int(positions[bad])}, expected {past} + depth "
+                         f"{int(depths[bad])}")
+    if not np.array_equal(vis, want):
+        bad = int(np.nonzero((vis != want).any(axis=1))[0][0])
+        raise ValueError(f"tree row {bad}: the visibility row is not that node's ancestors and itself")
 
 
 def _torch():
@@ -98,10 +132,15 @@ class HFTarget:
     def __init__(self, model: Any, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  feature_layers: Sequence[int] = ()):
         torch = _torch()
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature < float("inf")):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        cfg = model.config
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        if getattr(cfg, "use_sliding_window", False) or any("sliding" in str(t) for t in layer_types):
+            raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
+                             "and compaction assume a cache that keeps every row (use a full-attention model)")
         n_layers = int(model.config.num_hidden_layers)
         layers = tuple(int(i) for i in feature_layers)
         for i in layers:
@@ -115,6 +154,9 @@ class HFTarget:
         self.feature_layers = layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if not 0 <= int(seed) < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)  # 0: unknown
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -145,6 +187,7 @@ class HFTarget:
         """One autoregressive step: the root (last committed token) enters the cache and
         the model's choice after it is returned (argmax or a draw, as configured)."""
         self._require_sequence()
+        self._require_no_pending()
         pos = len(self._committed) - 1
         logits, hidden = self._forward([self._committed[-1]], [pos], None)
         self._pending = ("ar", hidden)
@@ -161,6 +204,7 @@ class HFTarget:
         """
         torch = _torch()
         self._require_sequence()
+        self._require_no_pending()
         if trees.batch != 1:
             raise ValueError(f"HFTarget holds one sequence; trees has {trees.batch} requests")
         past = len(self._committed) - 1
@@ -172,10 +216,12 @@ class HFTarget:
                              f"is not the last committed token ({self._committed[-1]}, position {past})")
         if n > 0 and not ((tokens[1:n + 1] >= 0) & (tokens[1:n + 1] < self.vocab_size)).all():
             raise ValueError(f"a draft token is outside [0, {self.vocab_size})")
+        vis_np = np.asarray(trees.visibility[0], dtype=bool)
+        check_tree_structure(trees, past)
         tokens[n + 1:] = 0  # padding rows: any token, they see only themselves
         positions = np.asarray(trees.positions[0], dtype=np.int64).copy()
         positions[n + 1:] = past
-        vis = torch.as_tensor(np.asarray(trees.visibility[0], dtype=bool), device=self.device)
+        vis = torch.as_tensor(vis_np, device=self.device)
         allowed = torch.zeros((rows, past + rows), dtype=torch.bool, device=self.device)
         allowed[: n + 1, :past] = True
         allowed[:, past:] = vis
@@ -183,7 +229,7 @@ class HFTarget:
         mask = torch.zeros((1, 1, rows, past + rows), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, low)
         logits, hidden = self._forward(tokens.tolist(), positions.tolist(), mask)
-        self._pending = ("tree", hidden, past, rows)
+        self._pending = ("tree", hidden, past, rows, trees)
         return logits
 
     def score_tree(self, trees: Any) -> np.ndarray:
@@ -194,41 +240,96 @@ class HFTarget:
         return self.choose(logits)[None, :]
 
     def commit(self, tokens: Sequence[int], trees: Any = None, acceptance: Any = None) -> None:
-        """Append ``tokens`` to the sequence. After :meth:`score_tree`, ``trees`` and
-        ``acceptance`` (request 0) say which rows to keep: the accepted path's K/V rows are
-        compacted right after the prefix and the cache is cropped to them; after
-        :meth:`next_token`, the root's row is already in place.
+        """Append ``tokens`` to the sequence, after a forward.
+
+        After :meth:`next_token`: exactly one token (the root's row is already in place).
+        After :meth:`score_tree`: ``trees`` (the same object) and ``acceptance`` (request 0
+        of its walk), and ``tokens`` must be what the walk commits
+        (``acceptance.committed(trees)``: the accepted path's tokens, then the bonus token
+        when there is one). The rows of the root and of the committed path nodes but the last
+        committed token move right after the prefix and the cache is cropped to them (the
+        last committed token is the next root: the bonus, or an accepted stop token); on the
+        GPU with float16/bfloat16/float32 caches :func:`kdtree.compact_kv` moves them in one
+        launch, elsewhere an index-select does.
 
         Raises:
-            ValueError: tokens outside ``[0, vocab)``; ``acceptance`` missing after a tree
-                forward, or a path that does not start at the root.
+            RuntimeError: no forward to commit. ValueError: tokens outside ``[0, vocab)``,
+            other tokens than the walk commits, a path that is not a chain of parent links
+            from the root, other ``trees`` than the ones scored. Nothing changes on error.
         """
-        from . import api
-
         committed = self._check_tokens(tokens, "tokens")
         self._require_sequence()
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == "tree":
-            if acceptance is None:
-                raise ValueError("commit after score_tree needs the acceptance of the walk")
-            _, hidden, past, rows = pending
-            m = int(acceptance.accept_length[0])
-            path = np.asarray(acceptance.accepted_nodes[0][: m + 1], dtype=np.int64)
-            if path.size == 0 or path[0] != 0:
-                raise ValueError("the accepted path must start at the root (node 0)")
-            layers = self._cache.layers
-            api.compact_kv([layer.keys for layer in layers], [layer.values for layer in layers],
-                           [past], acceptance)
-            drop = self.cache_length - (past + m + 1)
-            if drop > 0:
-                self._cache.crop(-drop)  # a negative argument removes rows in every release
-            if hidden is not None:
-                self._append_features(hidden[_torch().as_tensor(path, device=hidden.device)])
-        elif pending is not None and pending[0] == "ar":
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("commit without a forward: call next_token or score_tree first")
+        if not committed:
+            raise ValueError("commit needs at least one token")
+        if pending[0] == "ar":
+            if len(committed) != 1:
+                raise ValueError(f"after next_token, commit exactly one token (got {len(committed)})")
+            self._pending = None
             self._append_features(pending[1])
-        elif committed:
-            raise ValueError("commit without a forward: call next_token or score_tree first")
+            self._committed.extend(committed)
+            return
+        _, hidden, past, rows, scored = pending
+        if acceptance is None:
+            raise ValueError("commit after score_tree needs the acceptance of the walk")
+        if trees is not scored:
+            raise ValueError("commit got other trees than the ones score_tree scored")
+        path = self._check_path(trees, acceptance, committed)
+        keep = len(committed)  # rows kept from the tree block: the root and path[1 .. keep - 1]
+        self._pending = None
+        self._compact(past, path, acceptance)
+        drop = self.cache_length - (past + keep)
+        if drop > 0:
+            self._cache.crop(-drop)  # a negative argument removes rows in every release
+        if hidden is not None:
+            self._append_features(hidden[_torch().as_tensor(path[:keep], device=hidden.device)])
         self._committed.extend(committed)
+
+    def _check_path(self, trees: Any, acceptance: Any, committed: list[int]) -> np.ndarray:
+        m = int(np.asarray(acceptance.accept_length).reshape(-1)[0])
+        nodes = np.asarray(acceptance.accepted_nodes)
+        n = int(trees.num_nodes[0])
+        if nodes.ndim != 2 or not 0 <= m < nodes.shape[1]:
+            raise ValueError(f"acceptance: accept_length {m} does not fit accepted_nodes of shape {nodes.shape}")
+        path = nodes[0, : m + 1].astype(np.int64)
+        parents = np.asarray(trees.parents[0])
+        if path[0] != 0 or (path[1:] < 1).any() or (path[1:] > n).any():
+            raise ValueError(f"acceptance: the path {path.tolist()} must start at the root and use nodes 1..{n}")
+        for j in range(1, m + 1):
+            if int(parents[path[j]]) != int(path[j - 1]):
+                raise ValueError(f"acceptance: node {int(path[j])} is not a child of node {int(path[j - 1])}")
+        want = acceptance.committed(trees, 0)
+        if committed != want:
+            raise ValueError(f"tokens {committed} are not what the walk commits ({want})")
+        return path
+
+    def _compact(self, past: int, path: np.ndarray, acceptance: Any) -> None:
+        """Rows past + path[j] -> past + j in every layer (j = 0 .. m)."""
+        torch = _torch()
+        layers = self._cache.layers
+        keys = [layer.keys for layer in layers]
+        values = [layer.values for layer in layers]
+        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from . import api
+            from ._lib import KdtreeError
+            from ._types import Acceptance
+
+            dev = self.device
+            acc = Acceptance(torch.as_tensor(np.asarray(acceptance.accepted_nodes)[:1], dtype=torch.int32, device=dev),
+                             torch.as_tensor(np.asarray(acceptance.accept_length).reshape(-1)[:1], dtype=torch.int32,
+                                             device=dev),
+                             torch.as_tensor(np.asarray(acceptance.bonus_token).reshape(-1)[:1], dtype=torch.int32,
+                                             device=dev))
+            try:
+                api.compact_kv(keys, values, torch.tensor([past], dtype=torch.int64, device=dev), acc)
+                return
+            except (KdtreeError, OSError):  # a library built without CUDA: the index-select below
+                pass
+        idx = torch.as_tensor(past + path, device=self.device)
+        for t in keys + values:
+            t[:, :, past: past + len(path)] = t[:, :, idx]  # the gather copies before the write
 
     def drafter_features(self) -> Any:
         """Hidden states of ``feature_layers`` at every cached position (all committed
@@ -268,6 +369,9 @@ class HFTarget:
 
     def _forward(self, tokens: list[int], positions: list[int], mask: Any):
         torch = _torch()
+        if self.max_positions and positions and max(positions) >= self.max_positions:
+            raise ValueError(f"position {max(positions)} is beyond the model's max_position_embeddings "
+                             f"({self.max_positions})")
         ids = torch.as_tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.as_tensor([positions], dtype=torch.long, device=self.device)
         if self._cache is None:
@@ -293,11 +397,19 @@ class HFTarget:
         self._features = hidden if self._features is None else torch.cat([self._features, hidden], dim=0)
 
     def _check_tokens(self, tokens: Sequence[int], name: str) -> list[int]:
-        out = [int(t) for t in tokens]
+        out = []
+        for i, t in enumerate(tokens):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{name}: element {i} ({t!r}) is not an integer token id")
+            out.append(int(t))
         bad = [t for t in out if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{name}: token {bad[0]} outside [0, {self.vocab_size})")
         return out
+
+    def _require_no_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("the previous forward is not committed yet: call commit(...) first")
 
     def _require_sequence(self) -> None:
         if not self._committed:

@@ -62,6 +62,7 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
     ax_h.bar(ks, [hist.get(k, 0) for k in ks], color="#4c72b0")
     ax_h.set_xlabel("tokens committed per round (accepted draft tokens + bonus)")
     ax_h.set_ylabel("rounds")
+    ax_h.yaxis.get_major_locator().set_params(integer=True)
     ax_h.set_title(f"acceptance length: mean {result.mean_acceptance_length:.2f} over {result.rounds} rounds")
     snap = result.snapshot
     ax_t.set_axis_off()
@@ -83,12 +84,17 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
                       bbox=dict(boxstyle="round,pad=0.2", fc="#fbe3d2" if on else "white",
                                 ec="#dd8452" if on else "#777777"))
         ax_t.invert_yaxis()
-        ax_t.set_title(f"draft tree of round {snap.index} (first {len(pos) - 1} of {int(trees.num_nodes[0])} "
+        ax_t.set_title(f"draft tree of round {snap.index} (the best {len(pos) - 1} of {int(trees.num_nodes[0])} "
                        f"nodes; accepted path in orange, then bonus {token_str(int(acc.bonus_token[0]))!r})")
         xs = [p[0] for p in pos.values()]
         ys = [p[1] for p in pos.values()]
         ax_t.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
         ax_t.set_ylim(max(ys) + 0.8, min(ys) - 0.8)
     fig.tight_layout()
-    fig.savefig(str(path))
-    plt.close(fig)
+    from ._atomic import write_atomically
+
+    fmt = Path(path).suffix.lower().lstrip(".") or "png"
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format=fmt))  # all of the file or none
+    finally:
+        plt.close(fig)
