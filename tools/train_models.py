@@ -109,32 +109,44 @@ def lr_at(step, total, peak, warmup):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def train_loop(torch, model, steps, peak_lr, weight_decay, loss_fn, name, log):
+    """AdamW (betas 0.9/0.95), warmup then cosine to 10% (lr_at), gradient clipping at 1;
+    bfloat16 autocast on CUDA. loss_fn(step) returns the step's loss. Returns (mean of the
+    last 100 losses, seconds)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    use_amp = next(model.parameters()).device.type == "cuda"
+    losses = []
+    t0 = time.time()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, peak_lr, max(1, steps // 30))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+            loss = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % max(1, steps // 10) == 0 or step == steps - 1:
+            log(f"{name} step {step:5d}  loss {np.mean(losses[-50:]):.3f}  ({time.time() - t0:.0f} s)")
+    return float(np.mean(losses[-100:])), time.time() - t0
+
+
 def train_target(torch, cfg_kw, ids, s, device, log):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(**cfg_kw)
     model = Qwen3ForCausalLM(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     data = torch.as_tensor(ids, device=device)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    use_amp = device.startswith("cuda")
-    losses = []
-    t0 = time.time()
-    for step in range(s["target_steps"]):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, s["target_steps"], s["lr"], max(1, s["target_steps"] // 30))
+
+    def loss_fn(step):
         starts = torch.randint(0, len(ids) - s["seq"] - 1, (s["batch"],), generator=gen)
         x = torch.stack([data[i:i + s["seq"] + 1] for i in starts.tolist()])
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
-            loss = model(input_ids=x, labels=x).loss  # labels are shifted inside
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss))
-        if step % max(1, s["target_steps"] // 10) == 0 or step == s["target_steps"] - 1:
-            log(f"target step {step:5d}  loss {np.mean(losses[-50:]):.3f}  ({time.time() - t0:.0f} s)")
-    return model, float(np.mean(losses[-100:])), time.time() - t0
+        return model(input_ids=x, labels=x).loss  # labels are shifted inside
+
+    loss, seconds = train_loop(torch, model, s["target_steps"], s["lr"], 0.1, loss_fn, "target", log)
+    return model, loss, seconds
 
 
 def perplexity(torch, model, ids, seq, device):
@@ -211,28 +223,17 @@ def train_drafter(torch, target, seqs, s, device, log):
     with torch.no_grad():
         if drafter.embed.weight.shape == target.model.embed_tokens.weight.shape:
             drafter.embed.weight.copy_(target.model.embed_tokens.weight.float())
-    opt = torch.optim.AdamW(drafter.parameters(), lr=s["d_lr"], betas=(0.9, 0.95), weight_decay=0.0)
     data = torch.as_tensor(seqs, device=device)
     gen = torch.Generator(device="cpu").manual_seed(2)
-    use_amp = device.startswith("cuda")
-    losses = []
-    t0 = time.time()
-    for step in range(s["drafter_steps"]):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, s["drafter_steps"], s["d_lr"], max(1, s["drafter_steps"] // 30))
+
+    def loss_fn(step):
         rows = torch.randint(0, data.shape[0], (s["d_batch"],), generator=gen).to(device)
         feats, valid, bonus, start, labels = drafter_batch(torch, target, data[rows], s, gen, device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
-            logits = drafter(feats, valid, bonus, start)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss))
-        if step % max(1, s["drafter_steps"] // 10) == 0 or step == s["drafter_steps"] - 1:
-            log(f"drafter step {step:5d}  loss {np.mean(losses[-50:]):.3f}  ({time.time() - t0:.0f} s)")
-    return drafter, float(np.mean(losses[-100:])), time.time() - t0
+        logits = drafter(feats, valid, bonus, start)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    loss, seconds = train_loop(torch, drafter, s["drafter_steps"], s["d_lr"], 0.0, loss_fn, "drafter", log)
+    return drafter, loss, seconds
 
 
 def drafter_agreement(torch, target, drafter, seqs, s, device):

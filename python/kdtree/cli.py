@@ -30,6 +30,33 @@ class UsageError(Exception):
     """An input problem the user can fix; printed as one line, exit status 2."""
 
 
+def int_in(lo: int, hi: int | None = None):
+    """argparse type: an integer >= lo (and <= hi), with a message naming the range."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {v}")
+        return v
+    return parse
+
+
+def float_in(lo: float, hi: float, lo_open: bool = False):
+    """argparse type: a number in [lo, hi] (or (lo, hi] with lo_open)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not ((v > lo if lo_open else v >= lo) and v <= hi):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+        return v
+    return parse
+
+
 MAX_PROMPT_FILE_BYTES = 64 * 2**20
 
 

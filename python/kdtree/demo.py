@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from . import engine, ngram
+from .cli import int_in as _int_in
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
     " Decodes a continuation twice, greedy autoregressive and DDTree, with the shipped transformer pair "
@@ -47,19 +48,6 @@ MAX_BUDGET = 4096
 MIN_RUN = 16
 # above this share of the continuation in such runs, the demo says the ratio is optimistic
 RUN_SHARE_NOTE = 0.25
-
-
-def _int_in(lo: int, hi: int | None = None):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-            raise argparse.ArgumentTypeError(f"must be {rng}, got {v}")
-        return v
-    return parse
 
 
 def _budget(text: str) -> int:

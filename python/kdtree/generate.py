@@ -24,35 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from . import engine
+from .cli import float_in as _float_in
+from .cli import int_in as _int_in
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "").replace("\n", " ")
 DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "stdlib-qwen3"
 EOS = "<|endoftext|>"
 MAX_BUDGET = 4096
-
-
-def _int_in(lo: int, hi: int | None = None):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be {'>= ' + str(lo) if hi is None else f'in {lo}..{hi}'}, got {v}")
-        return v
-    return parse
-
-
-def _float_in(lo: float, hi: float, lo_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not ((v > lo if lo_open else v >= lo) and v <= hi):
-            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-        return v
-    return parse
 
 
 def _temperature(text: str) -> float:
