@@ -357,13 +357,7 @@ def run(args: argparse.Namespace) -> int:
               f"of L={args.depth} per round", file=out)
     print(f"wall time          : AR {ar.wall:.3f} s, DDTree {sp.wall:.3f} s (the n-gram target "
           f"is cheap, so on CPU the saving is in target calls, not seconds)", file=out)
-    print("time per stage (DDTree)   total ms   per round ms   share", file=out)
-    total = sum(sp.times.values()) or 1.0
-    for name in engine.STAGES:
-        v = sp.times[name]
-        per = 1e3 * v / sp.rounds if sp.rounds else 0.0
-        print(f"  {name:<8}               {1e3 * v:9.2f}   {per:12.3f}   {100 * v / total:4.1f}%",
-              file=out)
+    print("\n".join(engine.stage_lines(sp)), file=out)
     print("  (target = the target's one call scoring every tree node; verify = the walk along "
           "its choices, kdtree.verify_greedy; commit = append to the target's context)", file=out)
     print(f"  (AR: target forward {1e3 * ar.times['target']:.2f} ms, commit "

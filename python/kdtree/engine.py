@@ -288,6 +288,18 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
 # Display
 # --------------------------------------------------------------------------------------
 
+def stage_lines(result: GenerationResult) -> list[str]:
+    """The time-per-stage table of a DDTree generation: a header, then one line per stage
+    (``STAGES``) with total ms, ms per round and share of the round time."""
+    lines = ["time per stage (DDTree)   total ms   per round ms   share"]
+    total = sum(result.times.values()) or 1.0
+    for name in STAGES:
+        v = result.times[name]
+        per = 1e3 * v / result.rounds if result.rounds else 0.0
+        lines.append(f"  {name:<8}               {1e3 * v:9.2f}   {per:12.3f}   {100 * v / total:4.1f}%")
+    return lines
+
+
 def escape_token(tok: int) -> str:
     """A byte token as a short quoted string: printable ASCII as itself, ``\\n``, ``\\t``,
     ``\\r``, else ``\\xNN``; ids >= 256 as ``<id>``."""

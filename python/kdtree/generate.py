@@ -291,11 +291,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print("histogram          : " + ", ".join(f"{k}: {hist[k]}" for k in sorted(hist))
           + "   (tokens committed per round: rounds)", file=out)
     total = sum(sp.times.values()) or 1.0
-    print("time per stage (DDTree)   total ms   per round ms   share", file=out)
-    for name in engine.STAGES:
-        v = sp.times[name]
-        per = 1e3 * v / sp.rounds if sp.rounds else 0.0
-        print(f"  {name:<8}               {1e3 * v:9.2f}   {per:12.3f}   {100 * v / total:4.1f}%", file=out)
+    print("\n".join(engine.stage_lines(sp)), file=out)
     tree_share = sum(sp.times[s] for s in ("topk", "build", "verify")) / total
     print(f"  (tree overhead: top-k + build + verify = {100 * tree_share:.1f}% of the round)", file=out)
     snap = sp.snapshot
