@@ -1,5 +1,9 @@
-/* The CUDA entry points of a build without CUDA: each says so. */
+/* The CUDA entry points of a build without CUDA: each says so (and ignores its arguments). */
 #include "internal.h"
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
 
 static kdt_status no_cuda(const char* what) {
     return kdt_fail(KDT_ERR_UNSUPPORTED, "%s: this libkdtree was built without CUDA (KDTREE_CUDA=OFF or no nvcc)",
@@ -13,54 +17,25 @@ kdt_status kdt_cuda_device_count(int32_t* count) {
 
 kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t depth, int64_t width,
                                                 size_t* bytes) {
-    (void)batch;
-    (void)budget;
-    (void)depth;
-    (void)width;
-    (void)bytes;
     return no_cuda("kdt_trees_build_cuda_workspace_bytes");
 }
 
 kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status, void* workspace,
                                 size_t workspace_bytes, void* stream) {
-    (void)draft;
-    (void)out;
-    (void)request_status;
-    (void)workspace;
-    (void)workspace_bytes;
-    (void)stream;
     return no_cuda("kdt_trees_build_cuda");
 }
 
 kdt_status kdt_topk_logprobs_cuda_workspace_bytes(int64_t rows, int64_t vocab, int64_t k, size_t* bytes) {
-    (void)rows;
-    (void)vocab;
-    (void)k;
-    (void)bytes;
     return no_cuda("kdt_topk_logprobs_cuda_workspace_bytes");
 }
 
 kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k, float* out_logprobs, int32_t* out_ids,
                                   int32_t* row_status, void* workspace, size_t workspace_bytes, void* stream) {
-    (void)logits;
-    (void)k;
-    (void)out_logprobs;
-    (void)out_ids;
-    (void)row_status;
-    (void)workspace;
-    (void)workspace_bytes;
-    (void)stream;
     return no_cuda("kdt_topk_logprobs_cuda");
 }
 
 kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t depth,
                                                            int64_t vocab, int64_t width, size_t* bytes) {
-    (void)batch;
-    (void)budget;
-    (void)depth;
-    (void)vocab;
-    (void)width;
-    (void)bytes;
     return no_cuda("kdt_trees_build_from_logits_cuda_workspace_bytes");
 }
 
@@ -68,32 +43,12 @@ kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t wi
                                            const int64_t* root_positions, int32_t pad_token, kdt_trees* out,
                                            int32_t* request_status, void* workspace, size_t workspace_bytes,
                                            void* stream) {
-    (void)logits;
-    (void)width;
-    (void)root_tokens;
-    (void)root_positions;
-    (void)pad_token;
-    (void)out;
-    (void)request_status;
-    (void)workspace;
-    (void)workspace_bytes;
-    (void)stream;
     return no_cuda("kdt_trees_build_from_logits_cuda");
 }
 
 kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const int64_t* prefix_lengths, int32_t kind,
                                         int64_t columns, void* mask, size_t mask_bytes, int32_t* mask_indptr,
                                         int64_t* positions, int32_t* request_status, void* stream) {
-    (void)trees;
-    (void)prefix_lengths;
-    (void)kind;
-    (void)columns;
-    (void)mask;
-    (void)mask_bytes;
-    (void)mask_indptr;
-    (void)positions;
-    (void)request_status;
-    (void)stream;
     return no_cuda("kdt_tree_attention_mask_cuda");
 }
 
@@ -101,17 +56,6 @@ kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_
                                   int64_t num_stop_tokens, const int64_t* max_commit, int64_t path_capacity,
                                   int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                   int32_t* request_status, void* stream) {
-    (void)trees;
-    (void)target_tokens;
-    (void)stop_tokens;
-    (void)num_stop_tokens;
-    (void)max_commit;
-    (void)path_capacity;
-    (void)accepted_nodes;
-    (void)accept_length;
-    (void)bonus_token;
-    (void)request_status;
-    (void)stream;
     return no_cuda("kdt_verify_greedy_cuda");
 }
 
@@ -120,18 +64,6 @@ kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_
                                               const int64_t* max_commit, int64_t path_capacity,
                                               int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                               int32_t* target_tokens, int32_t* request_status, void* stream) {
-    (void)trees;
-    (void)target_logits;
-    (void)stop_tokens;
-    (void)num_stop_tokens;
-    (void)max_commit;
-    (void)path_capacity;
-    (void)accepted_nodes;
-    (void)accept_length;
-    (void)bonus_token;
-    (void)target_tokens;
-    (void)request_status;
-    (void)stream;
     return no_cuda("kdt_verify_greedy_from_logits_cuda");
 }
 
@@ -141,33 +73,11 @@ kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_
                                               const int64_t* max_commit, int64_t path_capacity,
                                               int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                               int32_t* target_tokens, int32_t* request_status, void* stream) {
-    (void)trees;
-    (void)target_logits;
-    (void)temperature;
-    (void)seed;
-    (void)offset;
-    (void)stop_tokens;
-    (void)num_stop_tokens;
-    (void)max_commit;
-    (void)path_capacity;
-    (void)accepted_nodes;
-    (void)accept_length;
-    (void)bonus_token;
-    (void)target_tokens;
-    (void)request_status;
-    (void)stream;
     return no_cuda("kdt_verify_sample_from_logits_cuda");
 }
 
 kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths, const int32_t* accepted_nodes,
                                const int32_t* accept_length, int64_t path_capacity, int32_t* request_status,
                                void* stream) {
-    (void)cache;
-    (void)prefix_lengths;
-    (void)accepted_nodes;
-    (void)accept_length;
-    (void)path_capacity;
-    (void)request_status;
-    (void)stream;
     return no_cuda("kdt_compact_kv_cuda");
 }
