@@ -56,7 +56,7 @@ def path_tokens(trees, i: int) -> list[int]:
 
 def causal_logits(model, seq: list[int]):
     with torch.no_grad():
-        return model(torch.tensor([seq])).logits[0, -1]
+        return model(torch.tensor([seq], device=model.device)).logits[0, -1].cpu()
 
 
 class NoisyOracleDrafter:
@@ -385,3 +385,77 @@ def test_positions_beyond_the_model_and_sliding_windows_are_refused():
         HFTarget(small, temperature=1e-310)
     with pytest.raises(ValueError, match="seed"):
         HFTarget(small, seed=2**64)
+
+
+# ---- the CUDA path (runs on the device machine; skipped without a GPU) --------------------
+
+@pytest.fixture(scope="module")
+def cuda_lib(lib):
+    import ctypes
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device (HFTarget's GPU path runs on the device machine)")
+    count = ctypes.c_int32()
+    try:
+        lib.kdt_cuda_device_count(ctypes.byref(count))
+    except kdtree.KdtreeError as exc:
+        pytest.skip(f"libkdtree has no usable CUDA: {exc}")
+    return lib
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_cuda_compaction_is_kdtree_compact_kv(cuda_lib, dtype, monkeypatch):
+    """On the GPU, commit moves the accepted rows with kdt_compact_kv_cuda: the cache after
+    the commit equals an index-select of the cache the tree forward left, bit for bit."""
+    from kdtree import api
+
+    calls = []
+    real = api.compact_kv
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "compact_kv", counting)
+    gpu_model = tiny_qwen3(seed=3).to("cuda", getattr(torch, dtype))
+    rng = np.random.default_rng(11)
+    for trial in range(8):
+        prompt = rng.integers(0, 97, int(rng.integers(2, 15))).tolist()
+        target = HFTarget(gpu_model)
+        target.prefill(prompt)
+        budget = int(rng.integers(2, 40))
+        lp, ids = kdtree.topk_logprobs(rng.standard_normal((5, 97)), min(budget, 97))
+        trees = kdtree.build_trees(lp, ids, budget, root_tokens=[prompt[-1]], root_positions=[len(prompt) - 1])
+        target.tree_logits(trees)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+        nodes = [0]
+        while True:  # descend along random children to a random depth
+            kids = [j for j in range(1, int(trees.num_nodes[0]) + 1) if int(trees.parents[0, j]) == nodes[-1]]
+            if not kids or rng.random() < 0.25:
+                break
+            nodes.append(int(rng.choice(kids)))
+        accepted = np.full((1, 6), -1, dtype=np.int32)
+        accepted[0, : len(nodes)] = nodes
+        acc = kdtree.Acceptance(accepted, np.array([len(nodes) - 1], np.int32), np.array([5], np.int32))
+        committed = [int(trees.tokens[0, j]) for j in nodes[1:]] + [5]
+        past = len(prompt) - 1
+        target.commit(committed, trees, acc)
+        rows = torch.as_tensor(list(range(past)) + [past + j for j in nodes], device="cuda")
+        assert target.cache_length == past + len(nodes)
+        for (k0, v0), layer in zip(before, target.cache.layers, strict=True):
+            assert torch.equal(layer.keys, k0[:, :, rows]), f"trial {trial}"
+            assert torch.equal(layer.values, v0[:, :, rows]), f"trial {trial}"
+    assert len(calls) == 8  # the GPU compaction ran, not the index-select fallback
+
+
+def test_cuda_greedy_ddtree_equals_greedy_ar(cuda_lib):
+    """Lossless on the GPU in float32 (the sharpened tiny model has no near-ties)."""
+    gpu_model = tiny_qwen3().to("cuda", torch.float32)
+    rng = np.random.default_rng(5)
+    for p_i in range(5):
+        prompt = rng.integers(0, 97, int(rng.integers(1, 12))).tolist()
+        ar = autoregressive_generate(HFTarget(gpu_model), prompt, 16)
+        for budget in (1, 16, 64):
+            drafter = NoisyOracleDrafter(gpu_model, keep=0.8, seed=p_i * 10 + budget)
+            res = speculative_generate(HFTarget(gpu_model), drafter, prompt, 16, budget=budget, depth=6)
+            assert res.tokens == ar.tokens, f"prompt {p_i}, budget {budget}"
