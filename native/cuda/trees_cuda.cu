@@ -9,6 +9,7 @@
 
 #include <atomic>
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,6 +42,8 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
 // From this budget the shared-memory kernel leaves the masks to a second, wide launch.
 constexpr int64_t kSeparateMasksMinBudget = 256;
+// From this budget the parallel expansion (versions 4 and 3) runs; below it the heap.
+constexpr int64_t kParallelMinBudget = 16;
 
 struct BuildParams {
     kdt_draft draft;  // device pointers inside
@@ -53,6 +56,7 @@ struct BuildParams {
     int64_t hash_slots; // power of two >= 2 K' (0 when K' == 0)
     int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
     int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
+    int32_t descent;        // 1: version 4's threshold descent before version 3's bisection
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -422,14 +426,235 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
     return total;
 }
 
-// Returns n >= 0 with the node tables, scores and links filled (as kdt_expand_tree would),
-// or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
-__device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
-                                   double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
-                                   int32_t* node_par, int32_t* node_depth) {
-    __shared__ int s_count, s_pruned, s_root_fc, s_fail;
+// ---- Version 4: threshold descent ---------------------------------------------------------
+//
+// Version 3 re-enumerates P_T from scratch for every threshold it tries. Version 4 only
+// lowers the threshold and resumes: every candidate (and the root) owns the chain of its
+// children, kept as (next rank, last emitted child) in c.order / c.pos until the sort
+// needs them, so a pass at a lower T continues each chain where the last pass stopped
+// and P_T grows in place. A pass runs in rounds: round 0 resumes every owner's chain,
+// round k the chains of the candidates round k - 1 emitted (one depth deeper each round).
+// The first T comes from a model (the spine, the top-1 path, and its children: the
+// (N/2)-th best of spine[d] + lp[d][r]); the next ones from the frontier, the heads of
+// the chains: with m = N - |P_T| more nodes wanted, T = the m-th best head (every head
+// >= T then enters, so the next pass ends with >= N nodes), or the lowest head when there
+// are fewer than m. The result is the same P_T version 3 would enumerate at the last T,
+// so the sort and the generator-order check that follow are shared. Overflowing the
+// candidate arrays or too many passes hands over to version 3's bisection.
+
+constexpr int kDescentMaxPasses = 8;
+constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
+
+// An order-preserving map of doubles (NaN excluded) to unsigned 64-bit integers.
+__device__ inline unsigned long long double_key(double x) {
+    const unsigned long long u = (unsigned long long)__double_as_longlong(x);
+    return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+__device__ inline double key_double(unsigned long long k) {
+    return __longlong_as_double((long long)((k >> 63) ? (k & 0x7FFFFFFFFFFFFFFFull) : ~k));
+}
+
+// The k-th largest (1-based, 1 <= k <= count) of value(i), i in [0, count), by a radix
+// select over the keys' eight bytes, most significant first. Block-wide; bins: 256 words.
+template <class Value>
+__device__ double block_kth_largest(const Value& value, int count, int k, unsigned* bins) {
+    __shared__ unsigned long long s_prefix;
+    __shared__ int s_k;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_k = k;
+    }
+    unsigned long long mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+        __syncthreads();
+        const unsigned long long prefix = s_prefix;
+        for (int i = threadIdx.x; i < count; i += blockDim.x) {
+            const unsigned long long key = double_key(value(i));
+            if ((key & mask) == prefix) atomicAdd(&bins[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l holds digits 255 - 8l down to 248 - 8l; counts from the top digit down.
+            const int lane = threadIdx.x;
+            unsigned own[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                own[j] = bins[255 - 8 * lane - j];
+                sum += own[j];
+            }
+            unsigned incl = sum;  // inclusive prefix over lanes
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned t = __shfl_up_sync(kFullMask, incl, o);
+                if (lane >= o) incl += t;
+            }
+            const unsigned before = incl - sum;
+            const unsigned want = (unsigned)s_k;
+            if (before < want && want <= incl) {
+                unsigned acc = before;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if (acc + own[j] >= want) {
+                        s_prefix = prefix | ((unsigned long long)(255 - 8 * lane - j) << shift);
+                        s_k = (int)(want - acc);
+                        break;
+                    }
+                    acc += own[j];
+                }
+            }
+        }
+        mask |= 0xFFull << shift;
+        __syncthreads();
+    }
+    return key_double(s_prefix);
+}
+
+// The score of the next candidate of owner o's chain of children (o = -1: the root's),
+// or -inf when the chain is exhausted (no rank left, depth L, a -inf log-prob).
+__device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o,
+                                    int32_t root_next, int32_t root_last) {
+    const int32_t d = o < 0 ? 0 : c.depth[o];
+    const int32_t r = o < 0 ? root_next : c.order[o];
+    const int32_t last = o < 0 ? root_last : c.pos[o];
+    if (d >= L || r >= kp) return -INFINITY;
+    const float* row = lp_s + (int64_t)d * kp;
+    if (last < 0) return o < 0 ? (double)row[0] : c.logw[o] + (double)row[0];
+    return (c.logw[last] - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
+}
+
+// Resumes owner o's chain of children at threshold T: emits the next candidates while
+// their scores are >= T (one atomic for the run, whose slots are consecutive), links them
+// after the chain's last child and makes each of them an owner with an empty chain.
+__device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
+                                    int* count, int* pruned, int* overflow, int32_t* root_next, int32_t* root_last,
+                                    int* root_fc) {
+    const double head = chain_head(c, lp_s, L, kp, o, *root_next, *root_last);
+    if (isinf(head)) return;
+    if (head < T) {
+        *pruned = 1;
+        return;
+    }
+    const int32_t d = o < 0 ? 0 : c.depth[o];
+    const int32_t r0 = o < 0 ? *root_next : c.order[o];
+    const int32_t last = o < 0 ? *root_last : c.pos[o];
+    const float* row = lp_s + (int64_t)d * kp;
+    double w = head;
+    int32_t len = 0;
+    for (int32_t r = r0; r < kp; r++) {
+        if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
+        if (w < T) {
+            *pruned = 1;
+            break;
+        }
+        len++;
+        if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
+    }
+    const int slot0 = atomicAdd(count, len);
+    if (slot0 + len > c.cap) {
+        *overflow = 1;
+        return;
+    }
+    w = head;
+    for (int32_t j = 0; j < len; j++) {
+        const int32_t r = r0 + j, slot = slot0 + j;
+        c.logw[slot] = w;
+        c.parent[slot] = o;
+        c.rank[slot] = r;
+        c.depth[slot] = d + 1;
+        c.fc[slot] = -1;
+        c.ns[slot] = j + 1 < len ? slot + 1 : -1;
+        c.gen[slot] = j > 0 ? slot - 1 : (last >= 0 ? last : o);
+        c.order[slot] = 0;   // its own chain: next rank 0,
+        c.pos[slot] = -1;    // no child yet
+        if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
+    }
+    if (last >= 0) c.ns[last] = slot0;
+    else if (o >= 0) c.fc[o] = slot0;
+    else *root_fc = slot0;
+    if (o >= 0) {
+        c.order[o] = r0 + len;
+        c.pos[o] = slot0 + len - 1;
+    } else {
+        *root_next = r0 + len;
+        *root_last = slot0 + len - 1;
+    }
+}
+
+// Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
+// or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
+__device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
+                                 int* s_root_fc, unsigned* bins, double* spine) {
+    __shared__ int s_pruned, s_overflow, s_finite;
+    __shared__ int32_t s_root_next, s_root_last;
+    if (threadIdx.x == 0) {
+        *s_count = 0;
+        *s_root_fc = -1;
+        s_root_next = 0;
+        s_root_last = -1;
+        double w = 0.0;  // spine[d]: the score of the top-1 path's node at depth d
+        for (int64_t d = 0; d < L; d++) {
+            spine[d] = w;
+            w = w + (double)lp_s[d * kp];
+        }
+    }
+    __syncthreads();
+    // The first threshold: the (N/2)-th best spine child.
+    const int64_t half = N / 2 > 1 ? N / 2 : 1;
+    const int width = (int)(kp < half ? kp : half);
+    const int items = (int)L * width;
+    const int want = (int)(half < items ? half : items);
+    double T = block_kth_largest(
+        [&](int i) {
+            const int d = i / width, r = i - d * width;
+            return spine[d] + (double)lp_s[(int64_t)d * kp + r];
+        },
+        items, want, bins);
+    if (!(T > -INFINITY)) T = -DBL_MAX;  // -inf entries: take every finite node
+    for (int pass = 0; pass < kDescentMaxPasses; pass++) {
+        if (threadIdx.x == 0) {
+            s_pruned = 0;
+            s_overflow = 0;
+        }
+        __syncthreads();
+        int lo = -1, hi = min(*s_count, c.cap);  // round 0: the root (-1) and every candidate
+        while (lo < hi) {
+            for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
+                resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
+                             s_root_fc);
+            }
+            __syncthreads();
+            lo = hi;
+            hi = min(*s_count, c.cap);
+            if (s_overflow) break;
+            __syncthreads();  // everyone has read the count before the next round adds to it
+        }
+        const int M = *s_count;
+        if (s_overflow) return -1;
+        if (M >= N || !s_pruned) return M;
+        // The next threshold from the chain heads (the heap's frontier).
+        if (threadIdx.x == 0) s_finite = 0;
+        __syncthreads();
+        const int32_t rn = s_root_next, rl = s_root_last;
+        auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, rn, rl); };
+        int finite = 0;
+        for (int i = threadIdx.x; i <= M; i += blockDim.x) finite += !isinf(head(i));
+        if (finite) atomicAdd(&s_finite, finite);
+        __syncthreads();
+        const int F = s_finite, m = (int)(N - M);
+        if (F == 0) return M;  // (cannot happen: a pruned chain has a finite head)
+        T = block_kth_largest(head, M + 1, min(m, F), bins);
+        __syncthreads();
+    }
+    return -1;
+}
+
+// Version 3's threshold search: bisection (with log-count interpolation) until
+// N <= |P_T| <= cap or P_T holds every finite node. Returns |P_T|, or -1 for the heap.
+__device__ int bisect_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
+                                int* s_pruned, int* s_root_fc, int* prof_passes) {
+    (void)prof_passes;  // counted only in the profiling build
     const double top = (double)lp_s[0];
-    if (isinf(top)) return -1;  // (the heap handles the empty tree)
     // Bracket: t_high gives too few nodes, t_low too many (more than cap). The next
     // threshold interpolates log(count) linearly in T towards 1.5 N (counts grow about
     // exponentially as T falls), kept inside the bracket; plain halving when that stalls.
@@ -437,11 +662,10 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     double c_high = 0.0, c_low = 0.0;  // counts seen at the bracket ends (c_low: a lower bound)
     const double target = 1.5 * (double)N;
     int found = 0;
-    KDT_V3_PROF(long long prof_t0 = clock64(); int prof_passes = 0;)
     for (int iter = 0; iter < 60; iter++) {
-        KDT_V3_PROF(prof_passes++;)
-        const int cnt = enumerate_pt(c, lp_s, L, kp, T, &s_count, &s_pruned, &s_root_fc);
-        const int pruned = s_pruned;
+        KDT_V3_PROF((*prof_passes)++;)
+        const int cnt = enumerate_pt(c, lp_s, L, kp, T, s_count, s_pruned, s_root_fc);
+        const int pruned = *s_pruned;
         if (cnt > c.cap) {
             t_low = T;
             c_low = (double)cnt;
@@ -465,9 +689,29 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         if (!(next > t_low && next < t_high)) break;  // cannot separate: fall back
         T = next;
     }
-    if (!found) return -1;
+    return found ? *s_count : -1;
+}
+
+// Returns n >= 0 with the node tables, scores and links filled (as kdt_expand_tree would),
+// or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
+__device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
+                                   double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
+                                   int32_t* node_par, int32_t* node_depth, bool descent) {
+    __shared__ int s_count, s_pruned, s_root_fc, s_fail;
+    __shared__ unsigned s_bins[256];
+    __shared__ double s_spine[kDescentMaxDepth];
+    const double top = (double)lp_s[0];
+    if (isinf(top)) return -1;  // (the heap handles the empty tree)
+    KDT_V3_PROF(long long prof_t0 = clock64();)
+    int prof_passes_any = 0;  // version 3 passes (1000: version 4 found P_T)
+    int M = -1;
+    if (descent && L <= kDescentMaxDepth) {
+        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine);
+        if (M >= 0) prof_passes_any = 1000;
+    }
+    if (M < 0) M = bisect_threshold(c, lp_s, L, kp, N, &s_count, &s_pruned, &s_root_fc, &prof_passes_any);
+    if (M < 0) return -1;
     KDT_V3_PROF(const long long prof_t1 = clock64();)
-    const int M = s_count;
     const int64_t n = M < N ? M : N;
     // Bitonic sort of the candidates by the heap's key, on (score, index) pairs held side
     // by side (c.logw is permuted along with c.order; no candidate table is read except
@@ -512,7 +756,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     }
     __syncthreads();
     KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) {
-        kdt_prof_v3[blockIdx.x][0] = prof_passes;
+        kdt_prof_v3[blockIdx.x][0] = prof_passes_any;
         kdt_prof_v3[blockIdx.x][1] = prof_t1 - prof_t0;
         kdt_prof_v3[blockIdx.x][2] = clock64() - prof_t1;
         kdt_prof_v3[blockIdx.x][3] = M;
@@ -673,7 +917,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     __syncthreads();
     if (!s_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
         const int64_t pn = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s,
-                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1));
+                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent != 0);
         if (threadIdx.x == 0) s_par_n = pn;
         __syncthreads();
     }
@@ -869,6 +1113,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     }
     BuildParams p;
     p.masks_separate = 0;
+    p.descent = 0;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
@@ -904,12 +1149,19 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     const size_t smem_static = 0;  // already taken off smem_max
     // Version 3's candidates: a power of two >= 2N that fits beside version 2's arrays.
     p.cap3 = 0;
-    // (Measured on an H200: below N = 128 the shared-memory heap is as fast; see perf-notes.)
-    if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL && (N >= 128 || getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL)) {
-        int64_t cap3 = 1;
-        while (cap3 < 2 * N) cap3 <<= 1;
-        if (cap3 <= (1 << 20) && sl.total + cands_bytes(cap3) + smem_static <= (size_t)smem_max) p.cap3 = (int32_t)cap3;
+    // Candidates: a power of two >= 4N where it fits (fewer overflows of version 4's
+    // passes), else >= 2N.
+    if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL &&
+        (N >= kParallelMinBudget || getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL)) {
+        for (int64_t want = 4 * N; want >= 2 * N && p.cap3 == 0; want -= 2 * N) {
+            int64_t cap3 = 1;
+            while (cap3 < want) cap3 <<= 1;
+            if (cap3 <= (1 << 20) && sl.total + cands_bytes(cap3) + smem_static <= (size_t)smem_max) {
+                p.cap3 = (int32_t)cap3;
+            }
+        }
     }
+    p.descent = getenv("KDTREE_CUDA_TREES_BISECT") == NULL;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && getenv("KDTREE_CUDA_TREES_V1") == NULL) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
