@@ -73,11 +73,11 @@ int main() {
                 ph[3].push_back((prof[blk][3] - prof[blk][0]) / cyc_per_us);
             }
         }
-        if (N >= 128 || getenv("KDTREE_CUDA_TREES_PARALLEL")) {
+        if (N >= 16 || getenv("KDTREE_CUDA_TREES_PARALLEL")) {
             long long v[64][4];
             CK(cudaMemcpyFromSymbol(v, kdt_prof_v3, sizeof v));
-            printf("   block 0 version 3: %lld passes, enumeration %.1f us, sort + check %.1f us, |P_T| = %lld\n",
-                   v[0][0], v[0][1] / cyc_per_us, v[0][2] / cyc_per_us, v[0][3]);
+            printf("   block 0: version %d, %lld passes, enumeration %.1f us, sort + check %.1f us, |P_T| = %lld\n",
+                   v[0][0] >= 1000 ? 4 : 3, v[0][0] % 1000, v[0][1] / cyc_per_us, v[0][2] / cyc_per_us, v[0][3]);
         }
         std::sort(launch.begin(), launch.end());
         double med[4];

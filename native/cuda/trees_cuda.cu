@@ -444,6 +444,7 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 
 constexpr int kDescentMaxPasses = 8;
 constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
+constexpr int kRankSortMax = 512;          // candidates ordered by counting, not by a bitonic sort
 
 // An order-preserving map of doubles (NaN excluded) to unsigned 64-bit integers.
 __device__ inline unsigned long long double_key(double x) {
@@ -455,23 +456,55 @@ __device__ inline double key_double(unsigned long long k) {
 }
 
 // The k-th largest (1-based, 1 <= k <= count) of value(i), i in [0, count), by a radix
-// select over the keys' eight bytes, most significant first. Block-wide; bins: 256 words.
+// select over the keys' bytes, most significant first, starting below the bytes that the
+// smallest and the largest key share. Lanes of a warp that count the same digit add once
+// (__match_any_sync), so a crowded digit costs one shared atomic per warp, not per item.
+// Block-wide; bins: 256 words.
 template <class Value>
 __device__ double block_kth_largest(const Value& value, int count, int k, unsigned* bins) {
-    __shared__ unsigned long long s_prefix;
+    __shared__ unsigned long long s_prefix, s_lo, s_hi;
     __shared__ int s_k;
     if (threadIdx.x == 0) {
-        s_prefix = 0;
+        s_lo = ~0ull;
+        s_hi = 0;
         s_k = k;
     }
-    unsigned long long mask = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
+    __syncthreads();
+    unsigned long long lo = ~0ull, hi = 0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const unsigned long long key = double_key(value(i));
+        lo = key < lo ? key : lo;
+        hi = key > hi ? key : hi;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long l2 = __shfl_xor_sync(kFullMask, lo, o), h2 = __shfl_xor_sync(kFullMask, hi, o);
+        lo = l2 < lo ? l2 : lo;
+        hi = h2 > hi ? h2 : hi;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMin(&s_lo, lo);
+        atomicMax(&s_hi, hi);
+    }
+    __syncthreads();
+    const unsigned long long diff = s_lo ^ s_hi;
+    if (diff == 0) return key_double(s_hi);  // every value is the same
+    const int top_byte = (63 - __clzll((long long)diff)) / 8;
+    unsigned long long mask = top_byte == 7 ? 0ull : ~0ull << (8 * (top_byte + 1));
+    if (threadIdx.x == 0) s_prefix = s_hi & mask;
+    for (int shift = 8 * top_byte; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
         __syncthreads();
         const unsigned long long prefix = s_prefix;
-        for (int i = threadIdx.x; i < count; i += blockDim.x) {
-            const unsigned long long key = double_key(value(i));
-            if ((key & mask) == prefix) atomicAdd(&bins[(key >> shift) & 255u], 1u);
+        for (int base = 0; base < count; base += blockDim.x) {  // uniform trip count: the warp matches
+            const int i = base + (int)threadIdx.x;
+            unsigned digit = 0x100u;  // no digit
+            if (i < count) {
+                const unsigned long long key = double_key(value(i));
+                if ((key & mask) == prefix) digit = (unsigned)(key >> shift) & 255u;
+            }
+            const unsigned same = __match_any_sync(kFullMask, digit);
+            if (digit < 0x100u && (__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&bins[digit], __popc(same));
         }
         __syncthreads();
         if (threadIdx.x < 32) {
@@ -584,7 +617,7 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
 // Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
-                                 int* s_root_fc, unsigned* bins, double* spine) {
+                                 int* s_root_fc, unsigned* bins, double* spine, int* passes) {
     __shared__ int s_pruned, s_overflow, s_finite;
     __shared__ int32_t s_root_next, s_root_last;
     if (threadIdx.x == 0) {
@@ -612,6 +645,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         items, want, bins);
     if (!(T > -INFINITY)) T = -DBL_MAX;  // -inf entries: take every finite node
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
+        *passes = pass + 1;
         if (threadIdx.x == 0) {
             s_pruned = 0;
             s_overflow = 0;
@@ -703,51 +737,71 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     const double top = (double)lp_s[0];
     if (isinf(top)) return -1;  // (the heap handles the empty tree)
     KDT_V3_PROF(long long prof_t0 = clock64();)
-    int prof_passes_any = 0;  // version 3 passes (1000: version 4 found P_T)
+    int prof_passes_any = 0;  // version 3's passes, or 1000 + version 4's
     int M = -1;
     if (descent && L <= kDescentMaxDepth) {
-        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine);
-        if (M >= 0) prof_passes_any = 1000;
+        int passes = 0;
+        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes);
+        if (M >= 0) prof_passes_any = 1000 + passes;
     }
     if (M < 0) M = bisect_threshold(c, lp_s, L, kp, N, &s_count, &s_pruned, &s_root_fc, &prof_passes_any);
     if (M < 0) return -1;
     KDT_V3_PROF(const long long prof_t1 = clock64();)
     const int64_t n = M < N ? M : N;
-    // Bitonic sort of the candidates by the heap's key, on (score, index) pairs held side
-    // by side (c.logw is permuted along with c.order; no candidate table is read except
-    // the rank paths of exactly equal scores). Padding (index -1, score -inf) goes last.
-    int P = 1;
-    while (P < M) P <<= 1;
-    for (int i = threadIdx.x; i < P; i += blockDim.x) {
-        c.order[i] = i < M ? i : -1;
-        if (i >= M) c.logw[i] = -INFINITY;
-    }
-    __syncthreads();
-    const int half = P >> 1;
-    for (int k = 2; k <= P; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int q = threadIdx.x; q < half; q += blockDim.x) {
-                const int i = 2 * j * (q / j) + (q % j), l = i + j;  // the pair (i, l = i ^ j)
-                const double wi = c.logw[i], wl = c.logw[l];
-                const int32_t ai = c.order[i], al = c.order[l];
-                // l before i in heap order?
-                bool l_first;
-                if (wi != wl) l_first = wl > wi;
-                else if (ai < 0 || al < 0) l_first = ai < 0 && al >= 0;
-                else l_first = cand_path_before(c, al, ai);
-                const bool up = (i & k) == 0;  // this run ascends in heap order
-                if (up == l_first) {
-                    c.logw[i] = wl;
-                    c.logw[l] = wi;
-                    c.order[i] = al;
-                    c.order[l] = ai;
-                }
+    // The candidates in the heap's order (-logw, then the rank path). Up to kRankSortMax
+    // of them: each one's position is the count of candidates before it (every thread
+    // reads the same c.logw[j] at once: a broadcast); c.logw stays in candidate order.
+    // More: a bitonic sort on (score, index) pairs held side by side (c.logw is permuted
+    // along with c.order; padding, index -1 and score -inf, goes last). Either way only
+    // exactly equal scores read the rank paths.
+    const bool by_rank = M <= kRankSortMax;
+    if (by_rank) {
+        for (int i = threadIdx.x; i < M; i += blockDim.x) {
+            const double wi = c.logw[i];
+            int before = 0;
+            for (int j = 0; j < M; j++) {
+                const double wj = c.logw[j];
+                before += wj > wi || (wj == wi && j != i && cand_path_before(c, j, i));
             }
-            __syncthreads();
+            c.pos[i] = before;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < M; i += blockDim.x) c.order[c.pos[i]] = i;
+        __syncthreads();
+    } else {
+        int P = 1;
+        while (P < M) P <<= 1;
+        for (int i = threadIdx.x; i < P; i += blockDim.x) {
+            c.order[i] = i < M ? i : -1;
+            if (i >= M) c.logw[i] = -INFINITY;
+        }
+        __syncthreads();
+        const int half = P >> 1;
+        for (int k = 2; k <= P; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int q = threadIdx.x; q < half; q += blockDim.x) {
+                    const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i + j;  // the pair (i, l = i ^ j)
+                    const double wi = c.logw[i], wl = c.logw[l];
+                    const int32_t ai = c.order[i], al = c.order[l];
+                    // l before i in heap order?
+                    bool l_first;
+                    if (wi != wl) l_first = wl > wi;
+                    else if (ai < 0 || al < 0) l_first = ai < 0 && al >= 0;
+                    else l_first = cand_path_before(c, al, ai);
+                    const bool up = (i & k) == 0;  // this run ascends in heap order
+                    if (up == l_first) {
+                        c.logw[i] = wl;
+                        c.logw[l] = wi;
+                        c.order[i] = al;
+                        c.order[l] = ai;
+                    }
+                }
+                __syncthreads();
+            }
         }
     }
     if (threadIdx.x == 0) s_fail = 0;
-    for (int k = threadIdx.x; k < M; k += blockDim.x) c.pos[c.order[k]] = k;
+    if (!by_rank) for (int k = threadIdx.x; k < M; k += blockDim.x) c.pos[c.order[k]] = k;
     __syncthreads();
     // Every selected node after its generator: then this order is the heap's.
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
@@ -773,7 +827,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
             node_depth[0] = 0;
         } else if (i <= n) {
             const int32_t a = c.order[i - 1];
-            logw_s[i] = c.logw[i - 1];  // sorted along with c.order
+            logw_s[i] = by_rank ? c.logw[a] : c.logw[i - 1];  // (the bitonic sort permuted c.logw)
             node_rank[i] = c.rank[a];
             node_depth[i] = c.depth[a];
             node_par[i] = c.parent[a] < 0 ? 0 : c.pos[c.parent[a]] + 1;
