@@ -42,6 +42,9 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
 // From this budget the shared-memory kernel leaves the masks to a second, wide launch.
 constexpr int64_t kSeparateMasksMinBudget = 256;
+// Trees of up to this many rows have their masks staged in shared memory (5 words a row).
+constexpr size_t kStagedMaskMaxRows = 160;
+constexpr size_t kStagedMaskMaxWords = (kStagedMaskMaxRows + 31) / 32;
 // From this budget the parallel expansion (versions 4 and 3) runs; below it the heap.
 constexpr int64_t kParallelMinBudget = 16;
 
@@ -138,26 +141,22 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // Rows of up to this many used entries are checked for repeated ids with warp shuffles.
 constexpr int64_t kWarpDupMaxWidth = 128;
 
-// Whether ids[0 .. kp) (kp <= kWarpDupMaxWidth) holds a repeated id; negative ids (range
-// errors, reported separately) are ignored. Warp-wide: every lane returns the answer.
-__device__ bool warp_row_has_duplicate(const int32_t* ids, int64_t kp, int lane) {
-    constexpr int kPer = (int)(kWarpDupMaxWidth / 32);
-    int32_t mine[kPer];
-#pragma unroll
-    for (int m = 0; m < kPer; m++) {
-        const int64_t r = lane + 32 * m;
-        mine[m] = r < kp ? ids[r] : -1;
-    }
+constexpr int kWarpDupPer = (int)(kWarpDupMaxWidth / 32);
+
+// Whether a row of kp <= kWarpDupMaxWidth ids, held as mine[m] = id of rank lane + 32 m
+// (-1 past kp), has a repeated id; negative ids (range errors, reported separately) are
+// ignored. Warp-wide: every lane returns the answer.
+__device__ bool warp_ids_have_duplicate(const int32_t (&mine)[kWarpDupPer], int64_t kp, int lane) {
     bool dup = false;
 #pragma unroll
-    for (int j = 0; j < kPer; j++) {
+    for (int j = 0; j < kWarpDupPer; j++) {
         if (32 * j >= kp) break;  // uniform
         for (int src = 0; src < 32; src++) {
             const int32_t q = __shfl_sync(kFullMask, mine[j], src);  // the id of rank src + 32 j
             if (q < 0) continue;                                     // uniform (broadcast)
             const int rq = src + 32 * j;
 #pragma unroll
-            for (int m = 0; m < kPer; m++) dup |= (lane + 32 * m > rq) && mine[m] == q;
+            for (int m = 0; m < kWarpDupPer; m++) dup |= (lane + 32 * m > rq) && mine[m] == q;
         }
     }
     return __any_sync(kFullMask, dup);
@@ -455,24 +454,71 @@ __device__ inline double key_double(unsigned long long k) {
     return __longlong_as_double((long long)((k >> 63) ? (k & 0x7FFFFFFFFFFFFFFFull) : ~k));
 }
 
-// The k-th largest (1-based, 1 <= k <= count) of value(i), i in [0, count), by a radix
-// select over the keys' bytes, most significant first, starting below the bytes that the
-// smallest and the largest key share. Lanes of a warp that count the same digit add once
-// (__match_any_sync), so a crowded digit costs one shared atomic per warp, not per item.
-// Block-wide; bins: 256 words.
+// Counts digit (< 256; 0x100: none) into bins, one shared atomic per warp and digit.
+// Every lane of the warp must call it.
+__device__ inline void warp_count_digit(unsigned digit, unsigned* bins) {
+    const unsigned same = __match_any_sync(kFullMask, digit);
+    if (digit < 0x100u && (__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&bins[digit], __popc(same));
+}
+
+// Warp 0: the first bin (from bin 0) at which the running count of bins[0..255] reaches
+// *k; stores it in *bin and the count still wanted inside it in *k.
+__device__ inline void warp_find_bin(const unsigned* bins, int* k, int* bin) {
+    const int lane = threadIdx.x;
+    unsigned own[8], sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        own[j] = bins[8 * lane + j];
+        sum += own[j];
+    }
+    unsigned incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_up_sync(kFullMask, incl, o);
+        if (lane >= o) incl += t;
+    }
+    const unsigned before = incl - sum, want = (unsigned)*k;
+    __syncwarp();
+    if (before < want && want <= incl) {
+        unsigned acc = before;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (acc + own[j] >= want) {
+                *bin = 8 * lane + j;
+                *k = (int)(want - acc);
+                break;
+            }
+            acc += own[j];
+        }
+    }
+}
+
+// A threshold T with at least min(k, F) of value(i), i in [0, count), >= T, where F is
+// the number of finite values (k >= 1); -inf when F = 0. T is one of the values and at
+// most the k-th largest, usually just below it: two rounds of 256 bins, the second inside
+// the first's chosen bin, then the smallest value of the chosen sub-bin. The bins are
+// monotone in the value, so every value counted before the chosen sub-bin is >= T.
+// Block-wide; bins: 512 words.
 template <class Value>
-__device__ double block_kth_largest(const Value& value, int count, int k, unsigned* bins) {
-    __shared__ unsigned long long s_prefix, s_lo, s_hi;
-    __shared__ int s_k;
+__device__ double block_threshold(const Value& value, int count, int k, unsigned* bins) {
+    __shared__ unsigned long long s_lo, s_hi, s_min;
+    __shared__ int s_k, s_bin_a, s_bin_b, s_finite;
     if (threadIdx.x == 0) {
         s_lo = ~0ull;
         s_hi = 0;
-        s_k = k;
+        s_min = ~0ull;
+        s_finite = 0;
+        s_bin_a = 255;
+        s_bin_b = 255;
     }
-    __syncthreads();
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) bins[i] = 0;
     unsigned long long lo = ~0ull, hi = 0;
+    int finite = 0;
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        const unsigned long long key = double_key(value(i));
+        const double v = value(i);
+        if (isinf(v)) continue;
+        finite++;
+        const unsigned long long key = double_key(v);
         lo = key < lo ? key : lo;
         hi = key > hi ? key : hi;
     }
@@ -482,65 +528,66 @@ __device__ double block_kth_largest(const Value& value, int count, int k, unsign
         lo = l2 < lo ? l2 : lo;
         hi = h2 > hi ? h2 : hi;
     }
-    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) finite += __shfl_xor_sync(kFullMask, finite, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0 && hi >= lo) {
         atomicMin(&s_lo, lo);
         atomicMax(&s_hi, hi);
+        atomicAdd(&s_finite, finite);
     }
     __syncthreads();
-    const unsigned long long diff = s_lo ^ s_hi;
-    if (diff == 0) return key_double(s_hi);  // every value is the same
-    const int top_byte = (63 - __clzll((long long)diff)) / 8;
-    unsigned long long mask = top_byte == 7 ? 0ull : ~0ull << (8 * (top_byte + 1));
-    if (threadIdx.x == 0) s_prefix = s_hi & mask;
-    for (int shift = 8 * top_byte; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
-        __syncthreads();
-        const unsigned long long prefix = s_prefix;
-        for (int base = 0; base < count; base += blockDim.x) {  // uniform trip count: the warp matches
-            const int i = base + (int)threadIdx.x;
-            unsigned digit = 0x100u;  // no digit
-            if (i < count) {
-                const unsigned long long key = double_key(value(i));
-                if ((key & mask) == prefix) digit = (unsigned)(key >> shift) & 255u;
-            }
-            const unsigned same = __match_any_sync(kFullMask, digit);
-            if (digit < 0x100u && (__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&bins[digit], __popc(same));
+    if (s_hi < s_lo) return -INFINITY;  // no finite value
+    const double top = key_double(s_hi), bottom = key_double(s_lo);
+    if (top == bottom || k >= s_finite) return bottom;
+    if (threadIdx.x == 0) s_k = k;  // read by warp 0 after the next barrier
+    const double scale_a = 256.0 / (top - bottom);
+    for (int base = 0; base < count; base += blockDim.x) {
+        const int i = base + (int)threadIdx.x;
+        unsigned digit = 0x100u;
+        if (i < count) {
+            const double v = value(i);
+            if (!isinf(v)) digit = (unsigned)min(255, (int)((top - v) * scale_a));
         }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            // Lane l holds digits 255 - 8l down to 248 - 8l; counts from the top digit down.
-            const int lane = threadIdx.x;
-            unsigned own[8], sum = 0;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                own[j] = bins[255 - 8 * lane - j];
-                sum += own[j];
-            }
-            unsigned incl = sum;  // inclusive prefix over lanes
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned t = __shfl_up_sync(kFullMask, incl, o);
-                if (lane >= o) incl += t;
-            }
-            const unsigned before = incl - sum;
-            const unsigned want = (unsigned)s_k;
-            if (before < want && want <= incl) {
-                unsigned acc = before;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    if (acc + own[j] >= want) {
-                        s_prefix = prefix | ((unsigned long long)(255 - 8 * lane - j) << shift);
-                        s_k = (int)(want - acc);
-                        break;
-                    }
-                    acc += own[j];
-                }
-            }
-        }
-        mask |= 0xFFull << shift;
-        __syncthreads();
+        warp_count_digit(digit, bins);
     }
-    return key_double(s_prefix);
+    __syncthreads();
+    if (threadIdx.x < 32) warp_find_bin(bins, &s_k, &s_bin_a);
+    __syncthreads();
+    const int bin_a = s_bin_a;
+    const double top_b = top - (double)bin_a / scale_a, scale_b = 256.0 * scale_a;
+    for (int base = 0; base < count; base += blockDim.x) {
+        const int i = base + (int)threadIdx.x;
+        unsigned digit = 0x100u;
+        if (i < count) {
+            const double v = value(i);
+            if (!isinf(v) && min(255, (int)((top - v) * scale_a)) == bin_a) {
+                digit = (unsigned)min(255, max(0, (int)((top_b - v) * scale_b)));
+            }
+        }
+        warp_count_digit(digit, bins + 256);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) warp_find_bin(bins + 256, &s_k, &s_bin_b);
+    __syncthreads();
+    const int bin_b = s_bin_b;
+    unsigned long long m = ~0ull;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const double v = value(i);
+        if (!isinf(v) && min(255, (int)((top - v) * scale_a)) == bin_a &&
+            min(255, max(0, (int)((top_b - v) * scale_b))) == bin_b) {
+            const unsigned long long key = double_key(v);
+            m = key < m ? key : m;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long m2 = __shfl_xor_sync(kFullMask, m, o);
+        m = m2 < m ? m2 : m;
+    }
+    if ((threadIdx.x & 31) == 0 && m != ~0ull) atomicMin(&s_min, m);
+    __syncthreads();
+    return key_double(s_min);
 }
 
 // The score of the next candidate of owner o's chain of children (o = -1: the root's),
@@ -558,59 +605,66 @@ __device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L
 
 // Resumes owner o's chain of children at threshold T: emits the next candidates while
 // their scores are >= T (one atomic for the run, whose slots are consecutive), links them
-// after the chain's last child and makes each of them an owner with an empty chain.
+// after the chain's last child and makes each of them an owner with an empty chain. Then
+// goes on down the run's first node's chain, and so on (depth first), so that a path of
+// first children (the spine) takes one round, not one round per depth; the rest of each
+// run waits for the next round. A chain walked again in a later round of the same pass
+// starts below T and emits nothing.
 __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
                                     int* count, int* pruned, int* overflow, int32_t* root_next, int32_t* root_last,
                                     int* root_fc) {
-    const double head = chain_head(c, lp_s, L, kp, o, *root_next, *root_last);
-    if (isinf(head)) return;
-    if (head < T) {
-        *pruned = 1;
-        return;
-    }
-    const int32_t d = o < 0 ? 0 : c.depth[o];
-    const int32_t r0 = o < 0 ? *root_next : c.order[o];
-    const int32_t last = o < 0 ? *root_last : c.pos[o];
-    const float* row = lp_s + (int64_t)d * kp;
-    double w = head;
-    int32_t len = 0;
-    for (int32_t r = r0; r < kp; r++) {
-        if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
-        if (w < T) {
+    for (;;) {
+        const double head = chain_head(c, lp_s, L, kp, o, *root_next, *root_last);
+        if (isinf(head)) return;
+        if (head < T) {
             *pruned = 1;
-            break;
+            return;
         }
-        len++;
-        if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
-    }
-    const int slot0 = atomicAdd(count, len);
-    if (slot0 + len > c.cap) {
-        *overflow = 1;
-        return;
-    }
-    w = head;
-    for (int32_t j = 0; j < len; j++) {
-        const int32_t r = r0 + j, slot = slot0 + j;
-        c.logw[slot] = w;
-        c.parent[slot] = o;
-        c.rank[slot] = r;
-        c.depth[slot] = d + 1;
-        c.fc[slot] = -1;
-        c.ns[slot] = j + 1 < len ? slot + 1 : -1;
-        c.gen[slot] = j > 0 ? slot - 1 : (last >= 0 ? last : o);
-        c.order[slot] = 0;   // its own chain: next rank 0,
-        c.pos[slot] = -1;    // no child yet
-        if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
-    }
-    if (last >= 0) c.ns[last] = slot0;
-    else if (o >= 0) c.fc[o] = slot0;
-    else *root_fc = slot0;
-    if (o >= 0) {
-        c.order[o] = r0 + len;
-        c.pos[o] = slot0 + len - 1;
-    } else {
-        *root_next = r0 + len;
-        *root_last = slot0 + len - 1;
+        const int32_t d = o < 0 ? 0 : c.depth[o];
+        const int32_t r0 = o < 0 ? *root_next : c.order[o];
+        const int32_t last = o < 0 ? *root_last : c.pos[o];
+        const float* row = lp_s + (int64_t)d * kp;
+        double w = head;
+        int32_t len = 0;
+        for (int32_t r = r0; r < kp; r++) {
+            if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
+            if (w < T) {
+                *pruned = 1;
+                break;
+            }
+            len++;
+            if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
+        }
+        const int slot0 = atomicAdd(count, len);
+        if (slot0 + len > c.cap) {
+            *overflow = 1;
+            return;
+        }
+        w = head;
+        for (int32_t j = 0; j < len; j++) {
+            const int32_t r = r0 + j, slot = slot0 + j;
+            c.logw[slot] = w;
+            c.parent[slot] = o;
+            c.rank[slot] = r;
+            c.depth[slot] = d + 1;
+            c.fc[slot] = -1;
+            c.ns[slot] = j + 1 < len ? slot + 1 : -1;
+            c.gen[slot] = j > 0 ? slot - 1 : (last >= 0 ? last : o);
+            c.order[slot] = 0;   // its own chain: next rank 0,
+            c.pos[slot] = -1;    // no child yet
+            if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
+        }
+        if (last >= 0) c.ns[last] = slot0;
+        else if (o >= 0) c.fc[o] = slot0;
+        else *root_fc = slot0;
+        if (o >= 0) {
+            c.order[o] = r0 + len;
+            c.pos[o] = slot0 + len - 1;
+        } else {
+            *root_next = r0 + len;
+            *root_last = slot0 + len - 1;
+        }
+        o = slot0;  // depth first: the run's best node's children next
     }
 }
 
@@ -618,7 +672,7 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
                                  int* s_root_fc, unsigned* bins, double* spine, int* passes) {
-    __shared__ int s_pruned, s_overflow, s_finite;
+    __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
     if (threadIdx.x == 0) {
         *s_count = 0;
@@ -637,13 +691,13 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     const int width = (int)(kp < half ? kp : half);
     const int items = (int)L * width;
     const int want = (int)(half < items ? half : items);
-    double T = block_kth_largest(
+    double T = block_threshold(
         [&](int i) {
             const int d = i / width, r = i - d * width;
             return spine[d] + (double)lp_s[(int64_t)d * kp + r];
         },
         items, want, bins);
-    if (!(T > -INFINITY)) T = -DBL_MAX;  // -inf entries: take every finite node
+    if (!(T > -INFINITY)) T = -DBL_MAX;  // (no finite spine child: cannot happen, lp[0][0] is finite)
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -667,17 +721,10 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         if (s_overflow) return -1;
         if (M >= N || !s_pruned) return M;
         // The next threshold from the chain heads (the heap's frontier).
-        if (threadIdx.x == 0) s_finite = 0;
-        __syncthreads();
         const int32_t rn = s_root_next, rl = s_root_last;
         auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, rn, rl); };
-        int finite = 0;
-        for (int i = threadIdx.x; i <= M; i += blockDim.x) finite += !isinf(head(i));
-        if (finite) atomicAdd(&s_finite, finite);
-        __syncthreads();
-        const int F = s_finite, m = (int)(N - M);
-        if (F == 0) return M;  // (cannot happen: a pruned chain has a finite head)
-        T = block_kth_largest(head, M + 1, min(m, F), bins);
+        T = block_threshold(head, M + 1, (int)(N - M), bins);
+        if (isinf(T)) return M;  // (cannot happen: a pruned chain has a finite head)
         __syncthreads();
     }
     return -1;
@@ -732,7 +779,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
                                    double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
                                    int32_t* node_par, int32_t* node_depth, bool descent) {
     __shared__ int s_count, s_pruned, s_root_fc, s_fail;
-    __shared__ unsigned s_bins[256];
+    __shared__ unsigned s_bins[512];
     __shared__ double s_spine[kDescentMaxDepth];
     const double top = (double)lp_s[0];
     if (isinf(top)) return -1;  // (the heap handles the empty tree)
@@ -927,6 +974,32 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     for (int64_t row = warp; row < L; row += warps) {
         const float* src = lp + row * K;
         const int32_t* row_ids = ids + row * K;
+        if (kp <= kWarpDupMaxWidth) {
+            // Narrow rows: every load of the row first (one round trip), then the checks on
+            // registers; the order check takes the previous rank's value by a shuffle.
+            float v[kWarpDupPer];
+            int32_t id[kWarpDupPer];
+#pragma unroll
+            for (int m = 0; m < kWarpDupPer; m++) {
+                const int64_t r = lane + 32 * m;
+                v[m] = r < kp ? src[r] : 0.0f;
+                id[m] = r < kp ? row_ids[r] : -1;
+            }
+#pragma unroll
+            for (int m = 0; m < kWarpDupPer; m++) {
+                const int64_t r = lane + 32 * m;
+                const float up = __shfl_up_sync(kFullMask, v[m], 1);
+                const float carry = __shfl_sync(kFullMask, v[m > 0 ? m - 1 : 0], 31);
+                const float prev = lane == 0 ? carry : up;
+                if (r < kp) {
+                    lp_s[row * kp + r] = v[m];
+                    bad |= isnan(v[m]) || (isinf(v[m]) && v[m] > 0) || (r > 0 && v[m] > prev);
+                    bad |= id[m] < 0 || (d.vocab_size > 0 && id[m] >= d.vocab_size);
+                }
+            }
+            if (warp_ids_have_duplicate(id, kp, lane)) bad = 1;
+            continue;
+        }
         for (int64_t r = lane; r < kp; r += 32) {
             const float v = src[r];
             const int32_t id = row_ids[r];
@@ -934,7 +1007,6 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
             bad |= isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > src[r - 1]);
             bad |= id < 0 || (d.vocab_size > 0 && id >= d.vocab_size);
         }
-        if (kp <= kWarpDupMaxWidth && warp_row_has_duplicate(row_ids, kp, lane)) bad = 1;
     }
     if (bad) atomicOr(&s_bad, 1);
     __syncthreads();
@@ -1046,6 +1118,29 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         layout_for(p.cap, p.hash_slots, &glay);
         int32_t* g_par = reinterpret_cast<int32_t*>(p.workspace + (size_t)b * p.per_request + glay.tables) + (p.cap + 1);
         for (int64_t i = threadIdx.x; i <= n; i += blockDim.x) g_par[i] = node_par[i];
+    } else if (rows <= kStagedMaskMaxRows) {
+        // Small trees: row i's bits are built in shared memory by thread i (its own bit and
+        // its ancestors'; a padding row only its own), then both masks are written by the
+        // whole block, coalesced.
+        __shared__ uint32_t s_bits[kStagedMaskMaxRows * kStagedMaskMaxWords];
+        for (size_t k = threadIdx.x; k < rows * words; k += blockDim.x) s_bits[k] = 0u;
+        __syncthreads();
+        for (size_t i = threadIdx.x; i < rows; i += blockDim.x) {
+            uint32_t* row = s_bits + i * words;
+            for (int64_t a = (int64_t)i; a >= 0; a = (int64_t)i <= n ? node_par[a] : -1) row[a >> 5] |= 1u << (a & 31);
+        }
+        __syncthreads();
+        if (p.out.visibility_bits) {
+            uint32_t* dst = p.out.visibility_bits + base * words;
+            for (size_t k = threadIdx.x; k < rows * words; k += blockDim.x) dst[k] = s_bits[k];
+        }
+        if (p.out.visibility) {
+            uint8_t* dst = p.out.visibility + base * rows;
+            for (size_t k = threadIdx.x; k < rows * rows; k += blockDim.x) {
+                const uint32_t i = (uint32_t)k / (uint32_t)rows, j = (uint32_t)k - i * (uint32_t)rows;
+                dst[k] = (uint8_t)((s_bits[i * words + (j >> 5)] >> (j & 31)) & 1u);
+            }
+        }
     } else {
         for (size_t i = warp; i < rows; i += warps) {
             uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;

@@ -1,0 +1,11 @@
+set -u
+tools/device_check.sh build || exit 1
+(cd build-gpu && ctest -R "trees_cuda|round_cuda|mask_cuda" 2>&1 | tail -3)
+tools/device_check.sh forced
+echo "== bench: v4 (default)"; build-gpu/kdtree_bench_cuda
+echo "== bench: v3 (bisection)"; KDTREE_CUDA_TREES_BISECT=1 build-gpu/kdtree_bench_cuda
+echo "== profile"; build-gpu/kdtree_profile_trees_cuda
+for tool in racecheck memcheck; do
+  KDT_CUDA_TREES=300 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/test_trees_cuda > $OUT/san-$tool.log 2>&1
+  echo "trees $tool: exit $?, $(grep -h 'ERROR SUMMARY' $OUT/san-$tool.log | tail -1)"
+done
