@@ -78,6 +78,12 @@ int main() {
             CK(cudaMemcpyFromSymbol(v, kdt_prof_v3, sizeof v));
             printf("   block 0: version %d, %lld passes, enumeration %.1f us, sort + check %.1f us, |P_T| = %lld\n",
                    v[0][0] >= 1000 ? 4 : 3, v[0][0] % 1000, v[0][1] / cyc_per_us, v[0][2] / cyc_per_us, v[0][3]);
+            long long m4[64][8];
+            CK(cudaMemcpyFromSymbol(m4, kdt_prof_v4, sizeof m4));
+            printf("   block 0 version 4 phases (us from its start: first threshold, then per pass the rounds and the "
+                   "next threshold):");
+            for (int i = 1; i < 7 && m4[0][i] > m4[0][0]; i++) printf(" %.1f", (m4[0][i] - m4[0][0]) / cyc_per_us);
+            printf("; rounds %lld\n", m4[0][7]);
         }
         std::sort(launch.begin(), launch.end());
         double med[4];

@@ -30,7 +30,13 @@ __device__ long long kdt_prof[4096][4];
     do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
 __device__ long long kdt_prof_v3[4096][4];  // passes, enumeration cycles, sort + check cycles, |P_T|
 #define KDT_V3_PROF(stmt) stmt
+__device__ long long kdt_prof_v4[4096][8];  // clock marks of version 4's phases, [7]: rounds
+__device__ inline void kdt_prof_v4_mark(int i) {
+    if (threadIdx.x == 0 && blockIdx.x < 4096 && i < 7) kdt_prof_v4[blockIdx.x][i] = clock64();
+}
+#define KDT_V4_PROF(stmt) stmt
 #else
+#define KDT_V4_PROF(stmt)
 #define KDT_V3_PROF(stmt)
 #define KDT_PROBE(phase) do { } while (0)
 #endif
@@ -59,7 +65,7 @@ struct BuildParams {
     int64_t hash_slots; // power of two >= 2 K' (0 when K' == 0)
     int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
     int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
-    int32_t descent;        // 1: version 4's threshold descent before version 3's bisection
+    int32_t descent;        // 1: version 4's threshold descent before version 3's bisection (2: depth first)
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -443,7 +449,6 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 
 constexpr int kDescentMaxPasses = 8;
 constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
-constexpr int kRankSortMax = 512;          // candidates ordered by counting, not by a bitonic sort
 
 // An order-preserving map of doubles (NaN excluded) to unsigned 64-bit integers.
 __device__ inline unsigned long long double_key(double x) {
@@ -612,7 +617,7 @@ __device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L
 // starts below T and emits nothing.
 __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
                                     int* count, int* pruned, int* overflow, int32_t* root_next, int32_t* root_last,
-                                    int* root_fc) {
+                                    int* root_fc, bool depth_first) {
     for (;;) {
         const double head = chain_head(c, lp_s, L, kp, o, *root_next, *root_last);
         if (isinf(head)) return;
@@ -664,6 +669,7 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
             *root_next = r0 + len;
             *root_last = slot0 + len - 1;
         }
+        if (!depth_first) return;
         o = slot0;  // depth first: the run's best node's children next
     }
 }
@@ -671,7 +677,8 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
 // Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
-                                 int* s_root_fc, unsigned* bins, double* spine, int* passes) {
+                                 int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first) {
+    KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
     if (threadIdx.x == 0) {
@@ -698,6 +705,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         },
         items, want, bins);
     if (!(T > -INFINITY)) T = -DBL_MAX;  // (no finite spine child: cannot happen, lp[0][0] is finite)
+    KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -709,7 +717,8 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         while (lo < hi) {
             for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
                 resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
-                             s_root_fc);
+                             s_root_fc, depth_first);
+                KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
             }
             __syncthreads();
             lo = hi;
@@ -718,6 +727,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             __syncthreads();  // everyone has read the count before the next round adds to it
         }
         const int M = *s_count;
+        KDT_V4_PROF(kdt_prof_v4_mark(stamp++); if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_v4[blockIdx.x][7] = rounds;)
         if (s_overflow) return -1;
         if (M >= N || !s_pruned) return M;
         // The next threshold from the chain heads (the heap's frontier).
@@ -725,6 +735,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, rn, rl); };
         T = block_threshold(head, M + 1, (int)(N - M), bins);
         if (isinf(T)) return M;  // (cannot happen: a pruned chain has a finite head)
+        KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
         __syncthreads();
     }
     return -1;
@@ -777,7 +788,7 @@ __device__ int bisect_threshold(const Cands& c, const float* lp_s, int64_t L, in
 // or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
 __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
                                    double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
-                                   int32_t* node_par, int32_t* node_depth, bool descent) {
+                                   int32_t* node_par, int32_t* node_depth, int descent) {
     __shared__ int s_count, s_pruned, s_root_fc, s_fail;
     __shared__ unsigned s_bins[512];
     __shared__ double s_spine[kDescentMaxDepth];
@@ -788,34 +799,19 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     int M = -1;
     if (descent && L <= kDescentMaxDepth) {
         int passes = 0;
-        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes);
+        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2);
         if (M >= 0) prof_passes_any = 1000 + passes;
     }
     if (M < 0) M = bisect_threshold(c, lp_s, L, kp, N, &s_count, &s_pruned, &s_root_fc, &prof_passes_any);
     if (M < 0) return -1;
     KDT_V3_PROF(const long long prof_t1 = clock64();)
     const int64_t n = M < N ? M : N;
-    // The candidates in the heap's order (-logw, then the rank path). Up to kRankSortMax
-    // of them: each one's position is the count of candidates before it (every thread
-    // reads the same c.logw[j] at once: a broadcast); c.logw stays in candidate order.
-    // More: a bitonic sort on (score, index) pairs held side by side (c.logw is permuted
-    // along with c.order; padding, index -1 and score -inf, goes last). Either way only
-    // exactly equal scores read the rank paths.
-    const bool by_rank = M <= kRankSortMax;
-    if (by_rank) {
-        for (int i = threadIdx.x; i < M; i += blockDim.x) {
-            const double wi = c.logw[i];
-            int before = 0;
-            for (int j = 0; j < M; j++) {
-                const double wj = c.logw[j];
-                before += wj > wi || (wj == wi && j != i && cand_path_before(c, j, i));
-            }
-            c.pos[i] = before;
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < M; i += blockDim.x) c.order[c.pos[i]] = i;
-        __syncthreads();
-    } else {
+    // Bitonic sort of the candidates by the heap's key, on (score, index) pairs held side
+    // by side (c.logw is permuted along with c.order; no candidate table is read except
+    // the rank paths of exactly equal scores). Padding (index -1, score -inf) goes last.
+    // (Counting each candidate's predecessors instead was slower from 64 candidates up on
+    // an H200: perf-notes.)
+    {
         int P = 1;
         while (P < M) P <<= 1;
         for (int i = threadIdx.x; i < P; i += blockDim.x) {
@@ -848,7 +844,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         }
     }
     if (threadIdx.x == 0) s_fail = 0;
-    if (!by_rank) for (int k = threadIdx.x; k < M; k += blockDim.x) c.pos[c.order[k]] = k;
+    for (int k = threadIdx.x; k < M; k += blockDim.x) c.pos[c.order[k]] = k;
     __syncthreads();
     // Every selected node after its generator: then this order is the heap's.
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
@@ -874,7 +870,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
             node_depth[0] = 0;
         } else if (i <= n) {
             const int32_t a = c.order[i - 1];
-            logw_s[i] = by_rank ? c.logw[a] : c.logw[i - 1];  // (the bitonic sort permuted c.logw)
+            logw_s[i] = c.logw[i - 1];  // sorted along with c.order
             node_rank[i] = c.rank[a];
             node_depth[i] = c.depth[a];
             node_par[i] = c.parent[a] < 0 ? 0 : c.pos[c.parent[a]] + 1;
@@ -1043,7 +1039,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     __syncthreads();
     if (!s_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
         const int64_t pn = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s,
-                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent != 0);
+                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent);
         if (threadIdx.x == 0) s_par_n = pn;
         __syncthreads();
     }
@@ -1310,7 +1306,8 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
             }
         }
     }
-    p.descent = getenv("KDTREE_CUDA_TREES_BISECT") == NULL;
+    // 1: version 4 then 3; 2: version 4 depth first (KDTREE_CUDA_TREES_DFS=1); 0: version 3.
+    p.descent = getenv("KDTREE_CUDA_TREES_BISECT") != NULL ? 0 : getenv("KDTREE_CUDA_TREES_DFS") != NULL ? 2 : 1;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && getenv("KDTREE_CUDA_TREES_V1") == NULL) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
