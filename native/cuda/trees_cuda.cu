@@ -609,7 +609,7 @@ __device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L
 }
 
 // Resumes owner o's chain of children at threshold T: emits the next candidates while
-// their scores are >= T (one atomic for the run, whose slots are consecutive), links them
+// their scores are >= T (one atomic per eight, whose slots are consecutive), links them
 // after the chain's last child and makes each of them an owner with an empty chain. Then
 // goes on down the run's first node's chain, and so on (depth first), so that a path of
 // first children (the spine) takes one round, not one round per depth; the rest of each
@@ -627,50 +627,70 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
         }
         const int32_t d = o < 0 ? 0 : c.depth[o];
         const int32_t r0 = o < 0 ? *root_next : c.order[o];
-        const int32_t last = o < 0 ? *root_last : c.pos[o];
         const float* row = lp_s + (int64_t)d * kp;
+        int32_t prev = o < 0 ? *root_last : c.pos[o];  // the chain's last child so far
+        int32_t first_new = -1, r = r0;
         double w = head;
-        int32_t len = 0;
-        for (int32_t r = r0; r < kp; r++) {
-            if (isinf(w)) break;  // -inf: never emitted; the rest of the row is -inf too
-            if (w < T) {
-                *pruned = 1;
-                break;
+        bool more = true;
+        // Up to eight candidates are scored (in the spec's order, one after another) into
+        // registers, then take their slots with one atomic and are written; repeat.
+        while (more) {
+            double ws[8];
+            int nb = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (!more) break;
+                if (r + j >= kp || isinf(w)) {  // no rank left; -inf: never emitted, nor the rest
+                    more = false;
+                    break;
+                }
+                if (w < T) {
+                    *pruned = 1;
+                    more = false;
+                    break;
+                }
+                ws[j] = w;
+                nb = j + 1;
+                if (r + j + 1 < kp) w = (w - (double)row[r + j]) + (double)row[r + j + 1];  // subtract, then add
             }
-            len++;
-            if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
+            if (nb == 0) break;
+            const int slot0 = atomicAdd(count, nb);
+            if (slot0 + nb > c.cap) {
+                *overflow = 1;
+                return;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (j >= nb) break;
+                const int32_t slot = slot0 + j;
+                c.logw[slot] = ws[j];
+                c.parent[slot] = o;
+                c.rank[slot] = r + j;
+                c.depth[slot] = d + 1;
+                c.fc[slot] = -1;
+                c.ns[slot] = j + 1 < nb ? slot + 1 : -1;
+                c.gen[slot] = j > 0 ? slot - 1 : (prev >= 0 ? prev : o);
+                c.order[slot] = 0;   // its own chain: next rank 0,
+                c.pos[slot] = -1;    // no child yet
+            }
+            if (prev >= 0) c.ns[prev] = slot0;
+            else if (o >= 0) c.fc[o] = slot0;
+            else *root_fc = slot0;
+            if (first_new < 0) first_new = slot0;
+            prev = slot0 + nb - 1;
+            r += nb;
+            if (r >= kp) more = false;
         }
-        const int slot0 = atomicAdd(count, len);
-        if (slot0 + len > c.cap) {
-            *overflow = 1;
-            return;
-        }
-        w = head;
-        for (int32_t j = 0; j < len; j++) {
-            const int32_t r = r0 + j, slot = slot0 + j;
-            c.logw[slot] = w;
-            c.parent[slot] = o;
-            c.rank[slot] = r;
-            c.depth[slot] = d + 1;
-            c.fc[slot] = -1;
-            c.ns[slot] = j + 1 < len ? slot + 1 : -1;
-            c.gen[slot] = j > 0 ? slot - 1 : (last >= 0 ? last : o);
-            c.order[slot] = 0;   // its own chain: next rank 0,
-            c.pos[slot] = -1;    // no child yet
-            if (r + 1 < kp) w = (w - (double)row[r]) + (double)row[r + 1];
-        }
-        if (last >= 0) c.ns[last] = slot0;
-        else if (o >= 0) c.fc[o] = slot0;
-        else *root_fc = slot0;
         if (o >= 0) {
-            c.order[o] = r0 + len;
-            c.pos[o] = slot0 + len - 1;
+            c.order[o] = r;
+            c.pos[o] = prev;
         } else {
-            *root_next = r0 + len;
-            *root_last = slot0 + len - 1;
+            *root_next = r;
+            *root_last = prev;
         }
+        if (first_new < 0) return;
         if (!depth_first) return;
-        o = slot0;  // depth first: the run's best node's children next
+        o = first_new;  // depth first: the run's best node's children next
     }
 }
 
@@ -681,30 +701,52 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
+    // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
+    // the first `width` ranks of each row (an estimate: any threshold gives the exact tree),
+    // from one round of 256 bins between the best value lp[0][0] and the lowest finite one.
+    const int64_t half = N / 2 > 1 ? N / 2 : 1;
+    const int width = (int)(kp < half ? kp : half);
+    const int items = (int)L * width;
+    __shared__ double s_low;
+    __shared__ int s_want, s_bin;
     if (threadIdx.x == 0) {
         *s_count = 0;
         *s_root_fc = -1;
         s_root_next = 0;
         s_root_last = -1;
-        double w = 0.0;  // spine[d]: the score of the top-1 path's node at depth d
+        double w = 0.0, low = (double)lp_s[0];  // spine[d]: the score of the top-1 path's node at depth d
         for (int64_t d = 0; d < L; d++) {
             spine[d] = w;
+            const double v = w + (double)lp_s[d * kp + width - 1];
+            if (!isinf(v) && v < low) low = v;
             w = w + (double)lp_s[d * kp];
         }
+        s_low = low;
+        s_want = (int)(half < items ? half : items);
+        s_bin = -1;
     }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
     __syncthreads();
-    // The first threshold: the (N/2)-th best spine child.
-    const int64_t half = N / 2 > 1 ? N / 2 : 1;
-    const int width = (int)(kp < half ? kp : half);
-    const int items = (int)L * width;
-    const int want = (int)(half < items ? half : items);
-    double T = block_threshold(
-        [&](int i) {
-            const int d = i / width, r = i - d * width;
-            return spine[d] + (double)lp_s[(int64_t)d * kp + r];
-        },
-        items, want, bins);
-    if (!(T > -INFINITY)) T = -DBL_MAX;  // (no finite spine child: cannot happen, lp[0][0] is finite)
+    const double top = (double)lp_s[0], low = s_low;
+    double T = low;
+    if (low < top) {
+        const double scale = 256.0 / (top - low);
+        for (int base = 0; base < items; base += blockDim.x) {
+            const int i = base + (int)threadIdx.x;
+            unsigned digit = 0x100u;
+            if (i < items) {
+                const int d = i / width, r = i - d * width;
+                const double v = spine[d] + (double)lp_s[(int64_t)d * kp + r];
+                if (!isinf(v)) digit = (unsigned)min(255, max(0, (int)((top - v) * scale)));
+            }
+            warp_count_digit(digit, bins);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) warp_find_bin(bins, &s_want, &s_bin);
+        __syncthreads();
+        if (s_bin >= 0) T = top - (double)(s_bin + 1) / scale;  // the chosen bin's lower edge
+    }
+    if (!(T > -INFINITY)) T = -DBL_MAX;
     KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
@@ -822,21 +864,38 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         const int half = P >> 1;
         for (int k = 2; k <= P; k <<= 1) {
             for (int j = k >> 1; j > 0; j >>= 1) {
-                for (int q = threadIdx.x; q < half; q += blockDim.x) {
-                    const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i + j;  // the pair (i, l = i ^ j)
-                    const double wi = c.logw[i], wl = c.logw[l];
-                    const int32_t ai = c.order[i], al = c.order[l];
-                    // l before i in heap order?
-                    bool l_first;
-                    if (wi != wl) l_first = wl > wi;
-                    else if (ai < 0 || al < 0) l_first = ai < 0 && al >= 0;
-                    else l_first = cand_path_before(c, al, ai);
-                    const bool up = (i & k) == 0;  // this run ascends in heap order
-                    if (up == l_first) {
-                        c.logw[i] = wl;
-                        c.logw[l] = wi;
-                        c.order[i] = al;
-                        c.order[l] = ai;
+                // Four disjoint pairs per thread: all loaded before any is compared.
+                for (int q0 = threadIdx.x; q0 < half; q0 += 4 * blockDim.x) {
+                    int ii[4];
+                    double wi[4], wl[4];
+                    int32_t ai[4], al[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const int q = q0 + u * (int)blockDim.x;
+                        ii[u] = q < half ? (((q & ~(j - 1)) << 1) | (q & (j - 1))) : -1;  // the pair (i, i ^ j)
+                        if (ii[u] >= 0) {
+                            wi[u] = c.logw[ii[u]];
+                            wl[u] = c.logw[ii[u] + j];
+                            ai[u] = c.order[ii[u]];
+                            al[u] = c.order[ii[u] + j];
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (ii[u] < 0) continue;
+                        const int i = ii[u], l = i + j;
+                        // l before i in heap order?
+                        bool l_first;
+                        if (wi[u] != wl[u]) l_first = wl[u] > wi[u];
+                        else if (ai[u] < 0 || al[u] < 0) l_first = ai[u] < 0 && al[u] >= 0;
+                        else l_first = cand_path_before(c, al[u], ai[u]);
+                        const bool up = (i & k) == 0;  // this run ascends in heap order
+                        if (up == l_first) {
+                            c.logw[i] = wl[u];
+                            c.logw[l] = wi[u];
+                            c.order[i] = al[u];
+                            c.order[l] = ai[u];
+                        }
                     }
                 }
                 __syncthreads();
@@ -996,40 +1055,82 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
             if (warp_ids_have_duplicate(id, kp, lane)) bad = 1;
             continue;
         }
-        for (int64_t r = lane; r < kp; r += 32) {
-            const float v = src[r];
-            const int32_t id = row_ids[r];
-            lp_s[row * kp + r] = v;
-            bad |= isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > src[r - 1]);
-            bad |= id < 0 || (d.vocab_size > 0 && id >= d.vocab_size);
+        // Wide rows: four ranks per lane are loaded before any is checked (the loads of a
+        // batch overlap instead of waiting one after another).
+        for (int64_t r0 = lane; r0 < kp; r0 += 4 * 32) {
+            float v[4], before[4];
+            int32_t id[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int64_t r = r0 + 32 * u;
+                v[u] = r < kp ? src[r] : 0.0f;
+                before[u] = r > 0 && r < kp ? src[r - 1] : v[u];
+                id[u] = r < kp ? row_ids[r] : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int64_t r = r0 + 32 * u;
+                if (r >= kp) break;
+                lp_s[row * kp + r] = v[u];
+                bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0) || v[u] > before[u];
+                bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
+            }
         }
     }
     if (bad) atomicOr(&s_bad, 1);
     __syncthreads();
-    // Wider rows: repeated ids through a hash set of ids (-1: empty), a row at a time.
+    // Wider rows: repeated ids through hash sets of ids (-1: empty), one per row. The
+    // candidate arrays of the parallel expansion are free until it starts, so as many rows
+    // as their bytes hold are checked per round (else one row per round in `hash`).
     const uint64_t mask = (uint64_t)p.hash_slots - 1;
     int shift = 64;
     for (int64_t h = p.hash_slots; h > 1; h >>= 1) shift--;
-    for (int64_t row = 0; row < L && kp > kWarpDupMaxWidth; row++) {
-        for (int64_t i = threadIdx.x; i < p.hash_slots; i += blockDim.x) hash[i] = -1;
-        __syncthreads();
-        int dup = 0;
-        for (int64_t r = threadIdx.x; r < kp; r += blockDim.x) {
-            const int32_t id = ids[row * K + r];
-            if (id < 0) continue;
-            uint64_t slot = shift >= 64 ? 0 : (mix_id(id) >> shift) & mask;
-            for (;;) {
-                const int32_t prev = atomicCAS(&hash[slot], -1, id);
-                if (prev == -1) break;
-                if (prev == id) {
-                    dup = 1;
-                    break;
-                }
-                slot = (slot + 1) & mask;
+    if (kp > kWarpDupMaxWidth) {
+        int32_t* tables_h = hash;
+        int64_t group = 1;
+        if (p.cap3 > 0) {
+            tables_h = reinterpret_cast<int32_t*>(smem + lay.cands);
+            group = (int64_t)(cands_bytes(p.cap3) / ((size_t)p.hash_slots * sizeof(int32_t)));
+            if (group < 1) {
+                group = 1;
+                tables_h = hash;
             }
         }
-        if (dup) atomicOr(&s_bad, 1);
-        __syncthreads();
+        if (group > L) group = L;
+        for (int64_t row0 = 0; row0 < L; row0 += group) {
+            const int64_t g = row0 + group <= L ? group : L - row0;
+            for (int64_t i = threadIdx.x; i < g * p.hash_slots; i += blockDim.x) tables_h[i] = -1;
+            __syncthreads();
+            int dup = 0;
+            for (int64_t gr = 0; gr < g; gr++) {
+                int32_t* table = tables_h + gr * p.hash_slots;
+                const int32_t* row_ids = ids + (row0 + gr) * K;
+                for (int64_t r0 = threadIdx.x; r0 < kp; r0 += 4 * blockDim.x) {
+                    int32_t id[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const int64_t r = r0 + (int64_t)u * blockDim.x;
+                        id[u] = r < kp ? row_ids[r] : -1;
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (id[u] < 0) continue;
+                        uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
+                        for (;;) {
+                            const int32_t prev = atomicCAS(&table[slot], -1, id[u]);
+                            if (prev == -1) break;
+                            if (prev == id[u]) {
+                                dup = 1;
+                                break;
+                            }
+                            slot = (slot + 1) & mask;
+                        }
+                    }
+                }
+            }
+            if (dup) atomicOr(&s_bad, 1);
+            __syncthreads();
+        }
     }
 
     // Version 3 first (valid requests only); -1 sends the request to the heap below.
