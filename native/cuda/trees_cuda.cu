@@ -444,8 +444,9 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 // the chains: with m = N - |P_T| more nodes wanted, T = the m-th best head (every head
 // >= T then enters, so the next pass ends with >= N nodes), or the lowest head when there
 // are fewer than m. The result is the same P_T version 3 would enumerate at the last T,
-// so the sort and the generator-order check that follow are shared. Overflowing the
-// candidate arrays or too many passes hands over to version 3's bisection.
+// so the sort and the generator-order check that follow are shared. A pass that overflows
+// the candidate arrays is rolled back (each chain cut back to the candidates of the last
+// pass that fit) and retried halfway up; too many passes hand over to version 3.
 
 constexpr int kDescentMaxPasses = 8;
 constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
@@ -702,7 +703,8 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
     // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
-    // the first `width` ranks of each row (an estimate: any threshold gives the exact tree),
+    // the first `width` ranks of each row (an estimate: any threshold gives the exact tree;
+    // the passes below correct it),
     // from one round of 256 bins between the best value lp[0][0] and the lowest finite one.
     const int64_t half = N / 2 > 1 ? N / 2 : 1;
     const int width = (int)(kp < half ? kp : half);
@@ -744,10 +746,14 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         __syncthreads();
         if (threadIdx.x < 32) warp_find_bin(bins, &s_want, &s_bin);
         __syncthreads();
-        if (s_bin >= 0) T = top - (double)(s_bin + 1) / scale;  // the chosen bin's lower edge
+        // The chosen bin's upper edge: a little under the target count rather than over
+        // it (an overshoot can overflow the candidate arrays; a shortfall costs a pass).
+        if (s_bin >= 0) T = top - (double)s_bin / scale;
     }
     if (!(T > -INFINITY)) T = -DBL_MAX;
     KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
+    int kept = 0;               // candidates after the last pass that fit (and ended below N)
+    double t_kept = top;        // its threshold (before any pass: lp[0][0], which admits few)
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -770,8 +776,37 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         }
         const int M = *s_count;
         KDT_V4_PROF(kdt_prof_v4_mark(stamp++); if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_v4[blockIdx.x][7] = rounds;)
-        if (s_overflow) return -1;
+        if (s_overflow) {
+            // T was too low for the candidate arrays: drop this pass's candidates (every
+            // chain is cut back to its children below `kept`, which come first in its
+            // list) and try halfway between the last threshold that fit and T.
+            for (int o = (int)threadIdx.x - 1; o < kept; o += blockDim.x) {
+                int32_t first = o < 0 ? *s_root_fc : c.fc[o];
+                if (first >= kept) first = -1;
+                int32_t last = -1;
+                for (int32_t a = first; a >= 0 && a < kept; a = c.ns[a]) last = a;
+                if (last >= 0) c.ns[last] = -1;
+                const int32_t next = last >= 0 ? c.rank[last] + 1 : 0;
+                if (o < 0) {
+                    *s_root_fc = first;
+                    s_root_next = next;
+                    s_root_last = last;
+                } else {
+                    c.fc[o] = first;
+                    c.order[o] = next;
+                    c.pos[o] = last;
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) *s_count = kept;
+            const double mid = 0.5 * (t_kept + T);
+            if (!(mid > T && mid < t_kept)) return -1;  // cannot separate them: version 3
+            T = mid;
+            continue;
+        }
         if (M >= N || !s_pruned) return M;
+        kept = M;
+        t_kept = T;
         // The next threshold from the chain heads (the heap's frontier).
         const int32_t rn = s_root_next, rl = s_root_last;
         auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, rn, rl); };
