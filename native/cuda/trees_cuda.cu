@@ -66,6 +66,7 @@ struct BuildParams {
     int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
     int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
     int32_t descent;        // 1: version 4's threshold descent before version 3's bisection (2: depth first)
+    int32_t hash_one_row;   // 1: wide rows' duplicate check one row per round (KDTREE_CUDA_TREES_HASH1)
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -1123,7 +1124,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     if (kp > kWarpDupMaxWidth) {
         int32_t* tables_h = hash;
         int64_t group = 1;
-        if (p.cap3 > 0) {
+        if (p.cap3 > 0 && !p.hash_one_row) {
             tables_h = reinterpret_cast<int32_t*>(smem + lay.cands);
             group = (int64_t)(cands_bytes(p.cap3) / ((size_t)p.hash_slots * sizeof(int32_t)));
             if (group < 1) {
@@ -1395,6 +1396,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     BuildParams p;
     p.masks_separate = 0;
     p.descent = 0;
+    p.hash_one_row = getenv("KDTREE_CUDA_TREES_HASH1") != NULL;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
