@@ -66,7 +66,6 @@ struct BuildParams {
     int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
     int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
     int32_t descent;        // 1: version 4's threshold descent before version 3's bisection (2: depth first)
-    int32_t hash_one_row;   // 1: wide rows' duplicate check one row per round (KDTREE_CUDA_TREES_HASH1)
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -747,9 +746,9 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         __syncthreads();
         if (threadIdx.x < 32) warp_find_bin(bins, &s_want, &s_bin);
         __syncthreads();
-        // The chosen bin's upper edge: a little under the target count rather than over
-        // it (an overshoot can overflow the candidate arrays; a shortfall costs a pass).
-        if (s_bin >= 0) T = top - (double)s_bin / scale;
+        // The chosen bin's lower edge. (Its upper edge, a little under the target count,
+        // cost N = 64 a third pass on an H200: 47 -> 70 us; perf-notes.)
+        if (s_bin >= 0) T = top - (double)(s_bin + 1) / scale;
     }
     if (!(T > -INFINITY)) T = -DBL_MAX;
     KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
@@ -1115,58 +1114,41 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
     }
     if (bad) atomicOr(&s_bad, 1);
     __syncthreads();
-    // Wider rows: repeated ids through hash sets of ids (-1: empty), one per row. The
-    // candidate arrays of the parallel expansion are free until it starts, so as many rows
-    // as their bytes hold are checked per round (else one row per round in `hash`).
+    // Wider rows: repeated ids through a hash set of ids (-1: empty), a row at a time, four
+    // ids per thread loaded before any is inserted. (Several rows per round, in the then
+    // unused candidate arrays, measured slower on an H200: perf-notes.)
     const uint64_t mask = (uint64_t)p.hash_slots - 1;
     int shift = 64;
     for (int64_t h = p.hash_slots; h > 1; h >>= 1) shift--;
-    if (kp > kWarpDupMaxWidth) {
-        int32_t* tables_h = hash;
-        int64_t group = 1;
-        if (p.cap3 > 0 && !p.hash_one_row) {
-            tables_h = reinterpret_cast<int32_t*>(smem + lay.cands);
-            group = (int64_t)(cands_bytes(p.cap3) / ((size_t)p.hash_slots * sizeof(int32_t)));
-            if (group < 1) {
-                group = 1;
-                tables_h = hash;
+    for (int64_t row = 0; row < L && kp > kWarpDupMaxWidth; row++) {
+        for (int64_t i = threadIdx.x; i < p.hash_slots; i += blockDim.x) hash[i] = -1;
+        __syncthreads();
+        int dup = 0;
+        const int32_t* row_ids = ids + row * K;
+        for (int64_t r0 = threadIdx.x; r0 < kp; r0 += 4 * blockDim.x) {
+            int32_t id[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int64_t r = r0 + (int64_t)u * blockDim.x;
+                id[u] = r < kp ? row_ids[r] : -1;
             }
-        }
-        if (group > L) group = L;
-        for (int64_t row0 = 0; row0 < L; row0 += group) {
-            const int64_t g = row0 + group <= L ? group : L - row0;
-            for (int64_t i = threadIdx.x; i < g * p.hash_slots; i += blockDim.x) tables_h[i] = -1;
-            __syncthreads();
-            int dup = 0;
-            for (int64_t gr = 0; gr < g; gr++) {
-                int32_t* table = tables_h + gr * p.hash_slots;
-                const int32_t* row_ids = ids + (row0 + gr) * K;
-                for (int64_t r0 = threadIdx.x; r0 < kp; r0 += 4 * blockDim.x) {
-                    int32_t id[4];
 #pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        const int64_t r = r0 + (int64_t)u * blockDim.x;
-                        id[u] = r < kp ? row_ids[r] : -1;
+            for (int u = 0; u < 4; u++) {
+                if (id[u] < 0) continue;
+                uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
+                for (;;) {
+                    const int32_t prev = atomicCAS(&hash[slot], -1, id[u]);
+                    if (prev == -1) break;
+                    if (prev == id[u]) {
+                        dup = 1;
+                        break;
                     }
-#pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        if (id[u] < 0) continue;
-                        uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
-                        for (;;) {
-                            const int32_t prev = atomicCAS(&table[slot], -1, id[u]);
-                            if (prev == -1) break;
-                            if (prev == id[u]) {
-                                dup = 1;
-                                break;
-                            }
-                            slot = (slot + 1) & mask;
-                        }
-                    }
+                    slot = (slot + 1) & mask;
                 }
             }
-            if (dup) atomicOr(&s_bad, 1);
-            __syncthreads();
         }
+        if (dup) atomicOr(&s_bad, 1);
+        __syncthreads();
     }
 
     // Version 3 first (valid requests only); -1 sends the request to the heap below.
@@ -1396,7 +1378,6 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     BuildParams p;
     p.masks_separate = 0;
     p.descent = 0;
-    p.hash_one_row = getenv("KDTREE_CUDA_TREES_HASH1") != NULL;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
