@@ -449,6 +449,7 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 // pass that fit) and retried halfway up; too many passes hand over to version 3.
 
 constexpr int kDescentMaxPasses = 8;
+constexpr int64_t kDescentPreciseFirstMin = 512;  // from this budget the first threshold takes two rounds
 constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
 
 // An order-preserving map of doubles (NaN excluded) to unsigned 64-bit integers.
@@ -731,7 +732,17 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     __syncthreads();
     const double top = (double)lp_s[0], low = s_low;
     double T = low;
-    if (low < top) {
+    if (N >= kDescentPreciseFirstMin) {
+        // Large trees: the two-round threshold (one of the values, just under the target
+        // count): a coarse bin's overshoot overflows the candidates there (H200: N = 1024
+        // 274 us this way, 441 us with the single round; perf-notes).
+        T = block_threshold(
+            [&](int i) {
+                const int d = i / width, r = i - d * width;
+                return spine[d] + (double)lp_s[(int64_t)d * kp + r];
+            },
+            items, (int)(half < items ? half : items), bins);
+    } else if (low < top) {
         const double scale = 256.0 / (top - low);
         for (int base = 0; base < items; base += blockDim.x) {
             const int i = base + (int)threadIdx.x;
