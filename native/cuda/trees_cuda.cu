@@ -773,6 +773,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         }
         __syncthreads();
         int lo = -1, hi = min(*s_count, c.cap);  // round 0: the root (-1) and every candidate
+        __syncthreads();  // everyone has read the count before round 0 adds to it
         while (lo < hi) {
             for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
                 resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
