@@ -90,6 +90,11 @@ def test_save_load_round_trip(tmp_path):
     with pytest.raises(ValueError, match="drafter.safetensors"):
         load_drafter(tmp_path)
     assert not list(tmp_path.glob("*.tmp-*"))  # the atomic writes left no temporary file
+    # A config far larger than its weights is refused from the file header, before any
+    # model of that size exists (2**21 x 1024 floats would be 8 GB).
+    (tmp_path / "drafter_config.json").write_text(json.dumps({**cfg, "vocab_size": 2**21, "hidden_size": 1024}))
+    with pytest.raises(ValueError, match="does not match"):
+        load_drafter(tmp_path)
     (tmp_path / "drafter_config.json").write_text(json.dumps({**cfg, "surprise": 1}))
     with pytest.raises(ValueError, match="unknown"):
         load_drafter(tmp_path)

@@ -176,10 +176,15 @@ def test_render_tree_marks_accepted_path(models):
     depths = [(len(ln) - len(ln.lstrip())) // 2 for ln in starred]
     assert depths == list(range(k + 1))
     assert f"accepted path: {k} draft node(s)" in text
+    # A small drawing keeps the best 5 nodes and the whole accepted path wherever it ranks.
     small = engine.render_tree(snap.trees, 0, acc, max_nodes=5)
     n = int(snap.trees.num_nodes[0])
-    assert f"... {n - 5} more of {n} nodes not shown" in small
-    assert len([ln for ln in small.splitlines() if "logw=" in ln]) == 5
+    extra = sum(1 for i in path if i > 5)
+    also = f" and the {extra} accepted beyond them" if extra else ""
+    assert f"... {n - 5 - extra} more of {n} nodes not shown (drawing the best 5{also})" in small
+    assert len([ln for ln in small.splitlines() if "logw=" in ln]) == 5 + extra
+    small_starred = [ln for ln in small.splitlines() if ln.lstrip().startswith("*")]
+    assert len(small_starred) == k + 1
 
 
 def test_escape_and_printable():
@@ -206,3 +211,20 @@ def test_printable_marks_long_runs():
 def test_stage_names_follow_the_library():
     # "target" is the target's one call per round, "verify" the walk (kdtree.verify_greedy)
     assert engine.STAGES == ("draft", "topk", "build", "target", "verify", "commit")
+
+
+def test_tree_layout_draws_the_accepted_path_beyond_the_best_nodes(models):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (nox -s test installs it)")
+    from kdtree.plots import tree_layout
+
+    target, drafter = models
+    sp = engine.speculative_generate(target, drafter, PROMPTS[1], 60, budget=64, depth=15)
+    acc, trees = sp.snapshot.acceptance, sp.snapshot.trees
+    k = int(acc.accept_length[0])
+    path = {int(i) for i in acc.accepted_nodes[0, : k + 1]}
+    pos = tree_layout(trees, 0, 3, extra=path)
+    assert set(pos) == set(range(min(4, int(trees.num_nodes[0]) + 1))) | path
+    for i in pos:  # connected: every drawn node's parent is drawn, one depth to the left
+        if i:
+            assert int(trees.parents[0, i]) in pos
+            assert pos[i][0] == pos[int(trees.parents[0, i])][0] + 1

@@ -91,11 +91,19 @@ def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
     (["generate", "--prompt-file", ".", "--no-ar"], "Is a directory"),
     (["generate", "--prompt-offset", "10000000"], "beyond the end"),
     (["generate", "--max-new-tokens", "5000"], "exceed the target's 4096 positions"),
+    (["generate", "--top-p", "0.9"], "--top-p 0.9 applies to sampling only"),
 ])
 def test_usage_errors(tmp_path, args, message):
     r = run_cli(args, tmp_path, timeout=120)
     assert r.returncode == 2, r.stdout
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_prompt_too_long_for_the_target_is_refused_before_tokenizing(tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 2_000_000)
+    r = run_cli(["generate", "--prompt-file", str(big), "--prompt-chars", "3000000", "--no-ar"], tmp_path)
+    assert r.returncode == 2 and "cannot fit the target's 4096 positions" in r.stderr, r.stderr
 
 
 def test_repeated_share():
@@ -125,3 +133,9 @@ def test_broken_model_folders_are_usage_errors(tmp_path):
     r = run_cli(["generate", "--models", str(mismatch)], tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "cannot load the models" in r.stderr or "does not fit the target" in r.stderr
+    window = tmp_path / "window"
+    shutil.copytree(MODELS, window)
+    cfg = window / "target" / "config.json"
+    cfg.write_text(cfg.read_text().replace('"use_sliding_window": false', '"use_sliding_window": true'))
+    r = run_cli(["generate", "--models", str(window), "--no-ar"], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "sliding-window" in r.stderr, r.stderr

@@ -108,7 +108,7 @@ def test_tree_forward_matches_each_path_forward(model, budget):
                                    vocab_size=97)
         logits = target.tree_logits(trees)
         n = int(trees.num_nodes[0])
-        assert logits.shape == (budget + 1, 97)
+        assert logits.shape == (n + 1, 97)  # padding rows are not forwarded
         for i in range(n + 1):
             ref = causal_logits(model, prompt + path_tokens(trees, i))
             assert torch.allclose(logits[i], ref, rtol=0, atol=1e-12), f"trial {trial}, node {i}"
@@ -459,3 +459,59 @@ def test_cuda_greedy_ddtree_equals_greedy_ar(cuda_lib):
             drafter = NoisyOracleDrafter(gpu_model, keep=0.8, seed=p_i * 10 + budget)
             res = speculative_generate(HFTarget(gpu_model), drafter, prompt, 16, budget=budget, depth=6)
             assert res.tokens == ar.tokens, f"prompt {p_i}, budget {budget}"
+
+
+def test_mistral_style_sliding_window_and_bad_seeds_are_refused():
+    cfg = transformers.MistralConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=6)
+    with pytest.raises(ValueError, match="sliding-window"):
+        HFTarget(transformers.MistralForCausalLM(cfg))
+    small = tiny_qwen3(vocab=20, layers=1)
+    for seed in (1.5, "3", True):
+        with pytest.raises(ValueError, match="seed"):
+            HFTarget(small, seed=seed)
+
+
+def test_decoding_up_to_the_position_limit_matches_ar():
+    """Near max_position_embeddings the trees get shallower: DDTree still produces AR's
+    tokens up to the last position AR reaches."""
+    cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=40, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    small = transformers.Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    prompt = list(range(3, 30))
+    new = 40 - len(prompt)  # the last new token is chosen at position 39
+    ar = autoregressive_generate(HFTarget(small), prompt, new)
+    for depth in (4, 12):
+        drafter = NoisyOracleDrafter(small, keep=1.0, seed=depth)
+        res = speculative_generate(HFTarget(small), drafter, prompt, new, budget=16, depth=depth)
+        assert res.tokens == ar.tokens, f"depth {depth}"
+
+
+def test_a_budget_beyond_every_possible_node_costs_nothing_extra(model):
+    """budget 10**6 with depth 1 and 97 tokens: at most 97 nodes, so the tree (and its
+    visibility matrix) are built for 97, and the output is AR's."""
+    prompt = [4, 5, 6]
+    ar = autoregressive_generate(HFTarget(model), prompt, 6)
+    res = speculative_generate(HFTarget(model), RandomDrafter(97, 0), prompt, 6, budget=10**6, depth=1)
+    assert res.tokens == ar.tokens
+
+
+def test_a_commit_that_fails_midway_leaves_a_refusing_target(model, monkeypatch):
+    target, trees = _one_tree(model, [4, 8, 15, 16])
+    chosen = target.score_tree(trees)
+    acc = kdtree.verify_greedy(trees, chosen)
+    committed = acc.committed(trees, 0)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(target, "_compact", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        target.commit(committed, trees, acc)
+    with pytest.raises(RuntimeError, match="undefined state"):
+        target.next_token()
+    monkeypatch.undo()
+    target.prefill([4, 8, 15, 16])  # starts again
+    assert target.next_token() == autoregressive_generate(HFTarget(model), [4, 8, 15, 16], 1).tokens[0]

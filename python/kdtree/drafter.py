@@ -245,14 +245,22 @@ def load_drafter(folder: str | Path, *, device: str = "cpu", dtype: Any = None):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} not found (a folder written by save_drafter)")
     cfg = BlockDrafterConfig.from_json((folder / CONFIG_NAME).read_text())
-    model = BlockDrafter(cfg)
-    state = load_file(str(folder / WEIGHTS_NAME))
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shapes that do not match the config
-        raise ValueError(f"{folder / WEIGHTS_NAME}: {str(exc).splitlines()[0]}") from None
+    # Names and shapes are compared first, on a model without storage (the meta device)
+    # and the file's header, so a config that does not match its weights costs no memory.
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in BlockDrafter(cfg).state_dict().items()}
+    with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    missing, unexpected = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
     if missing or unexpected:
-        raise ValueError(f"{folder / WEIGHTS_NAME}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise ValueError(f"{folder / WEIGHTS_NAME}: missing {missing}, unexpected {unexpected}")
+    wrong = [f"{k}: stored {stored[k]}, config {shapes[k]}" for k in sorted(shapes) if stored[k] != shapes[k]]
+    if wrong:
+        raise ValueError(f"{folder / WEIGHTS_NAME} does not match {folder / CONFIG_NAME}: " + "; ".join(wrong[:3]))
+    model = BlockDrafter(cfg)
+    model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)), strict=True)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return model.to(device=device, dtype=dtype).eval()

@@ -76,6 +76,10 @@ class Target(Protocol):
         """What the drafter conditions on besides the tokens (hidden states of the last
         forward for DFlash), or None."""
 
+    # Optional: ``positions_left() -> int | None``, the positions the model can still take
+    # after the last committed token; speculative_generate then caps each round's depth
+    # with it (HFTarget has it: max_position_embeddings less the sequence length).
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -190,6 +194,19 @@ def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_token
     return res
 
 
+def _useful_budget(budget: int, depth: int, width: int) -> int:
+    """min(budget, width + width^2 + ... + width^depth): a tree of depth ``depth`` with
+    ``width`` children per node cannot hold more nodes, so a larger budget only adds padding
+    rows (the tree itself is the same)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= width
+        total += level
+        if total >= budget or level == 0:
+            break
+    return min(budget, total)
+
+
 def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int],
                          max_new_tokens: int, *, budget: int, depth: int,
                          stop_tokens: Sequence[int] = (), ops: Any = None,
@@ -239,6 +256,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
     best = (-1, -1)
     t_start = time.perf_counter()
     target.prefill(context)
+    positions_left = getattr(target, "positions_left", None)
     while len(res.tokens) < max_new_tokens:
         remaining = max_new_tokens - len(res.tokens)
         t0 = time.perf_counter()
@@ -247,10 +265,17 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
         if logits.shape != (depth, vocab):
             raise ValueError(f"drafter returned logits of shape {logits.shape}, "
                              f"expected ({depth}, {vocab})")
+        # Near the target's position limit the tree gets shallower (down to the root
+        # alone, one token a round), as autoregressive decoding would still run there.
+        left = positions_left() if callable(positions_left) else None
+        round_depth = depth if left is None else min(depth, left)
+        if round_depth < depth:
+            logits = logits[:round_depth]
+        round_budget = _useful_budget(budget, round_depth, k)
         t1 = time.perf_counter()
         lp, ids = ops.topk_logprobs(logits, k)
         t2 = time.perf_counter()
-        trees = ops.build_trees(lp, ids, budget, root_tokens=[context[-1]],
+        trees = ops.build_trees(lp, ids, round_budget, root_tokens=[context[-1]],
                                 root_positions=[len(context) - 1], vocab_size=vocab)
         t3 = time.perf_counter()
         chosen = np.asarray(target.score_tree(trees))
@@ -356,8 +381,9 @@ def render_tree(trees: Any, b: int = 0, acceptance: Any = None, *, max_nodes: in
     One line per node, depth-first with children in node order (decreasing score), indented
     two spaces per depth: marker (``*`` on the accepted path), token, ``logw`` and node
     number. Only nodes ``0 .. max_nodes`` are drawn (the best ``max_nodes`` by score; as
-    parents precede children this is a connected subtree); a last line says how many were
-    left out. With ``acceptance`` the accepted path is marked and the bonus token named.
+    parents precede children this is a connected subtree), plus the accepted path's nodes
+    wherever they rank; a last line says how many were left out. With ``acceptance`` the
+    accepted path is marked and the bonus token named.
     """
     n = int(trees.num_nodes[b])
     shown = min(n, max(0, max_nodes))
@@ -378,7 +404,7 @@ def render_tree(trees: Any, b: int = 0, acceptance: Any = None, *, max_nodes: in
         sib = int(ns[i])
         if sib != -1:
             stack.append(sib)
-        if i > shown:
+        if i > shown and i not in accepted:
             continue
         d = int(trees.depths[b, i])
         mark = "*" if i in accepted else " "
@@ -387,8 +413,10 @@ def render_tree(trees: Any, b: int = 0, acceptance: Any = None, *, max_nodes: in
         child = int(fc[i])
         if child != -1:
             stack.append(child)
-    if shown < n:
-        lines.append(f"... {n - shown} more of {n} nodes not shown (drawing the best {shown})")
+    extra = sum(1 for i in accepted if i > shown)
+    if shown + extra < n:
+        also = f" and the {extra} accepted beyond them" if extra else ""
+        lines.append(f"... {n - shown - extra} more of {n} nodes not shown (drawing the best {shown}{also})")
     if acceptance is not None:
         k = int(acceptance.accept_length[b])
         bonus = int(acceptance.bonus_token[b])

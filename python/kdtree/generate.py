@@ -149,6 +149,9 @@ def load_pair(models: Path, device: str, dtype: str | None):
         raise UsageError(f"cannot load the models in {models}: {type(exc).__name__}: {first}") from None
     cfg, dcfg = target.config, drafter.config
     problems = []
+    if tok.get_vocab_size(with_added_tokens=True) > int(cfg.vocab_size):
+        problems.append(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, more than the "
+                        f"target's vocabulary of {cfg.vocab_size}")
     if int(cfg.vocab_size) != dcfg.vocab_size:
         problems.append(f"drafter vocabulary {dcfg.vocab_size} != target vocabulary {cfg.vocab_size}")
     if any(not 0 <= i <= int(cfg.num_hidden_layers) for i in dcfg.target_layers):
@@ -158,7 +161,7 @@ def load_pair(models: Path, device: str, dtype: str | None):
         problems.append(f"drafter feature_size {dcfg.feature_size} != {len(dcfg.target_layers)} layers x "
                         f"{cfg.hidden_size}")
     if problems:
-        raise UsageError(f"{models}: the drafter does not fit the target: " + "; ".join(problems))
+        raise UsageError(f"{models}: the tokenizer or the drafter does not fit the target: " + "; ".join(problems))
     return tok, target, drafter
 
 
@@ -201,6 +204,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         raise UsageError("the transformer pair needs torch, transformers and tokenizers; `nox -s demo` "
                          "installs them") from None
     _check_device(args.device)
+    if args.temperature == 0.0 and args.top_p < 1.0:
+        raise UsageError(f"--top-p {args.top_p} applies to sampling only: add --temperature T > 0 "
+                         f"(greedy decoding takes the argmax)")
     t0 = time.perf_counter()
     tok, target_model, drafter_model = load_pair(args.models, args.device, args.dtype)
     t_load = time.perf_counter() - t0
@@ -208,10 +214,18 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     depth = max_depth if args.depth is None else args.depth
     if depth > max_depth:
         raise UsageError(f"--depth {depth} exceeds this drafter's {max_depth} positions per call")
+    max_pos = int(getattr(target_model.config, "max_position_embeddings", 0) or 0)
+    if max_pos:
+        # Refuse a prompt that cannot fit before tokenizing it (tokenizing a huge text
+        # costs far more memory than the text): no token covers more characters than its
+        # byte-level string is long.
+        longest = max(len(tok.id_to_token(i) or "") for i in range(tok.get_vocab_size(with_added_tokens=True)))
+        if len(prompt_text) > max(1, longest) * max_pos:
+            raise UsageError(f"the prompt ({len(prompt_text)} characters) cannot fit the target's {max_pos} "
+                             f"positions (a token covers at most {longest} characters); shorten it")
     prompt = tok.encode(prompt_text).ids
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
-    max_pos = int(getattr(target_model.config, "max_position_embeddings", 0) or 0)
     if max_pos and len(prompt) + args.max_new_tokens + depth > max_pos:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) + depth ({depth}) "
                          f"exceed the target's {max_pos} positions")
@@ -241,6 +255,11 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     def new_target():
         return HFTarget(target_model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         feature_layers=layers)
+
+    try:
+        new_target()  # a model the engine cannot drive (sliding windows, ...) fails here, in one line
+    except ValueError as exc:
+        raise UsageError(f"{args.models / 'target'}: {exc}") from None
 
     ar = None
     if not args.no_ar:

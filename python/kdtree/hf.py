@@ -18,7 +18,7 @@ project spec ``ddtree-tree-build.md``, "Verification"):
 - :meth:`HFTarget.score_tree`: one forward over the root and the draft nodes, position ids
   ``trees.positions`` (root position + depth) and a 4-D additive mask: every cached token
   visible, inside the tree each node sees itself and its ancestors
-  (``trees.visibility``), padding rows only themselves. The model's choice at each node is
+  (``trees.visibility``); padding rows are not forwarded. The model's choice at each node is
   the argmax of its logits (greedy, ties to the lower id) or one independent draw from
   ``softmax(logits / temperature)`` restricted to the top-p nucleus; the walk
   (``verify_greedy``) then keeps the target's output distribution exactly.
@@ -138,7 +138,10 @@ class HFTarget:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         cfg = model.config
         layer_types = list(getattr(cfg, "layer_types", None) or [])
-        if getattr(cfg, "use_sliding_window", False) or any("sliding" in str(t) for t in layer_types):
+        # Qwen2/Qwen3 configs carry a window size with use_sliding_window=False; Mistral-style
+        # configs have no switch: a window size alone turns the window on.
+        window_on = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
+        if window_on or any("sliding" in str(t) for t in layer_types):
             raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
                              "and compaction assume a cache that keeps every row (use a full-attention model)")
         n_layers = int(model.config.num_hidden_layers)
@@ -154,8 +157,8 @@ class HFTarget:
         self.feature_layers = layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        if not 0 <= int(seed) < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)  # 0: unknown
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
         params = inspect.signature(model.forward).parameters
@@ -164,6 +167,7 @@ class HFTarget:
         self._committed: list[int] = []
         self._features = None       # [cached positions, F] or None
         self._pending = None        # what the last forward left for commit()
+        self._broken = None         # why the state is undefined (a commit failed midway), or None
         self.forwards = 0           # model calls so far (prefill included)
 
     # ---- the engine's Target protocol ------------------------------------------------
@@ -178,6 +182,7 @@ class HFTarget:
         self._cache = None
         self._features = None
         self._pending = None
+        self._broken = None
         self._committed = list(tokens)
         if len(tokens) > 1:
             _, hidden = self._forward(tokens[:-1], list(range(len(tokens) - 1)), None)
@@ -194,9 +199,10 @@ class HFTarget:
         return int(self.choose(logits)[0])
 
     def tree_logits(self, trees: Any) -> Any:
-        """The tree forward alone: logits ``[N+1, V]`` (torch, the model's dtype) of every
-        row of request 0 of ``trees`` (a :class:`kdtree.TreeBatch` with one request whose
-        root is the last committed token and whose root position is the cache length).
+        """The tree forward alone: logits ``[n+1, V]`` (torch, the model's dtype) of the
+        root and the ``n = num_nodes`` draft nodes of request 0 of ``trees`` (a
+        :class:`kdtree.TreeBatch` with one request whose root is the last committed token
+        and whose root position is the cache length). Padding rows are not forwarded.
 
         Raises:
             ValueError: more than one request, a root that is not the last committed token
@@ -209,21 +215,20 @@ class HFTarget:
             raise ValueError(f"HFTarget holds one sequence; trees has {trees.batch} requests")
         past = len(self._committed) - 1
         n = int(trees.num_nodes[0])
-        rows = int(trees.budget) + 1
+        rows = n + 1  # the root and the nodes; padding rows would only cost compute
         tokens = np.asarray(trees.tokens[0], dtype=np.int64).copy()
         if int(tokens[0]) != self._committed[-1] or int(trees.positions[0, 0]) != past:
             raise ValueError(f"the tree's root (token {int(tokens[0])}, position {int(trees.positions[0, 0])}) "
                              f"is not the last committed token ({self._committed[-1]}, position {past})")
         if n > 0 and not ((tokens[1:n + 1] >= 0) & (tokens[1:n + 1] < self.vocab_size)).all():
             raise ValueError(f"a draft token is outside [0, {self.vocab_size})")
-        vis_np = np.asarray(trees.visibility[0], dtype=bool)
         check_tree_structure(trees, past)
-        tokens[n + 1:] = 0  # padding rows: any token, they see only themselves
-        positions = np.asarray(trees.positions[0], dtype=np.int64).copy()
-        positions[n + 1:] = past
+        vis_np = np.asarray(trees.visibility[0], dtype=bool)[:rows, :rows]
+        tokens = tokens[:rows]
+        positions = np.asarray(trees.positions[0], dtype=np.int64)[:rows]
         vis = torch.as_tensor(vis_np, device=self.device)
         allowed = torch.zeros((rows, past + rows), dtype=torch.bool, device=self.device)
-        allowed[: n + 1, :past] = True
+        allowed[:, :past] = True
         allowed[:, past:] = vis
         low = torch.finfo(self.dtype).min
         mask = torch.zeros((1, 1, rows, past + rows), dtype=self.dtype, device=self.device)
@@ -234,10 +239,12 @@ class HFTarget:
 
     def score_tree(self, trees: Any) -> np.ndarray:
         """One forward over every node of ``trees`` (see :meth:`tree_logits`); returns the
-        model's choice at every row, int32 ``[1, N+1]`` (padding rows: whatever the model
-        chose there; the walk never reads them)."""
+        model's choice at every row, int32 ``[1, N+1]`` (padding rows: 0; the walk never
+        reads them)."""
         logits = self.tree_logits(trees)
-        return self.choose(logits)[None, :]
+        out = np.zeros((1, int(trees.budget) + 1), dtype=np.int32)
+        out[0, : logits.shape[0]] = self.choose(logits)
+        return out
 
     def commit(self, tokens: Sequence[int], trees: Any = None, acceptance: Any = None) -> None:
         """Append ``tokens`` to the sequence, after a forward.
@@ -278,13 +285,17 @@ class HFTarget:
             raise ValueError("commit got other trees than the ones score_tree scored")
         path = self._check_path(trees, acceptance, committed)
         keep = len(committed)  # rows kept from the tree block: the root and path[1 .. keep - 1]
+        try:
+            self._compact(past, path, acceptance)
+            drop = self.cache_length - (past + keep)
+            if drop > 0:
+                self._cache.crop(-drop)  # a negative argument removes rows in every release
+            if hidden is not None:
+                self._append_features(hidden[_torch().as_tensor(path[:keep], device=hidden.device)])
+        except Exception as exc:  # the cache may be half moved: refuse everything until prefill
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
         self._pending = None
-        self._compact(past, path, acceptance)
-        drop = self.cache_length - (past + keep)
-        if drop > 0:
-            self._cache.crop(-drop)  # a negative argument removes rows in every release
-        if hidden is not None:
-            self._append_features(hidden[_torch().as_tensor(path[:keep], device=hidden.device)])
         self._committed.extend(committed)
 
     def _check_path(self, trees: Any, acceptance: Any, committed: list[int]) -> np.ndarray:
@@ -412,8 +423,19 @@ class HFTarget:
             raise RuntimeError("the previous forward is not committed yet: call commit(...) first")
 
     def _require_sequence(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"the sequence is in an undefined state after a failed commit ({self._broken}); "
+                               f"call prefill(prompt) to start again")
         if not self._committed:
             raise RuntimeError("call prefill(prompt) first")
+
+    def positions_left(self) -> int | None:
+        """How many positions after the last committed token the model can still take
+        (``max_position_embeddings`` less the sequence length), or None when the config
+        gives no limit. The engine caps each round's tree depth with it."""
+        if not self.max_positions:
+            return None
+        return max(0, self.max_positions - len(self._committed))
 
 
 def top_p_filter(probs: Any, top_p: float) -> Any:

@@ -4,17 +4,20 @@ histogram and one round's draft tree with the accepted path."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 
-def tree_layout(trees: Any, b: int = 0, max_nodes: int = 30) -> dict[int, tuple[float, float]]:
-    """(x, y) of nodes 0 .. min(n, max_nodes) of request ``b``: x = depth, y = order of the
+def tree_layout(trees: Any, b: int = 0, max_nodes: int = 30,
+                extra: Iterable[int] = ()) -> dict[int, tuple[float, float]]:
+    """(x, y) of nodes 0 .. min(n, max_nodes) of request ``b`` and of the nodes in
+    ``extra`` (a root-connected set, e.g. the accepted path): x = depth, y = order of the
     node's first leaf in a depth-first walk with children in node order (so siblings stack
     by decreasing score). Parents precede children in node order, so the drawn nodes form a
     connected subtree."""
     n = min(int(trees.num_nodes[b]), max(0, max_nodes))
+    also = {int(i) for i in extra}
     fc, ns = trees.first_child[b], trees.next_sibling[b]
     pos: dict[int, tuple[float, float]] = {}
     next_y = [0.0]
@@ -23,7 +26,7 @@ def tree_layout(trees: Any, b: int = 0, max_nodes: int = 30) -> dict[int, tuple[
         kids = []
         c = int(fc[i])
         while c != -1:
-            if c <= n:
+            if c <= n or c in also:
                 kids.append(c)
             c = int(ns[c])
         if not kids:
@@ -68,9 +71,9 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
     ax_t.set_axis_off()
     if snap is not None:
         trees, acc = snap.trees, snap.acceptance
-        pos = tree_layout(trees, 0, max_nodes)
         m = int(acc.accept_length[0])
         path_nodes = {int(i) for i in acc.accepted_nodes[0][: m + 1]}
+        pos = tree_layout(trees, 0, max_nodes, extra=path_nodes)
         for i, (x, y) in pos.items():
             if i == 0:
                 continue
@@ -84,8 +87,8 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
                       bbox=dict(boxstyle="round,pad=0.2", fc="#fbe3d2" if on else "white",
                                 ec="#dd8452" if on else "#777777"))
         ax_t.invert_yaxis()
-        ax_t.set_title(f"draft tree of round {snap.index} (the best {len(pos) - 1} of {int(trees.num_nodes[0])} "
-                       f"nodes; accepted path in orange, then bonus {token_str(int(acc.bonus_token[0]))!r})")
+        ax_t.set_title(f"draft tree of round {snap.index} ({len(pos) - 1} of {int(trees.num_nodes[0])} nodes: the "
+                       f"best and the accepted path, in orange, then bonus {token_str(int(acc.bonus_token[0]))!r})")
         xs = [p[0] for p in pos.values()]
         ys = [p[1] for p in pos.values()]
         ax_t.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
