@@ -362,6 +362,9 @@ def test_bad_trees_are_refused(model):
                                                                               50, 0)[None])
     with pytest.raises(ValueError, match="position"):
         target.tree_logits(shifted)
+    for bad_n in (-1, int(trees.budget) + 1):
+        with pytest.raises(ValueError, match="num_nodes"):
+            target.tree_logits(dataclasses.replace(trees, num_nodes=np.array([bad_n], dtype=np.int32)))
     seeing = dataclasses.replace(trees, visibility=np.ones_like(trees.visibility))
     with pytest.raises(ValueError, match="visibility"):
         target.tree_logits(seeing)
@@ -394,7 +397,7 @@ def cuda_lib(lib):
     import ctypes
 
     if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device (HFTarget's GPU path runs on the device machine)")
+        pytest.skip("torch sees no CUDA device (these tests need a GPU)")
     count = ctypes.c_int32()
     try:
         lib.kdt_cuda_device_count(ctypes.byref(count))

@@ -51,6 +51,8 @@ def check_tree_structure(trees: Any, past: int) -> None:
     ValueError naming the first bad row (a TreeBatch from kdtree.build_trees passes)."""
     n = int(trees.num_nodes[0])
     rows = int(trees.budget) + 1
+    if not 0 <= n < rows:
+        raise ValueError(f"trees.num_nodes[0] = {n} is outside [0, budget {rows - 1}]")
     parents = np.asarray(trees.parents[0], dtype=np.int64)
     depths = np.asarray(trees.depths[0], dtype=np.int64)
     positions = np.asarray(trees.positions[0], dtype=np.int64)
