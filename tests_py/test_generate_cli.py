@@ -92,6 +92,9 @@ def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
     (["generate", "--prompt-offset", "10000000"], "beyond the end"),
     (["generate", "--max-new-tokens", "5000"], "exceed the target's 4096 positions"),
     (["generate", "--top-p", "0.9"], "--top-p 0.9 applies to sampling only"),
+    (["generate", "--prompt", "x", "--prompt-chars", "20"], "use them with --prompt-file"),
+    (["generate", "--device", "cpu:7"], "takes no index"),
+    (["generate", "--plot", "/proc/x.png"], "not writable"),
 ])
 def test_usage_errors(tmp_path, args, message):
     r = run_cli(args, tmp_path, timeout=120)

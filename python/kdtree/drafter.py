@@ -60,7 +60,8 @@ class BlockDrafterConfig:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not all(is_int(i) and i >= 0 for i in self.target_layers):
+        if not isinstance(self.target_layers, (list, tuple)) or not all(is_int(i) and i >= 0
+                                                                       for i in self.target_layers):
             raise ValueError(f"target_layers must be integers >= 0, got {self.target_layers!r}")
         self.target_layers = tuple(self.target_layers)
         for name, cap in (("vocab_size", 2**31 - 1), ("feature_size", 2**20), ("hidden_size", 2**16),

@@ -43,6 +43,9 @@ def _temperature(text: str) -> float:
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 
 
+PROMPT_CHARS = 400  # --prompt-chars default
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (default: a slice of kdtree's own engine.py, text the "
@@ -50,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,
                    help="first character of the prompt within --prompt-file (default 0; 2000 for the default prompt)")
-    p.add_argument("--prompt-chars", type=_int_in(1), default=400,
+    p.add_argument("--prompt-chars", type=_int_in(1), default=PROMPT_CHARS,
                    help="characters of the file used as the prompt (the shipped drafter was trained on "
                         "256-token sequences: keep prompt + new tokens within that)")
     p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
@@ -79,6 +82,9 @@ def _default_prompt(args) -> tuple[str, str]:
     if args.prompt is not None:
         if not args.prompt:
             raise UsageError("--prompt is empty")
+        if args.prompt_offset is not None or args.prompt_chars != PROMPT_CHARS:
+            raise UsageError("--prompt-offset and --prompt-chars select a piece of a file: use them with "
+                             "--prompt-file (or the default prompt), not with --prompt")
         return args.prompt, "--prompt"
     path = args.prompt_file if args.prompt_file is not None else Path(engine.__file__)
     text = read_regular_file(path).decode("utf-8", errors="replace")
@@ -105,6 +111,8 @@ def _check_device(device: str) -> None:
             raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
         raise UsageError(f"--device {device}: only cpu and cuda devices are supported")
+    elif dev.index not in (None, 0):
+        raise UsageError(f"--device {device}: the CPU device takes no index (use cpu)")
 
 
 def _check_plot_path(path: Path) -> None:
@@ -116,6 +124,13 @@ def _check_plot_path(path: Path) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"--plot {path}: folder {parent} does not exist")
+    import tempfile
+
+    try:  # the picture is written at the end of the run: find out now whether it can be
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--plot {path}: folder {parent} is not writable ({exc.strerror})") from None
     try:
         import matplotlib  # noqa: F401
     except ImportError:
