@@ -164,6 +164,16 @@ def test_runner_checks_and_callable_drafter():
     with pytest.raises(ValueError, match="shape"):
         CallableDrafter(lambda ctx, depth, feats: np.zeros((depth, 49)), 50).draft([1], 2)
 
+    def huge(ctx, depth, feats):
+        x = np.zeros((depth, 50))
+        x[1, 7] = 1e300  # finite, but not in float32
+        return x
+
+    with pytest.raises(ValueError, match="depth 1, token 7 is beyond float32"):
+        CallableDrafter(huge, 50).draft([1], 2)
+    inf_in = CallableDrafter(lambda ctx, depth, feats: np.full((depth, 50), -np.inf), 50).draft([1], 2)
+    assert np.isneginf(inf_in).all()  # infinities given stay what they were (the tree rules handle them)
+
 
 def test_engine_with_hf_target_and_block_drafter_is_lossless():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")

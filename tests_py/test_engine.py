@@ -228,3 +228,16 @@ def test_tree_layout_draws_the_accepted_path_beyond_the_best_nodes(models):
         if i:
             assert int(trees.parents[0, i]) in pos
             assert pos[i][0] == pos[int(trees.parents[0, i])][0] + 1
+
+
+def test_both_decoders_take_the_same_prompts(models):
+    target, drafter = models
+    for bad in ([1, 2.0, 3], [True, 2], [1, "2"]):
+        with pytest.raises(TypeError, match="prompt element"):
+            engine.autoregressive_generate(target, bad, 3)
+        with pytest.raises(TypeError, match="prompt element"):
+            engine.speculative_generate(target, drafter, bad, 3, budget=4, depth=2)
+    ok = [np.int64(104), 101]  # numpy integers are integers
+    a = engine.autoregressive_generate(target, ok, 5)
+    b = engine.speculative_generate(target, drafter, ok, 5, budget=4, depth=2)
+    assert a.tokens == b.tokens

@@ -315,7 +315,14 @@ class CallableDrafter:
         self.vocab_size = int(vocab_size)
 
     def draft(self, context: Sequence[int], depth: int, features: Any = None) -> np.ndarray:
-        out = np.asarray(self.fn(context, depth, features), dtype=np.float32)
-        if out.shape != (depth, self.vocab_size):
-            raise ValueError(f"drafter function returned shape {out.shape}, expected ({depth}, {self.vocab_size})")
+        raw = np.asarray(self.fn(context, depth, features))
+        if raw.shape != (depth, self.vocab_size):
+            raise ValueError(f"drafter function returned shape {raw.shape}, expected ({depth}, {self.vocab_size})")
+        with np.errstate(over="ignore"):
+            out = raw.astype(np.float32)
+        grown = np.isinf(out) & np.isfinite(raw)
+        if grown.any():
+            d, v = (int(i) for i in np.argwhere(grown)[0])
+            raise ValueError(f"drafter logit {raw[d, v]!r} at depth {d}, token {v} is beyond float32's range "
+                             f"(logits are used as float32)")
         return out

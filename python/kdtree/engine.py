@@ -151,13 +151,21 @@ def _default_ops() -> ModuleType:
     return kdtree
 
 
-def _check_common(prompt: Sequence[int], max_new_tokens: int) -> None:
+def _check_common(prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The prompt as a list of Python ints (both decoders take the same prompts)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
         raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if len(prompt) == 0:
         raise ValueError("the prompt must hold at least one token (the first tree's root)")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    out = []
+    for i, t in enumerate(prompt):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"prompt element {i} ({t!r}) is not an integer token id (pass a list of ints, "
+                            f"e.g. tensor.tolist())")
+        out.append(int(t))
+    return out
 
 
 def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_tokens: int, *,
@@ -168,9 +176,10 @@ def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_token
     Stops after ``max_new_tokens`` tokens or right after a stop token (which is kept).
 
     Raises:
-        ValueError: empty prompt or negative ``max_new_tokens``.
+        ValueError: empty prompt or negative ``max_new_tokens``. TypeError: a prompt element
+            or ``max_new_tokens`` that is not an integer.
     """
-    _check_common(prompt, max_new_tokens)
+    prompt = _check_common(prompt, max_new_tokens)
     stops = {int(t) for t in stop_tokens}
     res = GenerationResult(tokens=[])
     t_start = time.perf_counter()
@@ -236,9 +245,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
 
     Raises:
         ValueError: empty prompt, negative sizes, vocabulary mismatch, or a drafter output
-            of the wrong shape; errors of the ``ops`` functions propagate.
+            of the wrong shape; errors of the ``ops`` functions propagate. TypeError: a
+            prompt element or ``max_new_tokens`` that is not an integer.
     """
-    _check_common(prompt, max_new_tokens)
+    prompt = _check_common(prompt, max_new_tokens)
     if budget < 0 or depth < 0:
         raise ValueError(f"budget and depth must be >= 0, got budget={budget}, depth={depth}")
     vocab = int(target.vocab_size)
