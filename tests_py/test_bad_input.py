@@ -287,6 +287,15 @@ def test_other_float_dtypes_are_accepted(dtype):
     assert got.logw.tobytes() == want.logw.tobytes()
 
 
+def test_host_arrays_numpy_cannot_read_get_a_clear_error():
+    torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+    x = torch.zeros((2, 50), dtype=torch.bfloat16)  # numpy has no bfloat16: torch refuses to export it
+    with raises(TypeError, "logits", "torch.bfloat16", "tensor.float()"):
+        kdtree.topk_logprobs(x, 4)
+    with raises(TypeError, "logits", "torch.bfloat16"):
+        kdtree.build_trees_from_logits(x, 4, 4)
+
+
 def test_float_root_tokens_rejected():
     lp, ids = good()
     with raises(TypeError, "root_tokens"):

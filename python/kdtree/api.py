@@ -76,10 +76,21 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.__array_interface__["data"][0]
 
 
+def _host_array(x, name: str) -> np.ndarray:
+    """np.asarray(x), with a clear TypeError where the producer cannot export its data to
+    numpy (e.g. a bfloat16 torch CPU tensor)."""
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError) as exc:
+        dtype = getattr(x, "dtype", None)
+        raise TypeError(f"{name}: a host {type(x).__name__} of dtype {dtype} cannot be read as a numpy array "
+                        f"({exc}); convert it first (e.g. tensor.float()), or pass a GPU array") from None
+
+
 def _float_array(x, name: str) -> np.ndarray:
     """C-contiguous float32 copy/view of a real floating array (float16, bfloat16, float32,
     float64); other kinds are rejected."""
-    a = np.asarray(x)
+    a = _host_array(x, name)
     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
     with np.errstate(over="ignore"):  # overflow is reported just below
@@ -425,7 +436,7 @@ def build_trees_from_logits(
                                               root_positions=root_positions, pad_token=pad, out=out,
                                               errors=errors, stream=stream)
     _cpu_only(stream, errors, "build_trees_from_logits")
-    x = np.asarray(logits)
+    x = _host_array(logits, "logits")
     if x.ndim == 2:
         x = x[None]
     if x.ndim != 3:
