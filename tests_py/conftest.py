@@ -41,6 +41,25 @@ def lib():
 
 
 @pytest.fixture(scope="session")
+def cuda_device(lib):
+    """torch's first CUDA device, for tests of the GPU paths; skips the test where torch is
+    missing or sees no GPU, or where libkdtree was built without CUDA."""
+    import ctypes
+
+    from kdtree import KdtreeError
+
+    torch = pytest.importorskip("torch", reason="torch is not installed (the GPU tests use torch tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device (these tests need a GPU)")
+    count = ctypes.c_int32()
+    try:
+        lib.kdt_cuda_device_count(ctypes.byref(count))
+    except KdtreeError as exc:
+        pytest.skip(f"libkdtree has no usable CUDA: {exc}")
+    return torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     """The checkout's root folder (the one holding include/, python/, build/)."""
     return ROOT

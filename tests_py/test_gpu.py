@@ -9,8 +9,6 @@ exactly; one whole round is captured in a CUDA graph and replayed on new inputs.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -21,15 +19,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the GPU tes
 
 
 @pytest.fixture(scope="module")
-def cuda(lib):
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-    count = ctypes.c_int32()
-    try:
-        lib.kdt_cuda_device_count(ctypes.byref(count))
-    except kdtree.KdtreeError as exc:
-        pytest.skip(f"libkdtree has no usable CUDA: {exc}")
-    return torch.device("cuda", 0)
+def cuda(cuda_device):
+    return cuda_device
 
 
 def host(x):

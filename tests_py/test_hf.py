@@ -392,22 +392,8 @@ def test_positions_beyond_the_model_and_sliding_windows_are_refused():
 
 # ---- the CUDA path (runs on the device machine; skipped without a GPU) --------------------
 
-@pytest.fixture(scope="module")
-def cuda_lib(lib):
-    import ctypes
-
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device (these tests need a GPU)")
-    count = ctypes.c_int32()
-    try:
-        lib.kdt_cuda_device_count(ctypes.byref(count))
-    except kdtree.KdtreeError as exc:
-        pytest.skip(f"libkdtree has no usable CUDA: {exc}")
-    return lib
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_cuda_compaction_is_kdtree_compact_kv(cuda_lib, dtype, monkeypatch):
+def test_cuda_compaction_is_kdtree_compact_kv(cuda_device, dtype, monkeypatch):
     """On the GPU, commit moves the accepted rows with kdt_compact_kv_cuda: the cache after
     the commit equals an index-select of the cache the tree forward left, bit for bit."""
     from kdtree import api
@@ -451,7 +437,7 @@ def test_cuda_compaction_is_kdtree_compact_kv(cuda_lib, dtype, monkeypatch):
     assert len(calls) == 8  # the GPU compaction ran, not the index-select fallback
 
 
-def test_cuda_greedy_ddtree_equals_greedy_ar(cuda_lib):
+def test_cuda_greedy_ddtree_equals_greedy_ar(cuda_device):
     """Lossless on the GPU in float32 (the sharpened tiny model has no near-ties)."""
     gpu_model = tiny_qwen3().to("cuda", torch.float32)
     rng = np.random.default_rng(5)
