@@ -600,10 +600,12 @@ __device__ double block_threshold(const Value& value, int count, int k, unsigned
 // The score of the next candidate of owner o's chain of children (o = -1: the root's),
 // or -inf when the chain is exhausted (no rank left, depth L, a -inf log-prob).
 __device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o,
-                                    int32_t root_next, int32_t root_last) {
+                                    const int32_t* root_next, const int32_t* root_last) {
+    // The root's chain state is read only for the root: thread 0 writes it in round 0
+    // while the other threads work on their own owners.
     const int32_t d = o < 0 ? 0 : c.depth[o];
-    const int32_t r = o < 0 ? root_next : c.order[o];
-    const int32_t last = o < 0 ? root_last : c.pos[o];
+    const int32_t r = o < 0 ? *root_next : c.order[o];
+    const int32_t last = o < 0 ? *root_last : c.pos[o];
     if (d >= L || r >= kp) return -INFINITY;
     const float* row = lp_s + (int64_t)d * kp;
     if (last < 0) return o < 0 ? (double)row[0] : c.logw[o] + (double)row[0];
@@ -621,7 +623,7 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
                                     int* count, int* pruned, int* overflow, int32_t* root_next, int32_t* root_last,
                                     int* root_fc, bool depth_first) {
     for (;;) {
-        const double head = chain_head(c, lp_s, L, kp, o, *root_next, *root_last);
+        const double head = chain_head(c, lp_s, L, kp, o, root_next, root_last);
         if (isinf(head)) return;
         if (head < T) {
             *pruned = 1;
@@ -765,6 +767,8 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
     int kept = 0;               // candidates after the last pass that fit (and ended below N)
     double t_kept = top;        // its threshold (before any pass: lp[0][0], which admits few)
+    bool have_over = false;     // a pass overflowed: at t_over, with more than c_over candidates
+    double t_over = 0.0, c_over = 0.0;
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -811,6 +815,11 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             }
             __syncthreads();
             if (threadIdx.x == 0) *s_count = kept;
+            if (!have_over || T > t_over) {
+                have_over = true;
+                t_over = T;
+                c_over = (double)M;
+            }
             const double mid = 0.5 * (t_kept + T);
             if (!(mid > T && mid < t_kept)) return -1;  // cannot separate them: version 3
             T = mid;
@@ -820,10 +829,19 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         kept = M;
         t_kept = T;
         // The next threshold from the chain heads (the heap's frontier).
-        const int32_t rn = s_root_next, rl = s_root_last;
-        auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, rn, rl); };
+        auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, &s_root_next, &s_root_last); };
         T = block_threshold(head, M + 1, (int)(N - M), bins);
-        if (isinf(T)) return M;  // (cannot happen: a pruned chain has a finite head)
+        if (isinf(T)) return -1;  // (cannot happen: a pruned chain has a finite head; version 3 if it does)
+        if (have_over && !(T > t_over)) {
+            // Never at or below a threshold that already overflowed: interpolate log(count)
+            // between the last pass that fit and it, towards 1.2 N (tools/emulate_descent.py,
+            // policy C: 3-4 passes instead of up to 8 on bf16 logits at N = 1024).
+            const double lo_c = kept > 1 ? (double)kept : 1.0;
+            double f = (log(1.2 * (double)N) - log(lo_c)) / (log(c_over) - log(lo_c));
+            f = fmin(fmax(f, 0.1), 0.9);
+            T = t_kept + (t_over - t_kept) * f;
+            if (!(T > t_over && T < t_kept)) return -1;
+        }
         KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
         __syncthreads();
     }
