@@ -1,5 +1,9 @@
 // Times kdt_trees_build_cuda (device events, medians over rotated inputs) next to the CPU
 // builder on the same inputs: B = 64, L = 16, budgets 64, 256, 1024, a peaked drafter.
+// Three GPU times per budget: "call" is one kdt_trees_build_cuda call between two events
+// on an idle stream (the host's launch work included); "graph" is the same build captured
+// in a CUDA graph and replayed alone between two events; "stream" is 32 calls queued back
+// to back, divided by 32 (what a serving loop that keeps the stream busy pays per call).
 // Built as `kdtree_bench_cuda` when CUDA is enabled; run on a GPU machine.
 #include <cuda_runtime.h>
 
@@ -29,7 +33,8 @@ int main() {
     int32_t n_dev = 0;
     if (kdt_cuda_device_count(&n_dev) != KDT_OK) { printf("SKIP: %s\n", kdt_last_error()); return 0; }
     const int64_t B = 64, L = 16, sets = 8, reps = 30;
-    printf("%6s %12s %14s %12s\n", "N", "GPU us", "CPU us (1 core)", "CPU/GPU");
+    printf("%6s %10s %10s %10s %16s %14s\n", "N", "call us", "graph us", "stream us", "CPU us (1 core)",
+           "CPU/GPU call");
     for (int64_t N : {64, 256, 1024}) {
         const int64_t K = N;
         std::vector<float> lp;
@@ -67,6 +72,46 @@ int main() {
             if (i >= 3) ms.push_back(m);
         }
         std::sort(ms.begin(), ms.end());
+        // The same builds queued back to back.
+        std::vector<float> queued;
+        for (int rep = 0; rep < 9; rep++) {
+            CK(cudaEventRecord(e0));
+            for (int64_t i = 0; i < 32; i++) {
+                int64_t set = (rep * 32 + i) % sets;
+                kdt_draft d = {B, L, K, d_lp + set * B * L * K, d_ids + set * B * L * K, NULL, NULL, 0, -1};
+                KK(kdt_trees_build_cuda(&d, &t, d_status, d_ws, ws, NULL));
+            }
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            float m; CK(cudaEventElapsedTime(&m, e0, e1));
+            if (rep > 0) queued.push_back(m / 32.0f);
+        }
+        std::sort(queued.begin(), queued.end());
+        // One build per input set captured in a CUDA graph, each replayed alone.
+        cudaStream_t cs; CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+        std::vector<cudaGraphExec_t> execs;
+        for (int64_t set = 0; set < sets; set++) {
+            kdt_draft d = {B, L, K, d_lp + set * B * L * K, d_ids + set * B * L * K, NULL, NULL, 0, -1};
+            cudaGraph_t g; cudaGraphExec_t x;
+            CK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+            KK(kdt_trees_build_cuda(&d, &t, d_status, d_ws, ws, cs));
+            CK(cudaStreamEndCapture(cs, &g));
+            CK(cudaGraphInstantiate(&x, g, 0));
+            CK(cudaGraphDestroy(g));
+            execs.push_back(x);
+        }
+        std::vector<float> graphed;
+        for (int64_t i = 0; i < reps + 3; i++) {
+            CK(cudaEventRecord(e0, cs));
+            CK(cudaGraphLaunch(execs[i % sets], cs));
+            CK(cudaEventRecord(e1, cs));
+            CK(cudaEventSynchronize(e1));
+            float m; CK(cudaEventElapsedTime(&m, e0, e1));
+            if (i >= 3) graphed.push_back(m);
+        }
+        std::sort(graphed.begin(), graphed.end());
+        for (cudaGraphExec_t x : execs) CK(cudaGraphExecDestroy(x));
+        CK(cudaStreamDestroy(cs));
         // CPU builder on the same inputs (host buffers, one batch call).
         std::vector<int32_t> h_num(B), h_tok((size_t)B * (N + 1)), h_dep(h_tok.size()), h_par(h_tok.size()),
             h_fc(h_tok.size()), h_ns(h_tok.size());
@@ -85,7 +130,8 @@ int main() {
         }
         std::sort(cpu.begin(), cpu.end());
         double gpu_us = ms[ms.size() / 2] * 1000.0;
-        printf("%6lld %12.1f %14.1f %11.1fx\n", (long long)N, gpu_us, cpu[2], cpu[2] / gpu_us);
+        printf("%6lld %10.1f %10.1f %10.1f %16.1f %13.1fx\n", (long long)N, gpu_us,
+               graphed[graphed.size() / 2] * 1000.0, queued[queued.size() / 2] * 1000.0, cpu[2], cpu[2] / gpu_us);
         cudaFree(d_lp); cudaFree(d_ids); cudaFree(d_ws); cudaFree(d_status); cudaFree(d_num);
         cudaFree(t.tokens); cudaFree(t.depths); cudaFree(t.parents); cudaFree(t.first_child); cudaFree(t.next_sibling);
         cudaFree(t.logw); cudaFree(t.positions); cudaFree(t.visibility); cudaFree(t.visibility_bits);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the device machine runs for the CUDA work (see docs/perf-notes.md). Usage:
 #   tools/device_check.sh [build|tests|forced|sanitize|python|profile|bench]...
-# (no argument: all of them, in that order). Logs go to $OUT when set.
+# (no argument: all of them, in that order). Logs go to $OUT when set. SAN_TESTS (a glob or
+# list of test programs) narrows the sanitize step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdt-out}
@@ -29,7 +30,7 @@ for step in "${steps[@]}"; do
     KDTREE_CUDA_TOPK_CHUNKED=1 build-gpu/test_topk_cuda 2>&1 | tail -1 ;;
   sanitize)
     for tool in memcheck racecheck initcheck synccheck; do
-      for t in build-gpu/test_*_cuda; do
+      for t in ${SAN_TESTS:-build-gpu/test_*_cuda}; do
         KDT_CUDA_QUICK=1 KDT_CUDA_TREES=300 timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 "$t" \
           > "$OUT/san-$(basename "$t")-$tool.log" 2>&1
         rc=$?

@@ -45,6 +45,19 @@ constexpr int kThreads = 256;
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_smem_max[kMaxDevices];  // cudaDevAttrMaxSharedMemoryPerBlockOptin, 0: unknown
 std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel_smem may use
+
+// The test switches (KDTREE_CUDA_TREES_*), read once per process: getenv on every launch
+// cost a measurable part of a small build's host time.
+struct TreeSwitches {
+    bool heap, parallel, bisect, dfs, v1, inline_masks;
+};
+const TreeSwitches& tree_switches() {
+    static const TreeSwitches s = {
+        getenv("KDTREE_CUDA_TREES_HEAP") != NULL,   getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL,
+        getenv("KDTREE_CUDA_TREES_BISECT") != NULL, getenv("KDTREE_CUDA_TREES_DFS") != NULL,
+        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL};
+    return s;
+}
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
 // From this budget the shared-memory kernel leaves the masks to a second, wide launch.
 constexpr int64_t kSeparateMasksMinBudget = 256;
@@ -144,29 +157,6 @@ __device__ int32_t exact_status(const kdt_draft& d, int64_t b, int64_t kp) {
 // ---- Pieces shared by the kernels -----------------------------------------------------------
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-// Rows of up to this many used entries are checked for repeated ids with warp shuffles.
-constexpr int64_t kWarpDupMaxWidth = 128;
-
-constexpr int kWarpDupPer = (int)(kWarpDupMaxWidth / 32);
-
-// Whether a row of kp <= kWarpDupMaxWidth ids, held as mine[m] = id of rank lane + 32 m
-// (-1 past kp), has a repeated id; negative ids (range errors, reported separately) are
-// ignored. Warp-wide: every lane returns the answer.
-__device__ bool warp_ids_have_duplicate(const int32_t (&mine)[kWarpDupPer], int64_t kp, int lane) {
-    bool dup = false;
-#pragma unroll
-    for (int j = 0; j < kWarpDupPer; j++) {
-        if (32 * j >= kp) break;  // uniform
-        for (int src = 0; src < 32; src++) {
-            const int32_t q = __shfl_sync(kFullMask, mine[j], src);  // the id of rank src + 32 j
-            if (q < 0) continue;                                     // uniform (broadcast)
-            const int rq = src + 32 * j;
-#pragma unroll
-            for (int m = 0; m < kWarpDupPer; m++) dup |= (lane + 32 * m > rq) && mine[m] == q;
-        }
-    }
-    return __any_sync(kFullMask, dup);
-}
 
 // Writes row i's visibility (bytes) and visibility_bits (words), one warp per row: the
 // lanes clear the row, then lane 0 sets the row's own column and its ancestors' (node
@@ -1087,99 +1077,69 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         s_bad = bad;
     }
     __syncthreads();
-    // Load the used part [L, K'] (row stride K' in shared memory) and check it: one warp
-    // per row, so no index division and, for narrow rows, no barrier per row.
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    // Load the used part [L, K'] (row stride K' in shared memory, so entry (row, r) sits at
+    // flat index row * K' + r) and check it. The rows go in groups of G, each row of a
+    // group with its own hash set of ids (-1: empty) for repeated ids: G = every row when
+    // the idle candidate arrays hold them (one group, one barrier round), else as many as
+    // fit. Every thread loads eight entries (value and id) before checking any, so a group
+    // costs about one round trip to device memory. The values' order is checked after
+    // the loads, from shared memory.
     int bad = 0;
-    for (int64_t row = warp; row < L; row += warps) {
-        const float* src = lp + row * K;
-        const int32_t* row_ids = ids + row * K;
-        if (kp <= kWarpDupMaxWidth) {
-            // Narrow rows: every load of the row first (one round trip), then the checks on
-            // registers; the order check takes the previous rank's value by a shuffle.
-            float v[kWarpDupPer];
-            int32_t id[kWarpDupPer];
+    {
+        const uint32_t ukp = (uint32_t)kp, total = (uint32_t)(L * kp), slots = (uint32_t)p.hash_slots;
+        const size_t cand_bytes = p.cap3 > 0 ? cands_bytes(p.cap3) : 0;
+        int32_t* tab = cand_bytes > (size_t)slots * 4 ? reinterpret_cast<int32_t*>(smem + lay.cands) : hash;
+        const uint32_t tab_slots = (uint32_t)((cand_bytes > (size_t)slots * 4 ? cand_bytes : (size_t)slots * 4) / 4);
+        const uint32_t group = slots > 0 ? (uint32_t)min((int64_t)(tab_slots / slots), L) : 1u;
+        int shift = 64;
+        for (uint32_t h = slots; h > 1; h >>= 1) shift--;
+        const uint64_t mask = (uint64_t)slots - 1;
+        for (uint32_t g0 = 0; g0 < (uint32_t)L && kp > 0; g0 += group) {
+            const uint32_t g1 = min((uint32_t)L, g0 + group);
+            for (uint32_t i = threadIdx.x; i < (g1 - g0) * slots; i += blockDim.x) tab[i] = -1;
+            __syncthreads();
+            for (uint32_t i0 = g0 * ukp + threadIdx.x; i0 < g1 * ukp; i0 += 8 * blockDim.x) {
+                float v[8];
+                int32_t id[8];
+                uint32_t row[8];
 #pragma unroll
-            for (int m = 0; m < kWarpDupPer; m++) {
-                const int64_t r = lane + 32 * m;
-                v[m] = r < kp ? src[r] : 0.0f;
-                id[m] = r < kp ? row_ids[r] : -1;
-            }
+                for (int u = 0; u < 8; u++) {
+                    const uint32_t i = i0 + (uint32_t)u * blockDim.x;
+                    row[u] = i / ukp;
+                    const size_t src = (size_t)row[u] * (size_t)K + (i - row[u] * ukp);
+                    v[u] = i < g1 * ukp ? lp[src] : 0.0f;
+                    id[u] = i < g1 * ukp ? ids[src] : -1;
+                }
 #pragma unroll
-            for (int m = 0; m < kWarpDupPer; m++) {
-                const int64_t r = lane + 32 * m;
-                const float up = __shfl_up_sync(kFullMask, v[m], 1);
-                const float carry = __shfl_sync(kFullMask, v[m > 0 ? m - 1 : 0], 31);
-                const float prev = lane == 0 ? carry : up;
-                if (r < kp) {
-                    lp_s[row * kp + r] = v[m];
-                    bad |= isnan(v[m]) || (isinf(v[m]) && v[m] > 0) || (r > 0 && v[m] > prev);
-                    bad |= id[m] < 0 || (d.vocab_size > 0 && id[m] >= d.vocab_size);
+                for (int u = 0; u < 8; u++) {
+                    const uint32_t i = i0 + (uint32_t)u * blockDim.x;
+                    if (i >= g1 * ukp) break;
+                    lp_s[i] = v[u];
+                    bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0);
+                    bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
+                    if (id[u] < 0) continue;  // a range error, reported by exact_status
+                    int32_t* set = tab + (size_t)(row[u] - g0) * slots;
+                    uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
+                    for (;;) {
+                        const int32_t prev = atomicCAS(&set[slot], -1, id[u]);
+                        if (prev == -1) break;
+                        if (prev == id[u]) {
+                            bad = 1;
+                            break;
+                        }
+                        slot = (slot + 1) & mask;
+                    }
                 }
             }
-            if (warp_ids_have_duplicate(id, kp, lane)) bad = 1;
-            continue;
+            __syncthreads();  // the sets are cleared again for the next group
         }
-        // Wide rows: four ranks per lane are loaded before any is checked (the loads of a
-        // batch overlap instead of waiting one after another).
-        for (int64_t r0 = lane; r0 < kp; r0 += 4 * 32) {
-            float v[4], before[4];
-            int32_t id[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int64_t r = r0 + 32 * u;
-                v[u] = r < kp ? src[r] : 0.0f;
-                before[u] = r > 0 && r < kp ? src[r - 1] : v[u];
-                id[u] = r < kp ? row_ids[r] : 0;
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int64_t r = r0 + 32 * u;
-                if (r >= kp) break;
-                lp_s[row * kp + r] = v[u];
-                bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0) || v[u] > before[u];
-                bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
-            }
+        // Descending values within each row (NaN was flagged above).
+        for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
+            if (i % ukp != 0 && lp_s[i] > lp_s[i - 1]) bad = 1;
         }
     }
     if (bad) atomicOr(&s_bad, 1);
     __syncthreads();
-    // Wider rows: repeated ids through a hash set of ids (-1: empty), a row at a time, four
-    // ids per thread loaded before any is inserted. (Several rows per round, in the then
-    // unused candidate arrays, measured slower on an H200: perf-notes.)
-    const uint64_t mask = (uint64_t)p.hash_slots - 1;
-    int shift = 64;
-    for (int64_t h = p.hash_slots; h > 1; h >>= 1) shift--;
-    for (int64_t row = 0; row < L && kp > kWarpDupMaxWidth; row++) {
-        for (int64_t i = threadIdx.x; i < p.hash_slots; i += blockDim.x) hash[i] = -1;
-        __syncthreads();
-        int dup = 0;
-        const int32_t* row_ids = ids + row * K;
-        for (int64_t r0 = threadIdx.x; r0 < kp; r0 += 4 * blockDim.x) {
-            int32_t id[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int64_t r = r0 + (int64_t)u * blockDim.x;
-                id[u] = r < kp ? row_ids[r] : -1;
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                if (id[u] < 0) continue;
-                uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
-                for (;;) {
-                    const int32_t prev = atomicCAS(&hash[slot], -1, id[u]);
-                    if (prev == -1) break;
-                    if (prev == id[u]) {
-                        dup = 1;
-                        break;
-                    }
-                    slot = (slot + 1) & mask;
-                }
-            }
-        }
-        if (dup) atomicOr(&s_bad, 1);
-        __syncthreads();
-    }
 
     // Version 3 first (valid requests only); -1 sends the request to the heap below.
     KDT_PROBE(1);
@@ -1287,6 +1247,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
             }
         }
     } else {
+        const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
         for (size_t i = warp; i < rows; i += warps) {
             uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;
             uint32_t* brow = p.out.visibility_bits ? p.out.visibility_bits + (base + i) * words : nullptr;
@@ -1445,8 +1406,8 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     p.cap3 = 0;
     // Candidates: a power of two >= 4N where it fits (fewer overflows of version 4's
     // passes), else >= 2N.
-    if (getenv("KDTREE_CUDA_TREES_HEAP") == NULL &&
-        (N >= kParallelMinBudget || getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL)) {
+    const TreeSwitches& sw = tree_switches();
+    if (!sw.heap && (N >= kParallelMinBudget || sw.parallel)) {
         for (int64_t want = 4 * N; want >= 2 * N && p.cap3 == 0; want -= 2 * N) {
             int64_t cap3 = 1;
             while (cap3 < want) cap3 <<= 1;
@@ -1456,9 +1417,9 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         }
     }
     // 1: version 4 then 3; 2: version 4 depth first (KDTREE_CUDA_TREES_DFS=1); 0: version 3.
-    p.descent = getenv("KDTREE_CUDA_TREES_BISECT") != NULL ? 0 : getenv("KDTREE_CUDA_TREES_DFS") != NULL ? 2 : 1;
+    p.descent = sw.bisect ? 0 : sw.dfs ? 2 : 1;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
-    if (smem_bytes + smem_static <= (size_t)smem_max && getenv("KDTREE_CUDA_TREES_V1") == NULL) {
+    if (smem_bytes + smem_static <= (size_t)smem_max && !sw.v1) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
             // Raise the kernel's limit once to the device maximum (idempotent, so racing
             // threads are harmless).
@@ -1471,7 +1432,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         // Large trees: the masks in a second, wide launch (measured on an H200: perf-notes).
         const bool any_mask = out->visibility != NULL || out->visibility_bits != NULL;
         p.masks_separate = any_mask && N >= kSeparateMasksMinBudget && B <= 65535 &&
-                           getenv("KDTREE_CUDA_TREES_INLINE_MASKS") == NULL;
+                           !sw.inline_masks;
         build_kernel_smem<<<(unsigned)B, kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
         if (p.masks_separate) {
             err = cudaGetLastError();
