@@ -27,8 +27,12 @@ int main() {
     CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
     const double cyc_per_us = clock_khz / 1000.0;
     const int64_t B = 64, L = 16;
-    printf("SM clock %.0f MHz; median over %lld blocks, microseconds\n", cyc_per_us, (long long)B);
-    printf("%6s %8s %10s %10s %10s %10s\n", "N", "launch", "load+val", "expand", "outputs", "block");
+    // KDT_PROF_KNOB (profiling build only): 1 skips the duplicate-id hash, 2 the loads.
+    const int knob = getenv("KDT_PROF_KNOB") ? atoi(getenv("KDT_PROF_KNOB")) : 0;
+    CK(cudaMemcpyToSymbol(kdt_prof_knob, &knob, sizeof knob));
+    printf("SM clock %.0f MHz; median over %lld blocks, microseconds; knob %d\n", cyc_per_us, (long long)B, knob);
+    printf("%6s %8s %10s %10s %10s %10s %8s %8s %8s\n", "N", "launch", "load+val", "expand", "outputs", "block",
+           "(root", "group0", "rest)");
     for (int64_t N : {64, 128, 256, 1024}) {
         const int64_t K = N;
         std::vector<float> lp;
@@ -55,7 +59,7 @@ int main() {
         kdt_draft d = {B, L, K, d_lp, d_ids, NULL, NULL, 0, -1};
         cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
         std::vector<float> launch;
-        std::vector<double> ph[4];
+        std::vector<double> ph[7];
         for (int rep = 0; rep < 12; rep++) {
             CK(cudaEventRecord(e0));
             if (kdt_trees_build_cuda(&d, &t, d_status, d_ws, ws, NULL) != KDT_OK) { fprintf(stderr, "%s\n", kdt_last_error()); return 1; }
@@ -64,13 +68,16 @@ int main() {
             float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
             if (rep < 2) continue;
             launch.push_back(ms * 1000.0f);
-            long long prof[64][4];
+            long long prof[64][8];
             CK(cudaMemcpyFromSymbol(prof, kdt_prof, sizeof prof));
             for (int64_t blk = 0; blk < B; blk++) {
                 ph[0].push_back((prof[blk][1] - prof[blk][0]) / cyc_per_us);
                 ph[1].push_back((prof[blk][2] - prof[blk][1]) / cyc_per_us);
                 ph[2].push_back((prof[blk][3] - prof[blk][2]) / cyc_per_us);
                 ph[3].push_back((prof[blk][3] - prof[blk][0]) / cyc_per_us);
+                ph[4].push_back((prof[blk][4] - prof[blk][0]) / cyc_per_us);
+                ph[5].push_back((prof[blk][5] - prof[blk][4]) / cyc_per_us);
+                ph[6].push_back((prof[blk][1] - prof[blk][5]) / cyc_per_us);
             }
         }
         if (N >= 16 || getenv("KDTREE_CUDA_TREES_PARALLEL")) {
@@ -86,9 +93,10 @@ int main() {
             printf("; rounds %lld\n", m4[0][7]);
         }
         std::sort(launch.begin(), launch.end());
-        double med[4];
-        for (int i = 0; i < 4; i++) { std::sort(ph[i].begin(), ph[i].end()); med[i] = ph[i][ph[i].size() / 2]; }
-        printf("%6lld %8.1f %10.1f %10.1f %10.1f %10.1f\n", (long long)N, launch[launch.size() / 2], med[0], med[1], med[2], med[3]);
+        double med[7];
+        for (int i = 0; i < 7; i++) { std::sort(ph[i].begin(), ph[i].end()); med[i] = ph[i][ph[i].size() / 2]; }
+        printf("%6lld %8.1f %10.1f %10.1f %10.1f %10.1f %8.1f %8.1f %8.1f\n", (long long)N, launch[launch.size() / 2],
+               med[0], med[1], med[2], med[3], med[4], med[5], med[6]);
         cudaFree(d_lp); cudaFree(d_ids); cudaFree(d_ws); cudaFree(d_status); cudaFree(d_num);
         cudaFree(t.tokens); cudaFree(t.depths); cudaFree(t.parents); cudaFree(t.first_child); cudaFree(t.next_sibling);
         cudaFree(t.logw); cudaFree(t.positions); cudaFree(t.visibility); cudaFree(t.visibility_bits);

@@ -25,7 +25,9 @@ namespace {
 // Phase timing for tools/profile_trees_cuda.cu, which compiles this file with
 // KDT_TREES_PROFILE defined; the library itself has no probes.
 #ifdef KDT_TREES_PROFILE
-__device__ long long kdt_prof[4096][4];
+__device__ long long kdt_prof[4096][8];
+__device__ int kdt_prof_knob;  // 1: skip the duplicate-id hash, 2: skip the global loads (synthetic rows)
+#define KDT_KNOB(bit) (kdt_prof_knob & (bit))
 #define KDT_PROBE(phase) \
     do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
 __device__ long long kdt_prof_v3[4096][4];  // passes, enumeration cycles, sort + check cycles, |P_T|
@@ -39,6 +41,7 @@ __device__ inline void kdt_prof_v4_mark(int i) {
 #define KDT_V4_PROF(stmt)
 #define KDT_V3_PROF(stmt)
 #define KDT_PROBE(phase) do { } while (0)
+#define KDT_KNOB(bit) 0
 #endif
 
 constexpr int kThreads = 256;
@@ -49,13 +52,14 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 // The test switches (KDTREE_CUDA_TREES_*), read once per process: getenv on every launch
 // cost a measurable part of a small build's host time.
 struct TreeSwitches {
-    bool heap, parallel, bisect, dfs, v1, inline_masks;
+    bool heap, parallel, bisect, dfs, v1, inline_masks, threads512;
 };
 const TreeSwitches& tree_switches() {
     static const TreeSwitches s = {
         getenv("KDTREE_CUDA_TREES_HEAP") != NULL,   getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL,
         getenv("KDTREE_CUDA_TREES_BISECT") != NULL, getenv("KDTREE_CUDA_TREES_DFS") != NULL,
-        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL};
+        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL,
+        getenv("KDTREE_CUDA_TREES_THREADS512") != NULL};
     return s;
 }
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
@@ -759,6 +763,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     double t_kept = top;        // its threshold (before any pass: lp[0][0], which admits few)
     bool have_over = false;     // a pass overflowed: at t_over, with more than c_over candidates
     double t_over = 0.0, c_over = 0.0;
+    const int spread = (int)(threadIdx.x % 32) * (int)(blockDim.x / 32) + (int)(threadIdx.x / 32);  // thread 0: 0
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -769,7 +774,10 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         int lo = -1, hi = min(*s_count, c.cap);  // round 0: the root (-1) and every candidate
         __syncthreads();  // everyone has read the count before round 0 adds to it
         while (lo < hi) {
-            for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
+            // Consecutive owners go to different warps (owner k to warp k % 8): a warp runs
+            // its lanes' diverging chain walks one after another, so a round of a few
+            // owners packed into one warp took as long as their sum (H200 profile).
+            for (int i = lo + spread; i < hi; i += blockDim.x) {
                 resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
                              s_root_fc, depth_first);
                 KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
@@ -1041,7 +1049,8 @@ __device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
 // live in shared memory, so the one thread that runs the expansion never waits on device
 // memory; tokens, depths, parents, positions and the masks are then written by the whole
 // block from the node tables.
-__global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
+template <int Threads>
+__global__ void __launch_bounds__(Threads) build_kernel_smem(BuildParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     KDT_PROBE(0);
     const int64_t b = blockIdx.x;
@@ -1077,6 +1086,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
         s_bad = bad;
     }
     __syncthreads();
+    KDT_PROBE(4);
     // Load the used part [L, K'] (row stride K' in shared memory, so entry (row, r) sits at
     // flat index row * K' + r) and check it. The rows go in groups of G, each row of a
     // group with its own hash set of ids (-1: empty) for repeated ids: G = every row when
@@ -1098,40 +1108,55 @@ __global__ void __launch_bounds__(kThreads) build_kernel_smem(BuildParams p) {
             const uint32_t g1 = min((uint32_t)L, g0 + group);
             for (uint32_t i = threadIdx.x; i < (g1 - g0) * slots; i += blockDim.x) tab[i] = -1;
             __syncthreads();
-            for (uint32_t i0 = g0 * ukp + threadIdx.x; i0 < g1 * ukp; i0 += 8 * blockDim.x) {
+            // The loop bounds are warp-uniform and the probes run under a warp vote: lanes
+            // left to loop on their own never reconverged and the warp ran them one by one
+            // (H200, N = 1024: 1-2 active threads per instruction, validation 125 -> ~10 us).
+            const uint32_t lane = threadIdx.x % 32, warp_base = threadIdx.x - lane;
+            for (uint32_t b0 = g0 * ukp + warp_base; b0 < g1 * ukp; b0 += 8 * blockDim.x) {
                 float v[8];
                 int32_t id[8];
                 uint32_t row[8];
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
-                    const uint32_t i = i0 + (uint32_t)u * blockDim.x;
+                    const uint32_t i = b0 + lane + (uint32_t)u * blockDim.x;
                     row[u] = i / ukp;
                     const size_t src = (size_t)row[u] * (size_t)K + (i - row[u] * ukp);
+                    if (KDT_KNOB(2)) {
+                        v[u] = -1.0f - 1e-3f * (float)(i - row[u] * ukp);
+                        id[u] = (int32_t)(i - row[u] * ukp) * 37;
+                        continue;
+                    }
                     v[u] = i < g1 * ukp ? lp[src] : 0.0f;
                     id[u] = i < g1 * ukp ? ids[src] : -1;
                 }
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
-                    const uint32_t i = i0 + (uint32_t)u * blockDim.x;
-                    if (i >= g1 * ukp) break;
-                    lp_s[i] = v[u];
-                    bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0);
-                    bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
-                    if (id[u] < 0) continue;  // a range error, reported by exact_status
-                    int32_t* set = tab + (size_t)(row[u] - g0) * slots;
+                    const uint32_t i = b0 + lane + (uint32_t)u * blockDim.x;
+                    const bool here = i < g1 * ukp;
+                    if (here) {
+                        lp_s[i] = v[u];
+                        bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0);
+                        bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
+                    }
+                    // A negative id is a range error, reported by exact_status.
+                    bool pending = here && id[u] >= 0 && !KDT_KNOB(1);
+                    int32_t* set = tab + (size_t)(here ? row[u] - g0 : 0) * slots;
                     uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
-                    for (;;) {
-                        const int32_t prev = atomicCAS(&set[slot], -1, id[u]);
-                        if (prev == -1) break;
-                        if (prev == id[u]) {
-                            bad = 1;
-                            break;
+                    while (__any_sync(kFullMask, pending)) {
+                        if (pending) {
+                            const int32_t prev = atomicCAS(&set[slot], -1, id[u]);
+                            if (prev == -1 || prev == id[u]) {
+                                bad |= prev == id[u];
+                                pending = false;
+                            } else {
+                                slot = (slot + 1) & mask;
+                            }
                         }
-                        slot = (slot + 1) & mask;
                     }
                 }
             }
             __syncthreads();  // the sets are cleared again for the next group
+            if (g0 == 0) KDT_PROBE(5);
         }
         // Descending values within each row (NaN was flagged above).
         for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
@@ -1396,9 +1421,11 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         // less the kernel's static shared memory.
         cudaFuncAttributes attr;
         err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, build_kernel_smem);
+        cudaFuncAttributes attr512;
+        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, build_kernel_smem<256>);
+        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr512, build_kernel_smem<512>);
         if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
-        smem_max -= (int)attr.sharedSizeBytes;
+        smem_max -= (int)(attr.sharedSizeBytes > attr512.sharedSizeBytes ? attr.sharedSizeBytes : attr512.sharedSizeBytes);
         g_smem_max[slot].store(smem_max, std::memory_order_relaxed);
     }
     const size_t smem_static = 0;  // already taken off smem_max
@@ -1423,7 +1450,10 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
             // Raise the kernel's limit once to the device maximum (idempotent, so racing
             // threads are harmless).
-            err = cudaFuncSetAttribute(build_kernel_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+            err = cudaFuncSetAttribute(build_kernel_smem<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+            if (err == cudaSuccess) {
+                err = cudaFuncSetAttribute(build_kernel_smem<512>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+            }
             if (err != cudaSuccess) {
                 return kdt_fail(KDT_ERR_CUDA, "shared memory request failed: %s", cudaGetErrorString(err));
             }
@@ -1433,7 +1463,11 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         const bool any_mask = out->visibility != NULL || out->visibility_bits != NULL;
         p.masks_separate = any_mask && N >= kSeparateMasksMinBudget && B <= 65535 &&
                            !sw.inline_masks;
-        build_kernel_smem<<<(unsigned)B, kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        if (sw.threads512) {
+            build_kernel_smem<512><<<(unsigned)B, 512, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        } else {
+            build_kernel_smem<256><<<(unsigned)B, 256, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
+        }
         if (p.masks_separate) {
             err = cudaGetLastError();
             if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "tree build launch failed: %s", cudaGetErrorString(err));
