@@ -26,7 +26,6 @@ for step in "${steps[@]}"; do
     KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_BISECT=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_INLINE_MASKS=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_THREADS512=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
     echo "-- top-k: the chunk kernels for every k"
     KDTREE_CUDA_TOPK_CHUNKED=1 build-gpu/test_topk_cuda 2>&1 | tail -1 ;;
   sanitize)

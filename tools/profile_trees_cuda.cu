@@ -31,8 +31,8 @@ int main() {
     const int knob = getenv("KDT_PROF_KNOB") ? atoi(getenv("KDT_PROF_KNOB")) : 0;
     CK(cudaMemcpyToSymbol(kdt_prof_knob, &knob, sizeof knob));
     printf("SM clock %.0f MHz; median over %lld blocks, microseconds; knob %d\n", cyc_per_us, (long long)B, knob);
-    printf("%6s %8s %10s %10s %10s %10s %8s %8s %8s\n", "N", "launch", "load+val", "expand", "outputs", "block",
-           "(root", "group0", "rest)");
+    printf("%6s %8s %10s %10s %10s %10s %8s %8s %8s %10s\n", "N", "launch", "load+val", "expand", "outputs", "block",
+           "(root", "group0", "rest)", "block max");
     for (int64_t N : {64, 128, 256, 1024}) {
         const int64_t K = N;
         std::vector<float> lp;
@@ -95,8 +95,8 @@ int main() {
         std::sort(launch.begin(), launch.end());
         double med[7];
         for (int i = 0; i < 7; i++) { std::sort(ph[i].begin(), ph[i].end()); med[i] = ph[i][ph[i].size() / 2]; }
-        printf("%6lld %8.1f %10.1f %10.1f %10.1f %10.1f %8.1f %8.1f %8.1f\n", (long long)N, launch[launch.size() / 2],
-               med[0], med[1], med[2], med[3], med[4], med[5], med[6]);
+        printf("%6lld %8.1f %10.1f %10.1f %10.1f %10.1f %8.1f %8.1f %8.1f %10.1f\n", (long long)N,
+               launch[launch.size() / 2], med[0], med[1], med[2], med[3], med[4], med[5], med[6], ph[3].back());
         cudaFree(d_lp); cudaFree(d_ids); cudaFree(d_ws); cudaFree(d_status); cudaFree(d_num);
         cudaFree(t.tokens); cudaFree(t.depths); cudaFree(t.parents); cudaFree(t.first_child); cudaFree(t.next_sibling);
         cudaFree(t.logw); cudaFree(t.positions); cudaFree(t.visibility); cudaFree(t.visibility_bits);

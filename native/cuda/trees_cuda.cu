@@ -45,6 +45,10 @@ __device__ inline void kdt_prof_v4_mark(int i) {
 #endif
 
 constexpr int kThreads = 256;
+// build_kernel_smem's block: 512 threads measured faster than 256 at every budget on an
+// H200 (N = 256: 88 -> 77 us, N = 1024: 282 -> 238 us; its validation, thresholds and
+// sort are instruction-bound with one block per SM).
+constexpr int kSmemThreads = 512;
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_smem_max[kMaxDevices];  // cudaDevAttrMaxSharedMemoryPerBlockOptin, 0: unknown
 std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel_smem may use
@@ -52,14 +56,13 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 // The test switches (KDTREE_CUDA_TREES_*), read once per process: getenv on every launch
 // cost a measurable part of a small build's host time.
 struct TreeSwitches {
-    bool heap, parallel, bisect, dfs, v1, inline_masks, threads512;
+    bool heap, parallel, bisect, dfs, v1, inline_masks;
 };
 const TreeSwitches& tree_switches() {
     static const TreeSwitches s = {
         getenv("KDTREE_CUDA_TREES_HEAP") != NULL,   getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL,
         getenv("KDTREE_CUDA_TREES_BISECT") != NULL, getenv("KDTREE_CUDA_TREES_DFS") != NULL,
-        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL,
-        getenv("KDTREE_CUDA_TREES_THREADS512") != NULL};
+        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL};
     return s;
 }
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
@@ -692,6 +695,68 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
     }
 }
 
+// The root's chain of children, resumed at T by the whole block. Its scores need no
+// sequential pass: the spec's recurrence (w - lp[r - 1]) + lp[r] starting from w = lp[0]
+// gives every rank its own log-prob exactly (x - x = +0 and +0 + y = y), except that a
+// -0.0 becomes +0.0 after rank 0. The row descends, so the ranks admitted are a prefix of
+// what is left: thread 0 finds its length by bisection and takes the slots, then every
+// thread writes some. Same candidates, links and flags as resume_chain(-1) would leave
+// (round 0 of a pass spent ~10-20 us on the root's ~600 siblings at N = 1024 on one
+// thread). Block-wide; L >= 1.
+__device__ inline double root_child_score(const float* row0, int32_t r) {
+    const double v = (double)row0[r];
+    return r > 0 && v == 0.0 ? 0.0 : v;
+}
+__device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t kp, double T, int* count, int* pruned,
+                                 int* overflow, int32_t* root_next, int32_t* root_last, int* root_fc) {
+    __shared__ int s_n, s_slot0, s_prev, s_r0;
+    if (threadIdx.x == 0) {
+        const int32_t r0 = *root_next;
+        // Admitted: finite and >= T; a prefix of [r0, kp) since the row descends.
+        int32_t lo = r0, hi = (int32_t)kp;  // the first rank not admitted is in [lo, hi]
+        while (lo < hi) {
+            const int32_t mid = lo + (hi - lo) / 2;
+            const double w = root_child_score(lp_s, mid);
+            if (!isinf(w) && w >= T) lo = mid + 1;
+            else hi = mid;
+        }
+        const int n = lo - r0;
+        if (lo < kp && !isinf(root_child_score(lp_s, lo))) *pruned = 1;  // a finite head below T
+        s_n = 0;
+        if (n > 0) {
+            const int slot0 = atomicAdd(count, n);
+            if (slot0 + n > c.cap) {
+                *overflow = 1;  // the chain's state is left as it was (as resume_chain does)
+            } else {
+                const int32_t prev = *root_last;
+                if (prev >= 0) c.ns[prev] = slot0;
+                else *root_fc = slot0;
+                *root_next = r0 + n;
+                *root_last = slot0 + n - 1;
+                s_n = n;
+                s_slot0 = slot0;
+                s_prev = prev;
+                s_r0 = r0;
+            }
+        }
+    }
+    __syncthreads();
+    const int n = s_n, slot0 = s_slot0, prev = s_prev, r0 = s_r0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const int32_t slot = slot0 + j;
+        c.logw[slot] = root_child_score(lp_s, r0 + j);
+        c.parent[slot] = -1;
+        c.rank[slot] = r0 + j;
+        c.depth[slot] = 1;
+        c.fc[slot] = -1;
+        c.ns[slot] = j + 1 < n ? slot + 1 : -1;
+        c.gen[slot] = j > 0 ? slot - 1 : prev;
+        c.order[slot] = 0;
+        c.pos[slot] = -1;
+    }
+    __syncthreads();
+}
+
 // Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
@@ -771,7 +836,12 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             s_overflow = 0;
         }
         __syncthreads();
-        int lo = -1, hi = min(*s_count, c.cap);  // round 0: the root (-1) and every candidate
+        int lo = -1;
+        if (!depth_first) {
+            root_chain_block(c, lp_s, kp, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last, s_root_fc);
+            lo = 0;  // the root's chain is done
+        }
+        int hi = s_overflow ? lo : min(*s_count, c.cap);  // round 0: every candidate (and the root)
         __syncthreads();  // everyone has read the count before round 0 adds to it
         while (lo < hi) {
             // Consecutive owners go to different warps (owner k to warp k % 8): a warp runs
@@ -1049,8 +1119,7 @@ __device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
 // live in shared memory, so the one thread that runs the expansion never waits on device
 // memory; tokens, depths, parents, positions and the masks are then written by the whole
 // block from the node tables.
-template <int Threads>
-__global__ void __launch_bounds__(Threads) build_kernel_smem(BuildParams p) {
+__global__ void __launch_bounds__(kSmemThreads) build_kernel_smem(BuildParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     KDT_PROBE(0);
     const int64_t b = blockIdx.x;
@@ -1421,11 +1490,9 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         // less the kernel's static shared memory.
         cudaFuncAttributes attr;
         err = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        cudaFuncAttributes attr512;
-        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, build_kernel_smem<256>);
-        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr512, build_kernel_smem<512>);
+        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, build_kernel_smem);
         if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
-        smem_max -= (int)(attr.sharedSizeBytes > attr512.sharedSizeBytes ? attr.sharedSizeBytes : attr512.sharedSizeBytes);
+        smem_max -= (int)attr.sharedSizeBytes;
         g_smem_max[slot].store(smem_max, std::memory_order_relaxed);
     }
     const size_t smem_static = 0;  // already taken off smem_max
@@ -1450,10 +1517,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
             // Raise the kernel's limit once to the device maximum (idempotent, so racing
             // threads are harmless).
-            err = cudaFuncSetAttribute(build_kernel_smem<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
-            if (err == cudaSuccess) {
-                err = cudaFuncSetAttribute(build_kernel_smem<512>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
-            }
+            err = cudaFuncSetAttribute(build_kernel_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
             if (err != cudaSuccess) {
                 return kdt_fail(KDT_ERR_CUDA, "shared memory request failed: %s", cudaGetErrorString(err));
             }
@@ -1463,11 +1527,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         const bool any_mask = out->visibility != NULL || out->visibility_bits != NULL;
         p.masks_separate = any_mask && N >= kSeparateMasksMinBudget && B <= 65535 &&
                            !sw.inline_masks;
-        if (sw.threads512) {
-            build_kernel_smem<512><<<(unsigned)B, 512, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
-        } else {
-            build_kernel_smem<256><<<(unsigned)B, 256, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
-        }
+        build_kernel_smem<<<(unsigned)B, kSmemThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
         if (p.masks_separate) {
             err = cudaGetLastError();
             if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "tree build launch failed: %s", cudaGetErrorString(err));
