@@ -172,7 +172,16 @@ __device__ void warp_write_mask_row(int64_t i, int64_t n, int64_t rows, const in
                                     uint32_t* brow) {
     const int lane = threadIdx.x & 31;
     const int64_t words = (rows + 31) / 32;
-    if (vrow) for (int64_t j = lane; j < rows; j += 32) vrow[j] = 0;
+    if (vrow) {
+        // Cleared in 16-byte stores between an unaligned head and tail (byte stores were
+        // ~2x the bandwidth floor of a large tree's mask on an H200).
+        const int64_t head = min(rows, (int64_t)((16 - ((uintptr_t)vrow & 15)) & 15));
+        const int64_t body = (rows - head) / 16;
+        if (lane < head) vrow[lane] = 0;
+        uint4* v4 = reinterpret_cast<uint4*>(vrow + head);
+        for (int64_t k = lane; k < body; k += 32) v4[k] = make_uint4(0u, 0u, 0u, 0u);
+        for (int64_t j = head + body * 16 + lane; j < rows; j += 32) vrow[j] = 0;
+    }
     if (brow) for (int64_t j = lane; j < words; j += 32) brow[j] = 0u;
     __syncwarp();
     if (lane == 0) {
@@ -959,6 +968,60 @@ __device__ int bisect_threshold(const Cands& c, const float* lp_s, int64_t L, in
     return found ? *s_count : -1;
 }
 
+// Heap order of two sort entries (score, candidate index; index -1: padding, last).
+__device__ inline bool sort_entry_before(const Cands& c, double wa, int32_t oa, double wb, int32_t ob) {
+    if (wa != wb) return wa > wb;
+    if (oa < 0 || ob < 0) return ob < 0 && oa >= 0;
+    return cand_path_before(c, oa, ob);
+}
+
+// The bitonic stages (k, j) for k = k_lo .. k_hi and j = min(k / 2, 32) .. 1 over the
+// sort arrays c.logw / c.order [P] (P a multiple of 64): each warp takes 64-entry
+// segments, a lane holds entries lane and lane + 32 of a segment, and partners at
+// distance j < 32 are exchanged by shuffles. Same comparisons as the block-wide stages.
+__device__ void warp_bitonic_stages(const Cands& c, int P, int k_lo, int k_hi) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
+    for (int seg = threadIdx.x / 32; seg < P / 64; seg += warps) {
+        const int base = seg * 64;
+        double w[2] = {c.logw[base + lane], c.logw[base + lane + 32]};
+        int32_t o[2] = {c.order[base + lane], c.order[base + lane + 32]};
+        for (int k = k_lo; k <= k_hi; k <<= 1) {
+            for (int j = min(k >> 1, 32); j > 0; j >>= 1) {
+                if (j == 32) {  // the pair is the lane's own two entries
+                    const bool up = ((base + lane) & k) == 0;
+                    if (up == sort_entry_before(c, w[1], o[1], w[0], o[0])) {
+                        const double tw = w[0];
+                        const int32_t to = o[0];
+                        w[0] = w[1];
+                        o[0] = o[1];
+                        w[1] = tw;
+                        o[1] = to;
+                    }
+                    continue;
+                }
+                const bool lower = (lane & j) == 0;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const double pw = __shfl_xor_sync(kFullMask, w[h], j);
+                    const int32_t po = __shfl_xor_sync(kFullMask, o[h], j);
+                    const int i = base + lane + 32 * h;
+                    const bool up = (i & k) == 0;  // the same for both entries of the pair
+                    const bool high_first = lower ? sort_entry_before(c, pw, po, w[h], o[h])
+                                                  : sort_entry_before(c, w[h], o[h], pw, po);
+                    if (up == high_first) {
+                        w[h] = pw;
+                        o[h] = po;
+                    }
+                }
+            }
+        }
+        c.logw[base + lane] = w[0];
+        c.logw[base + lane + 32] = w[1];
+        c.order[base + lane] = o[0];
+        c.order[base + lane + 32] = o[1];
+    }
+}
+
 // Returns n >= 0 with the node tables, scores and links filled (as kdt_expand_tree would),
 // or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
 __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
@@ -986,17 +1049,33 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     // the rank paths of exactly equal scores). Padding (index -1, score -inf) goes last.
     // (Counting each candidate's predecessors instead was slower from 64 candidates up on
     // an H200: perf-notes.)
+    // Stages whose pairs lie inside one 64-candidate segment (j <= 32) run in registers,
+    // one warp per segment, with no block barrier between them: all of k <= 64 in one
+    // phase, then for each larger k the stages j >= 64 one by one and j <= 32 as one phase.
     {
         int P = 1;
         while (P < M) P <<= 1;
+        const bool warp_stages = c.cap >= 64;  // c.order and c.logw hold >= 64 entries
+        if (warp_stages && P < 64) P = 64;
         for (int i = threadIdx.x; i < P; i += blockDim.x) {
             c.order[i] = i < M ? i : -1;
             if (i >= M) c.logw[i] = -INFINITY;
         }
         __syncthreads();
+        int k_first = 2;
+        if (warp_stages) {
+            warp_bitonic_stages(c, P, 2, 64);
+            __syncthreads();
+            k_first = 128;
+        }
         const int half = P >> 1;
-        for (int k = 2; k <= P; k <<= 1) {
+        for (int k = k_first; k <= P; k <<= 1) {
             for (int j = k >> 1; j > 0; j >>= 1) {
+                if (warp_stages && j <= 32) {
+                    warp_bitonic_stages(c, P, k, k);
+                    __syncthreads();
+                    break;
+                }
                 // Four disjoint pairs per thread: all loaded before any is compared.
                 for (int q0 = threadIdx.x; q0 < half; q0 += 4 * blockDim.x) {
                     int ii[4];
