@@ -1198,7 +1198,7 @@ __device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
 // live in shared memory, so the one thread that runs the expansion never waits on device
 // memory; tokens, depths, parents, positions and the masks are then written by the whole
 // block from the node tables.
-__global__ void __launch_bounds__(kSmemThreads) build_kernel_smem(BuildParams p) {
+__global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     KDT_PROBE(0);
     const int64_t b = blockIdx.x;
@@ -1235,69 +1235,82 @@ __global__ void __launch_bounds__(kSmemThreads) build_kernel_smem(BuildParams p)
     }
     __syncthreads();
     KDT_PROBE(4);
-    // Load the used part [L, K'] (row stride K' in shared memory, so entry (row, r) sits at
-    // flat index row * K' + r) and check it. The rows go in groups of G, each row of a
-    // group with its own hash set of ids (-1: empty) for repeated ids: G = every row when
-    // the idle candidate arrays hold them (one group, one barrier round), else as many as
-    // fit. Every thread loads eight entries (value and id) before checking any, so a group
-    // costs about one round trip to device memory. The values' order is checked after
-    // the loads, from shared memory.
+    // Load the used part [L, K'] (row stride K' in shared memory) and check it. The rows go
+    // in groups of G, each row of a group with its own hash set of ids (-1: empty) for
+    // repeated ids: G = every row when the idle candidate arrays hold them, else as many
+    // as fit. Threads are laid out without divisions: a row takes tpr threads (a power of
+    // two >= K', at most the block), rows_par rows at a time, and a thread takes ranks
+    // rs, rs + tpr, ... of its rows. Each thread loads eight entries (value, id and, where
+    // no neighbouring lane has it, the previous rank's value) before checking any. The
+    // probes of the hash sets run under a warp vote: lanes left to loop on their own never
+    // reconverged, and the warp ran them one by one (H200 profile, N = 1024: 1-2 active
+    // threads per instruction, the validation 125 us).
     int bad = 0;
     {
-        const uint32_t ukp = (uint32_t)kp, total = (uint32_t)(L * kp), slots = (uint32_t)p.hash_slots;
+        const uint32_t ukp = (uint32_t)kp, slots = (uint32_t)p.hash_slots;
         const size_t cand_bytes = p.cap3 > 0 ? cands_bytes(p.cap3) : 0;
-        int32_t* tab = cand_bytes > (size_t)slots * 4 ? reinterpret_cast<int32_t*>(smem + lay.cands) : hash;
-        const uint32_t tab_slots = (uint32_t)((cand_bytes > (size_t)slots * 4 ? cand_bytes : (size_t)slots * 4) / 4);
+        const bool in_cands = cand_bytes > (size_t)slots * 4;
+        int32_t* tab = in_cands ? reinterpret_cast<int32_t*>(smem + lay.cands) : hash;
+        const uint32_t tab_slots = (uint32_t)((in_cands ? cand_bytes : (size_t)slots * 4) / 4);
         const uint32_t group = slots > 0 ? (uint32_t)min((int64_t)(tab_slots / slots), L) : 1u;
-        int shift = 64;
-        for (uint32_t h = slots; h > 1; h >>= 1) shift--;
-        const uint64_t mask = (uint64_t)slots - 1;
+        int slot_bits = 0;
+        while ((1u << slot_bits) < slots) slot_bits++;
+        int tpr_bits = 0;
+        while ((1u << tpr_bits) < ukp && (1u << tpr_bits) < blockDim.x) tpr_bits++;
+        const uint32_t tpr = 1u << tpr_bits, rows_par = blockDim.x >> tpr_bits;
+        int rpt_bits = 0;  // rank slots per thread and row: a power of two >= K' / tpr
+        while (((uint64_t)tpr << rpt_bits) < ukp) rpt_bits++;
+        const uint32_t rr = threadIdx.x >> tpr_bits, rs = threadIdx.x & (tpr - 1), lane = threadIdx.x % 32;
+        const bool prev_by_shuffle = lane > 0 && rs > 0;  // lane - 1 holds rank r - 1 of the same row
         for (uint32_t g0 = 0; g0 < (uint32_t)L && kp > 0; g0 += group) {
             const uint32_t g1 = min((uint32_t)L, g0 + group);
             for (uint32_t i = threadIdx.x; i < (g1 - g0) * slots; i += blockDim.x) tab[i] = -1;
             __syncthreads();
-            // The loop bounds are warp-uniform and the probes run under a warp vote: lanes
-            // left to loop on their own never reconverged and the warp ran them one by one
-            // (H200, N = 1024: 1-2 active threads per instruction, validation 125 -> ~10 us).
-            const uint32_t lane = threadIdx.x % 32, warp_base = threadIdx.x - lane;
-            for (uint32_t b0 = g0 * ukp + warp_base; b0 < g1 * ukp; b0 += 8 * blockDim.x) {
-                float v[8];
+            const uint32_t items = ((g1 - g0 + rows_par - 1) / rows_par) << rpt_bits;  // the same for all threads
+            for (uint32_t t0 = 0; t0 < items; t0 += 8) {
+                float v[8], before[8];
                 int32_t id[8];
-                uint32_t row[8];
+                uint32_t row[8], rank[8];
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
-                    const uint32_t i = b0 + lane + (uint32_t)u * blockDim.x;
-                    row[u] = i / ukp;
-                    const size_t src = (size_t)row[u] * (size_t)K + (i - row[u] * ukp);
+                    const uint32_t t = t0 + (uint32_t)u;
+                    row[u] = g0 + rr + rows_par * (t >> rpt_bits);
+                    rank[u] = rs + ((t & ((1u << rpt_bits) - 1)) << tpr_bits);
+                    const bool ok = t < items && row[u] < g1 && rank[u] < ukp;
+                    if (!ok) row[u] = UINT32_MAX;
+                    const size_t src = ok ? (size_t)row[u] * (size_t)K + rank[u] : 0;
                     if (KDT_KNOB(2)) {
-                        v[u] = -1.0f - 1e-3f * (float)(i - row[u] * ukp);
-                        id[u] = (int32_t)(i - row[u] * ukp) * 37;
+                        v[u] = -1.0f - 1e-3f * (float)rank[u];
+                        before[u] = -1.0f - 1e-3f * (float)(rank[u] - 1);
+                        id[u] = ok ? (int32_t)rank[u] * 37 : -1;
                         continue;
                     }
-                    v[u] = i < g1 * ukp ? lp[src] : 0.0f;
-                    id[u] = i < g1 * ukp ? ids[src] : -1;
+                    v[u] = ok ? lp[src] : 0.0f;
+                    id[u] = ok ? ids[src] : -1;
+                    before[u] = ok && rank[u] > 0 && !prev_by_shuffle ? lp[src - 1] : 0.0f;
                 }
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
-                    const uint32_t i = b0 + lane + (uint32_t)u * blockDim.x;
-                    const bool here = i < g1 * ukp;
-                    if (here) {
-                        lp_s[i] = v[u];
-                        bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0);
+                    const float up = __shfl_up_sync(kFullMask, v[u], 1);
+                    const bool ok = row[u] != UINT32_MAX;
+                    if (ok) {
+                        const float prev = prev_by_shuffle ? up : before[u];
+                        lp_s[row[u] * ukp + rank[u]] = v[u];
+                        bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0) || (rank[u] > 0 && v[u] > prev);
                         bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
                     }
                     // A negative id is a range error, reported by exact_status.
-                    bool pending = here && id[u] >= 0 && !KDT_KNOB(1);
-                    int32_t* set = tab + (size_t)(here ? row[u] - g0 : 0) * slots;
-                    uint64_t slot = shift >= 64 ? 0 : (mix_id(id[u]) >> shift) & mask;
+                    bool pending = ok && id[u] >= 0 && !KDT_KNOB(1);
+                    int32_t* set = tab + (size_t)(ok ? row[u] - g0 : 0) * slots;
+                    uint32_t slot = slot_bits > 0 ? ((uint32_t)id[u] * 2654435769u) >> (32 - slot_bits) : 0u;
                     while (__any_sync(kFullMask, pending)) {
                         if (pending) {
-                            const int32_t prev = atomicCAS(&set[slot], -1, id[u]);
-                            if (prev == -1 || prev == id[u]) {
-                                bad |= prev == id[u];
+                            const int32_t prev_id = atomicCAS(&set[slot], -1, id[u]);
+                            if (prev_id == -1 || prev_id == id[u]) {
+                                bad |= prev_id == id[u];
                                 pending = false;
                             } else {
-                                slot = (slot + 1) & mask;
+                                slot = (slot + 1) & (slots - 1);
                             }
                         }
                     }
@@ -1305,10 +1318,6 @@ __global__ void __launch_bounds__(kSmemThreads) build_kernel_smem(BuildParams p)
             }
             __syncthreads();  // the sets are cleared again for the next group
             if (g0 == 0) KDT_PROBE(5);
-        }
-        // Descending values within each row (NaN was flagged above).
-        for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
-            if (i % ukp != 0 && lp_s[i] > lp_s[i - 1]) bad = 1;
         }
     }
     if (bad) atomicOr(&s_bad, 1);
