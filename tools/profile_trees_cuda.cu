@@ -91,6 +91,11 @@ int main() {
                    "next threshold):");
             for (int i = 1; i < 7 && m4[0][i] > m4[0][0]; i++) printf(" %.1f", (m4[0][i] - m4[0][0]) / cyc_per_us);
             printf("; rounds %lld\n", m4[0][7]);
+            long long ms[64][4];
+            CK(cudaMemcpyFromSymbol(ms, kdt_prof_sort, sizeof ms));
+            printf("   block 0 sort (us): init %.1f, k <= 64 %.1f, k > 64 %.1f, positions + check %.1f\n",
+                   (ms[0][0] - m4[0][0]) / cyc_per_us - (v[0][1]) / cyc_per_us, (ms[0][1] - ms[0][0]) / cyc_per_us,
+                   (ms[0][2] - ms[0][1]) / cyc_per_us, (ms[0][3] - ms[0][2]) / cyc_per_us);
         }
         std::sort(launch.begin(), launch.end());
         double med[7];

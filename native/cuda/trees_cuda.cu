@@ -31,6 +31,7 @@ __device__ int kdt_prof_knob;  // 1: skip the duplicate-id hash, 2: skip the glo
 #define KDT_PROBE(phase) \
     do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
 __device__ long long kdt_prof_v3[4096][4];  // passes, enumeration cycles, sort + check cycles, |P_T|
+__device__ long long kdt_prof_sort[4096][4];  // clock marks: sort start, after the k <= 64 phase, sorted, checked
 #define KDT_V3_PROF(stmt) stmt
 __device__ long long kdt_prof_v4[4096][8];  // clock marks of version 4's phases, [7]: rounds
 __device__ inline void kdt_prof_v4_mark(int i) {
@@ -647,6 +648,9 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
         while (more) {
             double ws[8];
             int nb = 0;
+            float v[9];  // the row's values for this batch, loaded before the dependent scoring
+#pragma unroll
+            for (int j = 0; j < 9; j++) v[j] = r + j < kp ? row[r + j] : 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 if (!more) break;
@@ -661,7 +665,7 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
                 }
                 ws[j] = w;
                 nb = j + 1;
-                if (r + j + 1 < kp) w = (w - (double)row[r + j]) + (double)row[r + j + 1];  // subtract, then add
+                if (r + j + 1 < kp) w = (w - (double)v[j]) + (double)v[j + 1];  // subtract, then add
             }
             if (nb == 0) break;
             const int slot0 = atomicAdd(count, nb);
@@ -969,10 +973,13 @@ __device__ int bisect_threshold(const Cands& c, const float* lp_s, int64_t L, in
 }
 
 // Heap order of two sort entries (score, candidate index; index -1: padding, last).
+// Branch-free but for exact ties of two candidates (rare), which compare their rank paths:
+// the branchy form cost ~400 cycles per bitonic stage on an H200.
 __device__ inline bool sort_entry_before(const Cands& c, double wa, int32_t oa, double wb, int32_t ob) {
-    if (wa != wb) return wa > wb;
-    if (oa < 0 || ob < 0) return ob < 0 && oa >= 0;
-    return cand_path_before(c, oa, ob);
+    const bool eq = wa == wb;  // also -0.0 == +0.0, as the heap compares
+    bool before = wa > wb || (eq && oa >= 0 && ob < 0);
+    if (eq && oa >= 0 && ob >= 0) before = cand_path_before(c, oa, ob);
+    return before;
 }
 
 // The bitonic stages (k, j) for k = k_lo .. k_hi and j = min(k / 2, 32) .. 1 over the
@@ -1000,17 +1007,24 @@ __device__ void warp_bitonic_stages(const Cands& c, int P, int k_lo, int k_hi) {
                     continue;
                 }
                 const bool lower = (lane & j) == 0;
+                double pw[2];
+                int32_t po[2];
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const double pw = __shfl_xor_sync(kFullMask, w[h], j);
-                    const int32_t po = __shfl_xor_sync(kFullMask, o[h], j);
+                    pw[h] = __shfl_xor_sync(kFullMask, w[h], j);
+                    po[h] = __shfl_xor_sync(kFullMask, o[h], j);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
                     const int i = base + lane + 32 * h;
                     const bool up = (i & k) == 0;  // the same for both entries of the pair
-                    const bool high_first = lower ? sort_entry_before(c, pw, po, w[h], o[h])
-                                                  : sort_entry_before(c, w[h], o[h], pw, po);
-                    if (up == high_first) {
-                        w[h] = pw;
-                        o[h] = po;
+                    // The pair's higher-index entry before its lower one? (operands selected,
+                    // not branched on, so both halves of the warp run one comparison)
+                    const double hw = lower ? pw[h] : w[h], lw = lower ? w[h] : pw[h];
+                    const int32_t ho = lower ? po[h] : o[h], lo = lower ? o[h] : po[h];
+                    if (up == sort_entry_before(c, hw, ho, lw, lo)) {
+                        w[h] = pw[h];
+                        o[h] = po[h];
                     }
                 }
             }
@@ -1064,8 +1078,10 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         __syncthreads();
         int k_first = 2;
         if (warp_stages) {
+            KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_sort[blockIdx.x][0] = clock64();)
             warp_bitonic_stages(c, P, 2, 64);
             __syncthreads();
+            KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_sort[blockIdx.x][1] = clock64();)
             k_first = 128;
         }
         const int half = P >> 1;
@@ -1096,11 +1112,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
                     for (int u = 0; u < 4; u++) {
                         if (ii[u] < 0) continue;
                         const int i = ii[u], l = i + j;
-                        // l before i in heap order?
-                        bool l_first;
-                        if (wi[u] != wl[u]) l_first = wl[u] > wi[u];
-                        else if (ai[u] < 0 || al[u] < 0) l_first = ai[u] < 0 && al[u] >= 0;
-                        else l_first = cand_path_before(c, al[u], ai[u]);
+                        const bool l_first = sort_entry_before(c, wl[u], al[u], wi[u], ai[u]);  // l before i?
                         const bool up = (i & k) == 0;  // this run ascends in heap order
                         if (up == l_first) {
                             c.logw[i] = wl[u];
@@ -1115,6 +1127,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         }
     }
     if (threadIdx.x == 0) s_fail = 0;
+    KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_sort[blockIdx.x][2] = clock64();)
     for (int k = threadIdx.x; k < M; k += blockDim.x) c.pos[c.order[k]] = k;
     __syncthreads();
     // Every selected node after its generator: then this order is the heap's.
@@ -1128,6 +1141,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         kdt_prof_v3[blockIdx.x][1] = prof_t1 - prof_t0;
         kdt_prof_v3[blockIdx.x][2] = clock64() - prof_t1;
         kdt_prof_v3[blockIdx.x][3] = M;
+        kdt_prof_sort[blockIdx.x][3] = clock64();
     })
     if (s_fail) return -1;
     const int root_fc = s_root_fc;
