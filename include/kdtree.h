@@ -327,14 +327,17 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * (also: a device array not aligned to its element size), KDT_ERR_SHAPE,
  * KDT_ERR_BUFFER_TOO_SMALL, KDT_ERR_OVERFLOW, KDT_ERR_CUDA (the launch failed),
  * KDT_ERR_UNSUPPORTED (no CUDA in this build).
- * One thread block per request. From N = 128 the tree is found by an exact parallel
- * enumeration (a score threshold, a sort by the heap's key, a check that the order is the
- * heap's); below that, or when the check fails or shared memory is too small, one thread
- * runs the heap (shared memory, else device memory). Every path gives the CPU builder's
- * bits. Testing knobs (environment): KDTREE_CUDA_TREES_HEAP=1 forces the heap,
- * KDTREE_CUDA_TREES_PARALLEL=1 the parallel path at any budget, KDTREE_CUDA_TREES_V1=1 the
+ * One thread block per request. From N = 16 the tree is found by an exact parallel
+ * expansion (a descending score threshold, a sort by the heap's key, a check that the
+ * order is the heap's); below that, or when the check fails or shared memory is too
+ * small, one thread runs the heap (shared memory, else device memory). Every path gives
+ * the CPU builder's bits. Testing knobs (environment, read once, at the first call in the
+ * process): KDTREE_CUDA_TREES_HEAP=1 forces the heap, KDTREE_CUDA_TREES_PARALLEL=1 the
+ * parallel path at any budget, KDTREE_CUDA_TREES_BISECT=1 its bisection (version 3),
+ * KDTREE_CUDA_TREES_DFS=1 its depth-first variant, KDTREE_CUDA_TREES_V1=1 the
  * device-memory heap, KDTREE_CUDA_TREES_INLINE_MASKS=1 the masks inside the build kernel
- * (by default trees from N = 256 get their masks from a second launch). Speed: docs/perf-notes.md (not yet at the foundation goals).
+ * (by default trees from N = 256 get their masks from a second launch). Speed:
+ * docs/perf-notes.md.
  */
 KDT_API kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
                                         void* workspace, size_t workspace_bytes, void* stream);

@@ -857,7 +857,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         int hi = s_overflow ? lo : min(*s_count, c.cap);  // round 0: every candidate (and the root)
         __syncthreads();  // everyone has read the count before round 0 adds to it
         while (lo < hi) {
-            // Consecutive owners go to different warps (owner k to warp k % 8): a warp runs
+            // Consecutive owners go to different warps (owner k to warp k % 16): a warp runs
             // its lanes' diverging chain walks one after another, so a round of a few
             // owners packed into one warp took as long as their sum (H200 profile).
             for (int i = lo + spread; i < hi; i += blockDim.x) {
