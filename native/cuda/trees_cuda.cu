@@ -57,13 +57,14 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 // The test switches (KDTREE_CUDA_TREES_*), read once per process: getenv on every launch
 // cost a measurable part of a small build's host time.
 struct TreeSwitches {
-    bool heap, parallel, bisect, dfs, v1, inline_masks;
+    bool heap, parallel, bisect, dfs, v1, inline_masks, thread_chains;
 };
 const TreeSwitches& tree_switches() {
     static const TreeSwitches s = {
         getenv("KDTREE_CUDA_TREES_HEAP") != NULL,   getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL,
         getenv("KDTREE_CUDA_TREES_BISECT") != NULL, getenv("KDTREE_CUDA_TREES_DFS") != NULL,
-        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL};
+        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL,
+        getenv("KDTREE_CUDA_TREES_THREAD_CHAINS") != NULL};
     return s;
 }
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
@@ -86,7 +87,8 @@ struct BuildParams {
     int64_t hash_slots; // power of two >= 2 K' (0 when K' == 0)
     int32_t cap3;       // version 3's candidate capacity (power of two), 0: heap only
     int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
-    int32_t descent;        // 1: version 4's threshold descent before version 3's bisection (2: depth first)
+    int32_t descent;        // 1: version 4's threshold descent (chains by warps) before version 3's bisection
+                            // (2: depth first, 3: chains by threads)
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -708,6 +710,79 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
     }
 }
 
+// resume_chain for one owner o >= 0 by a whole warp (every lane calls it with the same o),
+// breadth first: the run it emits waits for the next round. The chain's scores follow the
+// spec's recurrence w' = (w - lp[r]) + lp[r + 1], i.e. w_r = fl(x_r + lp[r]) with
+// x_{r+1} = fl(w_r - lp[r]). Where x_{r+1} == x_r bit for bit (usual: a parent's score and
+// a float log-prob sum exactly in a double), every score of the run is fl(x + lp[r]),
+// which the 32 lanes compute for 32 ranks at once; each lane checks that identity for its
+// rank, and the run is cut after the first lane where it fails (its score is still
+// right), then resumes from the x that lane computed. So the candidates are exactly
+// resume_chain's, one lane per candidate instead of one thread per chain.
+__device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
+                                  int* count, int* pruned, int* overflow) {
+    const int lane = threadIdx.x & 31;
+    const int32_t d = c.depth[o];
+    int32_t r = c.order[o];     // the chain's next rank
+    int32_t prev = c.pos[o];    // its last child so far, -1: none
+    if (d >= L || r >= kp) return;
+    const float* row = lp_s + (int64_t)d * kp;
+    double x = prev < 0 ? c.logw[o] : c.logw[prev] - (double)row[r - 1];  // spec: subtract first, then add
+    for (;;) {
+        const int32_t rk = r + lane;
+        const bool in = rk < kp;
+        const double v = in ? (double)row[rk] : 0.0;
+        const double w = x + v;
+        const double x_next = w - v;
+        const bool same_x = in && __double_as_longlong(x_next) == __double_as_longlong(x);
+        const bool admitted = in && !isinf(w) && w >= T;
+        const unsigned x_changes = __ballot_sync(kFullMask, !same_x);
+        const unsigned refused = __ballot_sync(kFullMask, !admitted);
+        const int valid = x_changes ? __ffs(x_changes) - 1 : 31;  // lanes <= valid hold true scores
+        const int stop = refused ? __ffs(refused) - 1 : 32;      // the first rank not admitted
+        const int m = stop <= valid ? stop : valid + 1;          // lanes [0, m) are emitted now
+        if (m > 0) {
+            int slot0 = 0;
+            if (lane == 0) slot0 = atomicAdd(count, m);
+            slot0 = __shfl_sync(kFullMask, slot0, 0);
+            if (slot0 + m > c.cap) {  // this threshold is too low; the chain is left as it was
+                if (lane == 0) *overflow = 1;
+                return;
+            }
+            if (lane < m) {
+                const int32_t slot = slot0 + lane;
+                c.logw[slot] = w;
+                c.parent[slot] = o;
+                c.rank[slot] = rk;
+                c.depth[slot] = d + 1;
+                c.fc[slot] = -1;
+                c.ns[slot] = lane + 1 < m ? slot + 1 : -1;
+                c.gen[slot] = lane > 0 ? slot - 1 : (prev >= 0 ? prev : o);
+                c.order[slot] = 0;  // its own chain: next rank 0,
+                c.pos[slot] = -1;   // no child yet
+            }
+            if (lane == 0) {
+                if (prev >= 0) c.ns[prev] = slot0;
+                else c.fc[o] = slot0;
+            }
+            prev = slot0 + m - 1;
+            r += m;
+        }
+        if (stop <= valid) {
+            // Stopped at rank r (lane `stop`): pruned when it exists with a finite score
+            // (below T); no rank left or -inf (and the rest -inf) is not pruning.
+            const bool prunes = in && !isinf(w) && !(w >= T);
+            if (__shfl_sync(kFullMask, prunes, stop) && lane == 0) *pruned = 1;
+            break;
+        }
+        x = __shfl_sync(kFullMask, x_next, valid);  // every lane up to `valid` was emitted
+    }
+    if (lane == 0) {
+        c.order[o] = r;
+        c.pos[o] = prev;
+    }
+}
+
 // The root's chain of children, resumed at T by the whole block. Its scores need no
 // sequential pass: the spec's recurrence (w - lp[r - 1]) + lp[r] starting from w = lp[0]
 // gives every rank its own log-prob exactly (x - x = +0 and +0 + y = y), except that a
@@ -773,7 +848,8 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t kp, 
 // Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
-                                 int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first) {
+                                 int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first,
+                                 bool warp_chains) {
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
@@ -842,6 +918,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     bool have_over = false;     // a pass overflowed: at t_over, with more than c_over candidates
     double t_over = 0.0, c_over = 0.0;
     const int spread = (int)(threadIdx.x % 32) * (int)(blockDim.x / 32) + (int)(threadIdx.x / 32);  // thread 0: 0
+    const bool warp_rounds = warp_chains && !depth_first;  // the root's chain is then root_chain_block's
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -860,11 +937,18 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             // Consecutive owners go to different warps (owner k to warp k % 16): a warp runs
             // its lanes' diverging chain walks one after another, so a round of a few
             // owners packed into one warp took as long as their sum (H200 profile).
-            for (int i = lo + spread; i < hi; i += blockDim.x) {
-                resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
-                             s_root_fc, depth_first);
-                KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
+            if (warp_rounds) {
+                // One warp per owner, one lane per candidate (resume_chain_warp).
+                for (int i = lo + (int)(threadIdx.x / 32); i < hi; i += (int)(blockDim.x / 32)) {
+                    resume_chain_warp(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow);
+                }
+            } else {
+                for (int i = lo + spread; i < hi; i += blockDim.x) {
+                    resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
+                                 s_root_fc, depth_first);
+                }
             }
+            KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
             __syncthreads();
             lo = hi;
             hi = min(*s_count, c.cap);
@@ -1051,7 +1135,8 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     int M = -1;
     if (descent && L <= kDescentMaxDepth) {
         int passes = 0;
-        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2);
+        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2,
+                              descent == 1);
         if (M >= 0) prof_passes_any = 1000 + passes;
     }
     if (M < 0) M = bisect_threshold(c, lp_s, L, kp, N, &s_count, &s_pruned, &s_root_fc, &prof_passes_any);
@@ -1613,7 +1698,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         }
     }
     // 1: version 4 then 3; 2: version 4 depth first (KDTREE_CUDA_TREES_DFS=1); 0: version 3.
-    p.descent = sw.bisect ? 0 : sw.dfs ? 2 : 1;
+    p.descent = sw.bisect ? 0 : sw.dfs ? 2 : sw.thread_chains ? 3 : 1;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && !sw.v1) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
