@@ -75,6 +75,10 @@ constexpr size_t kStagedMaskMaxRows = 160;
 constexpr size_t kStagedMaskMaxWords = (kStagedMaskMaxRows + 31) / 32;
 // From this budget the parallel expansion (versions 4 and 3) runs; below it the heap.
 constexpr int64_t kParallelMinBudget = 16;
+// Up to this budget version 4 resumes a round's chains one warp per owner; above it one
+// thread per owner (H200: N = 64 37.1 vs 39.9 us, N = 256 63.2 vs 63.9, N = 1024 200.1 vs
+// 189.8, where rounds hold hundreds of owners).
+constexpr int64_t kWarpChainsMaxBudget = 512;
 
 struct BuildParams {
     kdt_draft draft;  // device pointers inside
@@ -1698,7 +1702,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
         }
     }
     // 1: version 4 then 3; 2: version 4 depth first (KDTREE_CUDA_TREES_DFS=1); 0: version 3.
-    p.descent = sw.bisect ? 0 : sw.dfs ? 2 : sw.thread_chains ? 3 : 1;
+    p.descent = sw.bisect ? 0 : sw.dfs ? 2 : sw.thread_chains || N > kWarpChainsMaxBudget ? 3 : 1;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && !sw.v1) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
