@@ -781,6 +781,7 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
         }
         x = __shfl_sync(kFullMask, x_next, valid);  // every lane up to `valid` was emitted
     }
+    __syncwarp();  // every lane has read the chain's state (above) before lane 0 moves it on
     if (lane == 0) {
         c.order[o] = r;
         c.pos[o] = prev;
