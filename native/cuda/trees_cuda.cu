@@ -765,6 +765,7 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
                 c.order[slot] = 0;  // its own chain: next rank 0,
                 c.pos[slot] = -1;   // no child yet
             }
+            __syncwarp();  // the last step's final lane wrote ns[prev] = -1: lane 0 links after it
             if (lane == 0) {
                 if (prev >= 0) c.ns[prev] = slot0;
                 else c.fc[o] = slot0;
