@@ -723,6 +723,8 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
 // rank, and the run is cut after the first lane where it fails (its score is still
 // right), then resumes from the x that lane computed. So the candidates are exactly
 // resume_chain's, one lane per candidate instead of one thread per chain.
+// (When pos[o] >= 0, the last child's score and lp[d][order[o] - 1] are finite: it was
+// emitted.)
 __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
                                   int* count, int* pruned, int* overflow) {
     const int lane = threadIdx.x & 31;
@@ -749,7 +751,9 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
             int slot0 = 0;
             if (lane == 0) slot0 = atomicAdd(count, m);
             slot0 = __shfl_sync(kFullMask, slot0, 0);
-            if (slot0 + m > c.cap) {  // this threshold is too low; the chain is left as it was
+            if (slot0 + m > c.cap) {
+                // This threshold is too low: order[o] / pos[o] are left as they were, and any
+                // link made by an earlier step of this call is cut by the pass's rollback.
                 if (lane == 0) *overflow = 1;
                 return;
             }
