@@ -12,6 +12,8 @@ installed outside nox's virtual environments.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -94,9 +96,16 @@ def bench(session: nox.Session) -> None:
 def bench_gpu(session: nox.Session) -> None:
     """GPU kernels vs the published torch + host-heap path (device machine; needs torch).
 
-    Uses the current interpreter (torch is large and GPU machines often have no network):
-    run it where ``python -c "import torch"`` works. Builds libkdtree with CUDA first.
+    Uses the ``python`` on PATH (torch is large and GPU machines often have no network):
+    run it where ``python -c "import torch"`` works, as ``python -m nox -s bench-gpu`` if a
+    version manager's shim would pick another interpreter. Builds libkdtree with CUDA first,
+    which stays in the build's CMake cache (``nox -s build -- -DKDTREE_CUDA=AUTO`` resets it).
     """
+    if subprocess.run(["python", "-c", "import torch"], capture_output=True).returncode != 0:
+        session.error(
+            "bench-gpu needs torch: `python -c 'import torch'` fails for the python on PATH "
+            f"({shutil.which('python')}); run `python -m nox -s bench-gpu` with an interpreter that has torch"
+        )
     _cmake_build(session, "-DKDTREE_CUDA=ON")
     session.run("python", str(ROOT / "tools" / "bench_gpu.py"), *session.posargs, env=_env(), external=True)
 

@@ -332,7 +332,7 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * order is the heap's); below that, or when the check fails or shared memory is too
  * small, one thread runs the heap (shared memory, else device memory). Every path gives
  * the CPU builder's bits. Testing knobs (environment, read once, at the first call in the
- * process): KDTREE_CUDA_TREES_HEAP=1 forces the heap, KDTREE_CUDA_TREES_PARALLEL=1 the
+ * process; on when set to anything but "" or "0"): KDTREE_CUDA_TREES_HEAP=1 forces the heap, KDTREE_CUDA_TREES_PARALLEL=1 the
  * parallel path at any budget, KDTREE_CUDA_TREES_BISECT=1 its bisection (version 3),
  * KDTREE_CUDA_TREES_DFS=1 its depth-first variant, KDTREE_CUDA_TREES_THREAD_CHAINS=1 one
  * thread per chain owner at every budget (by default a warp per owner up to N = 512),

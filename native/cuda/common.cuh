@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 
 extern "C" {
 #include "internal.h"
@@ -14,6 +15,12 @@ extern "C" {
 namespace kdt {
 
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// A test switch from the environment: on when set to anything but "" or "0".
+inline bool env_switch(const char* name) {
+    const char* v = getenv(name);
+    return v != NULL && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+}
 
 // After a launch: KDT_OK, or KDT_ERR_CUDA naming `what` and the runtime's message.
 kdt_status launch_status(const char* what);

@@ -1206,7 +1206,7 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
     }
 
     cudaStream_t s = kdt::as_stream(stream);
-    static const bool force_chunked = getenv("KDTREE_CUDA_TOPK_CHUNKED") != NULL;  // tests of the k > 128 path
+    static const bool force_chunked = kdt::env_switch("KDTREE_CUDA_TOPK_CHUNKED");  // tests of the k > 128 path
     if (k <= kRowMaxK && !force_chunked) {
         RowParams rp;
         rp.data = static_cast<const char*>(logits->data);

@@ -61,10 +61,10 @@ struct TreeSwitches {
 };
 const TreeSwitches& tree_switches() {
     static const TreeSwitches s = {
-        getenv("KDTREE_CUDA_TREES_HEAP") != NULL,   getenv("KDTREE_CUDA_TREES_PARALLEL") != NULL,
-        getenv("KDTREE_CUDA_TREES_BISECT") != NULL, getenv("KDTREE_CUDA_TREES_DFS") != NULL,
-        getenv("KDTREE_CUDA_TREES_V1") != NULL,     getenv("KDTREE_CUDA_TREES_INLINE_MASKS") != NULL,
-        getenv("KDTREE_CUDA_TREES_THREAD_CHAINS") != NULL};
+        kdt::env_switch("KDTREE_CUDA_TREES_HEAP"),   kdt::env_switch("KDTREE_CUDA_TREES_PARALLEL"),
+        kdt::env_switch("KDTREE_CUDA_TREES_BISECT"), kdt::env_switch("KDTREE_CUDA_TREES_DFS"),
+        kdt::env_switch("KDTREE_CUDA_TREES_V1"),     kdt::env_switch("KDTREE_CUDA_TREES_INLINE_MASKS"),
+        kdt::env_switch("KDTREE_CUDA_TREES_THREAD_CHAINS")};
     return s;
 }
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
