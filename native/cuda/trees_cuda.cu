@@ -57,14 +57,14 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 // The test switches (KDTREE_CUDA_TREES_*), read once per process: getenv on every launch
 // cost a measurable part of a small build's host time.
 struct TreeSwitches {
-    bool heap, parallel, bisect, dfs, v1, inline_masks, thread_chains;
+    bool heap, parallel, bisect, dfs, v1, inline_masks, thread_chains, no_walk;
 };
 const TreeSwitches& tree_switches() {
     static const TreeSwitches s = {
         kdt::env_switch("KDTREE_CUDA_TREES_HEAP"),   kdt::env_switch("KDTREE_CUDA_TREES_PARALLEL"),
         kdt::env_switch("KDTREE_CUDA_TREES_BISECT"), kdt::env_switch("KDTREE_CUDA_TREES_DFS"),
         kdt::env_switch("KDTREE_CUDA_TREES_V1"),     kdt::env_switch("KDTREE_CUDA_TREES_INLINE_MASKS"),
-        kdt::env_switch("KDTREE_CUDA_TREES_THREAD_CHAINS")};
+        kdt::env_switch("KDTREE_CUDA_TREES_THREAD_CHAINS"), kdt::env_switch("KDTREE_CUDA_TREES_NO_WALK")};
     return s;
 }
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
@@ -93,6 +93,7 @@ struct BuildParams {
     int32_t masks_separate; // 1: build_kernel_smem leaves the masks to mask_kernel
     int32_t descent;        // 1: version 4's threshold descent (chains by warps) before version 3's bisection
                             // (2: depth first, 3: chains by threads)
+    int32_t walk;           // 1: version 4 walks first children at once (walk_first_children)
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -625,6 +626,42 @@ __device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L
     return (c.logw[last] - (double)row[r - 1]) + (double)row[r];  // spec: subtract first, then add
 }
 
+// Emits, from `node` (a candidate with no child yet), its first child, that child's first
+// child, and so on while the scores stay >= T (a first child scores its parent's score +
+// lp[d][0], the spec's rule), each taking one slot and becoming its parent's chain so far
+// (next rank 1). One thread. The nodes it adds are owners in the next round, which
+// resume their chains at rank 1 (and find a head below T or -inf where the walk stopped),
+// so P_T is unchanged; what changes is that a path of first children costs no round per
+// depth: a round's run that starts at rank 0 walks its first node's first children at
+// once (a spine of 16 took 16 rounds; the rounds were ~0.6-1.5 us each on an H200).
+__device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t node, double T,
+                                    int* count, int* overflow) {
+    for (;;) {
+        const int32_t dn = c.depth[node];
+        if (dn >= L) return;
+        const double w = c.logw[node] + (double)lp_s[(int64_t)dn * kp];
+        if (isinf(w) || !(w >= T)) return;  // the node's own round sees this head
+        const int slot = atomicAdd(count, 1);
+        if (slot + 1 > c.cap) {
+            *overflow = 1;
+            return;
+        }
+        c.logw[slot] = w;
+        c.parent[slot] = node;
+        c.rank[slot] = 0;
+        c.depth[slot] = dn + 1;
+        c.fc[slot] = -1;
+        c.ns[slot] = -1;
+        c.gen[slot] = node;
+        c.order[slot] = 0;
+        c.pos[slot] = -1;
+        c.fc[node] = slot;
+        c.order[node] = 1;
+        c.pos[node] = slot;
+        node = slot;
+    }
+}
+
 // Resumes owner o's chain of children at threshold T: emits the next candidates while
 // their scores are >= T (one atomic per eight, whose slots are consecutive), links them
 // after the chain's last child and makes each of them an owner with an empty chain. Then
@@ -634,7 +671,7 @@ __device__ inline double chain_head(const Cands& c, const float* lp_s, int64_t L
 // starts below T and emits nothing.
 __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
                                     int* count, int* pruned, int* overflow, int32_t* root_next, int32_t* root_last,
-                                    int* root_fc, bool depth_first) {
+                                    int* root_fc, bool depth_first, bool walk) {
     for (;;) {
         const double head = chain_head(c, lp_s, L, kp, o, root_next, root_last);
         if (isinf(head)) return;
@@ -709,7 +746,10 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
             *root_last = prev;
         }
         if (first_new < 0) return;
-        if (!depth_first) return;
+        if (!depth_first) {
+            if (walk && r0 == 0 && o >= 0) walk_first_children(c, lp_s, L, kp, first_new, T, count, overflow);
+            return;
+        }
         o = first_new;  // depth first: the run's best node's children next
     }
 }
@@ -726,12 +766,14 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
 // (When pos[o] >= 0, the last child's score and lp[d][order[o] - 1] are finite: it was
 // emitted.)
 __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t o, double T,
-                                  int* count, int* pruned, int* overflow) {
+                                  int* count, int* pruned, int* overflow, bool walk) {
     const int lane = threadIdx.x & 31;
     const int32_t d = c.depth[o];
     int32_t r = c.order[o];     // the chain's next rank
     int32_t prev = c.pos[o];    // its last child so far, -1: none
     if (d >= L || r >= kp) return;
+    const bool first_run = r == 0;
+    int32_t walk_from = -1;     // the rank-0 child emitted here, if any
     const float* row = lp_s + (int64_t)d * kp;
     double x = prev < 0 ? c.logw[o] : c.logw[prev] - (double)row[r - 1];  // spec: subtract first, then add
     for (;;) {
@@ -774,6 +816,7 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
                 if (prev >= 0) c.ns[prev] = slot0;
                 else c.fc[o] = slot0;
             }
+            if (first_run && r == 0) walk_from = slot0;
             prev = slot0 + m - 1;
             r += m;
         }
@@ -790,6 +833,8 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
     if (lane == 0) {
         c.order[o] = r;
         c.pos[o] = prev;
+        // (lane 0 wrote walk_from's fields itself: it is the step's first slot)
+        if (walk && walk_from >= 0) walk_first_children(c, lp_s, L, kp, walk_from, T, count, overflow);
     }
 }
 
@@ -805,8 +850,9 @@ __device__ inline double root_child_score(const float* row0, int32_t r) {
     const double v = (double)row0[r];
     return r > 0 && v == 0.0 ? 0.0 : v;
 }
-__device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t kp, double T, int* count, int* pruned,
-                                 int* overflow, int32_t* root_next, int32_t* root_last, int* root_fc) {
+__device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, int64_t kp, double T, int* count,
+                                 int* pruned, int* overflow, int32_t* root_next, int32_t* root_last, int* root_fc,
+                                 bool walk) {
     __shared__ int s_n, s_slot0, s_prev, s_r0;
     if (threadIdx.x == 0) {
         const int32_t r0 = *root_next;
@@ -853,13 +899,17 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t kp, 
         c.pos[slot] = -1;
     }
     __syncthreads();
+    if (walk && r0 == 0 && n > 0) {  // the spine below the root's first child
+        if (threadIdx.x == 0) walk_first_children(c, lp_s, L, kp, slot0, T, count, overflow);
+        __syncthreads();
+    }
 }
 
 // Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
                                  int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first,
-                                 bool warp_chains) {
+                                 bool warp_chains, bool walk_switch) {
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
@@ -929,6 +979,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     double t_over = 0.0, c_over = 0.0;
     const int spread = (int)(threadIdx.x % 32) * (int)(blockDim.x / 32) + (int)(threadIdx.x / 32);  // thread 0: 0
     const bool warp_rounds = warp_chains && !depth_first;  // the root's chain is then root_chain_block's
+    const bool walk = walk_switch && !depth_first;  // first children walked at once (walk_first_children)
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
         if (threadIdx.x == 0) {
@@ -938,7 +989,8 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         __syncthreads();
         int lo = -1;
         if (!depth_first) {
-            root_chain_block(c, lp_s, kp, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last, s_root_fc);
+            root_chain_block(c, lp_s, L, kp, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last, s_root_fc,
+                             walk);
             lo = 0;  // the root's chain is done
         }
         int hi = s_overflow ? lo : min(*s_count, c.cap);  // round 0: every candidate (and the root)
@@ -950,12 +1002,12 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             if (warp_rounds) {
                 // One warp per owner, one lane per candidate (resume_chain_warp).
                 for (int i = lo + (int)(threadIdx.x / 32); i < hi; i += (int)(blockDim.x / 32)) {
-                    resume_chain_warp(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow);
+                    resume_chain_warp(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, walk);
                 }
             } else {
                 for (int i = lo + spread; i < hi; i += blockDim.x) {
                     resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
-                                 s_root_fc, depth_first);
+                                 s_root_fc, depth_first, walk);
                 }
             }
             KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
@@ -1134,7 +1186,7 @@ __device__ void warp_bitonic_stages(const Cands& c, int P, int k_lo, int k_hi) {
 // or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
 __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
                                    double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
-                                   int32_t* node_par, int32_t* node_depth, int descent) {
+                                   int32_t* node_par, int32_t* node_depth, int descent, bool walk) {
     __shared__ int s_count, s_pruned, s_root_fc, s_fail;
     __shared__ unsigned s_bins[512];
     __shared__ double s_spine[kDescentMaxDepth];
@@ -1146,7 +1198,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     if (descent && L <= kDescentMaxDepth) {
         int passes = 0;
         M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2,
-                              descent == 1);
+                              descent == 1, walk);
         if (M >= 0) prof_passes_any = 1000 + passes;
     }
     if (M < 0) M = bisect_threshold(c, lp_s, L, kp, N, &s_count, &s_pruned, &s_root_fc, &prof_passes_any);
@@ -1439,7 +1491,8 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     __syncthreads();
     if (!s_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
         const int64_t pn = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s,
-                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent);
+                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent,
+                                           p.walk != 0);
         if (threadIdx.x == 0) s_par_n = pn;
         __syncthreads();
     }
@@ -1660,6 +1713,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     BuildParams p;
     p.masks_separate = 0;
     p.descent = 0;
+    p.walk = 0;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
@@ -1709,6 +1763,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     }
     // 1: version 4 then 3; 2: version 4 depth first (KDTREE_CUDA_TREES_DFS=1); 0: version 3.
     p.descent = sw.bisect ? 0 : sw.dfs ? 2 : sw.thread_chains || N > kWarpChainsMaxBudget ? 3 : 1;
+    p.walk = sw.no_walk ? 0 : 1;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && !sw.v1) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
