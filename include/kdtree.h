@@ -336,6 +336,7 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * parallel path at any budget, KDTREE_CUDA_TREES_BISECT=1 its bisection (version 3),
  * KDTREE_CUDA_TREES_DFS=1 its depth-first variant, KDTREE_CUDA_TREES_THREAD_CHAINS=1 one
  * thread per chain owner at every budget (by default a warp per owner up to N = 512),
+ * KDTREE_CUDA_TREES_NO_WALK=1 no walk of first children within a round,
  * KDTREE_CUDA_TREES_V1=1 the device-memory heap, KDTREE_CUDA_TREES_INLINE_MASKS=1 the
  * masks inside the build kernel (by default trees from N = 256 get their masks from a
  * second launch). Speed: docs/perf-notes.md.
