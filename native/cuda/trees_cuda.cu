@@ -662,6 +662,59 @@ __device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L
     }
 }
 
+// walk_first_children by a whole warp (every lane calls it with the same node): lane k
+// scores the walk's k-th step, ((w + lp[d][0]) + lp[d + 1][0]) + ... + lp[d + k][0], the
+// same additions in the same order as the one-thread walk, so the same doubles; the steps
+// admitted (finite, >= T) are a prefix, since adding a log-prob <= 0 never raises a score.
+// They take their slots with one atomic and are written one lane each: the same nodes,
+// fields and links as walk_first_children, with no dependent atomic per step (the
+// one-thread walk cost ~0.1 us a step on an H200). On overflow nothing is written (the
+// pass is rolled back). At most 32 steps: a longer path goes on in the next round, where
+// the last node's run starts at rank 0 and walks again.
+__device__ void walk_first_children_warp(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t node,
+                                         double T, int* count, int* overflow) {
+    const int lane = threadIdx.x & 31;
+    const int32_t d0 = c.depth[node];
+    const int steps = (int)min((int64_t)32, L - d0);
+    if (steps <= 0) return;
+    double w = c.logw[node];
+#pragma unroll 4
+    for (int j = 0; j < steps; j++) {
+        const double v = (double)lp_s[(int64_t)(d0 + j) * kp];
+        if (j <= lane) w = w + v;
+    }
+    const bool admitted = lane < steps && !isinf(w) && w >= T;
+    const unsigned refused = __ballot_sync(kFullMask, !admitted);
+    const int n = refused ? __ffs(refused) - 1 : 32;
+    if (n == 0) return;
+    int slot0 = 0;
+    if (lane == 0) slot0 = atomicAdd(count, n);
+    slot0 = __shfl_sync(kFullMask, slot0, 0);
+    if (slot0 + n > c.cap) {
+        if (lane == 0) *overflow = 1;
+        return;
+    }
+    if (lane < n) {
+        const int32_t slot = slot0 + lane;
+        const int32_t parent = lane == 0 ? node : slot - 1;
+        const bool more = lane + 1 < n;  // this step has a child in the walk
+        c.logw[slot] = w;
+        c.parent[slot] = parent;
+        c.rank[slot] = 0;
+        c.depth[slot] = d0 + 1 + lane;
+        c.fc[slot] = more ? slot + 1 : -1;
+        c.ns[slot] = -1;
+        c.gen[slot] = parent;
+        c.order[slot] = more ? 1 : 0;
+        c.pos[slot] = more ? slot + 1 : -1;
+        if (lane == 0) {
+            c.fc[node] = slot;
+            c.order[node] = 1;
+            c.pos[node] = slot;
+        }
+    }
+}
+
 // Resumes owner o's chain of children at threshold T: emits the next candidates while
 // their scores are >= T (one atomic per eight, whose slots are consecutive), links them
 // after the chain's last child and makes each of them an owner with an empty chain. Then
@@ -833,8 +886,10 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
     if (lane == 0) {
         c.order[o] = r;
         c.pos[o] = prev;
-        // (lane 0 wrote walk_from's fields itself: it is the step's first slot)
-        if (walk && walk_from >= 0) walk_first_children(c, lp_s, L, kp, walk_from, T, count, overflow);
+    }
+    if (walk && walk_from >= 0) {  // (warp-uniform: from the broadcast slot)
+        __syncwarp();  // walk_from's fields, written by lane 0, are read by every lane
+        walk_first_children_warp(c, lp_s, L, kp, walk_from, T, count, overflow);
     }
 }
 
@@ -900,7 +955,7 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, i
     }
     __syncthreads();
     if (walk && r0 == 0 && n > 0) {  // the spine below the root's first child
-        if (threadIdx.x == 0) walk_first_children(c, lp_s, L, kp, slot0, T, count, overflow);
+        if (threadIdx.x < 32) walk_first_children_warp(c, lp_s, L, kp, slot0, T, count, overflow);
         __syncthreads();
     }
 }
@@ -917,7 +972,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     // the first `width` ranks of each row (an estimate: any threshold gives the exact tree;
     // the passes below correct it),
     // from one round of 256 bins between the best value lp[0][0] and the lowest finite one.
-    const int64_t half = N / 2 > 1 ? N / 2 : 1;
+    const int64_t half = KDT_KNOB(4) ? N : (N / 2 > 1 ? N / 2 : 1);
     const int width = (int)(kp < half ? kp : half);
     const int items = (int)L * width;
     __shared__ double s_low;
@@ -1000,9 +1055,25 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             // its lanes' diverging chain walks one after another, so a round of a few
             // owners packed into one warp took as long as their sum (H200 profile).
             if (warp_rounds) {
-                // One warp per owner, one lane per candidate (resume_chain_warp).
-                for (int i = lo + (int)(threadIdx.x / 32); i < hi; i += (int)(blockDim.x / 32)) {
-                    resume_chain_warp(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, walk);
+                // One warp per owner, one lane per candidate (resume_chain_warp), for the
+                // owners whose chain head is >= T: a warp first reads 32 of its owners'
+                // heads, one per lane (most owners of a round are leaves of P_T, whose
+                // head is below T or -inf: they cost one lane, not a warp's call).
+                const int nw = (int)(blockDim.x / 32), lane = (int)(threadIdx.x & 31);
+                for (int base = lo + (int)(threadIdx.x / 32); base < hi; base += 32 * nw) {
+                    const int i = base + lane * nw;
+                    bool go = false;
+                    if (i < hi) {
+                        const double head = chain_head(c, lp_s, L, kp, i, &s_root_next, &s_root_last);
+                        if (!isinf(head)) {
+                            if (head >= T) go = true;
+                            else s_pruned = 1;
+                        }
+                    }
+                    for (unsigned m = __ballot_sync(kFullMask, go); m; m &= m - 1) {
+                        const int l = __ffs(m) - 1;
+                        resume_chain_warp(c, lp_s, L, kp, base + l * nw, T, s_count, &s_pruned, &s_overflow, walk);
+                    }
                 }
             } else {
                 for (int i = lo + spread; i < hi; i += blockDim.x) {
