@@ -337,6 +337,9 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * KDTREE_CUDA_TREES_DFS=1 its depth-first variant, KDTREE_CUDA_TREES_THREAD_CHAINS=1 one
  * thread per chain owner at every budget (by default a warp per owner up to N = 512),
  * KDTREE_CUDA_TREES_NO_WALK=1 no walk of first children within a round,
+ * KDTREE_CUDA_TREES_NO_COUNTING=1 the bitonic sort and the bin-round thresholds at every
+ * size (by default up to 256 candidates are ordered, and up to 256 chain heads
+ * thresholded, by counting),
  * KDTREE_CUDA_TREES_V1=1 the device-memory heap, KDTREE_CUDA_TREES_INLINE_MASKS=1 the
  * masks inside the build kernel (by default trees from N = 256 get their masks from a
  * second launch). Speed: docs/perf-notes.md.

@@ -57,14 +57,15 @@ std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel
 // The test switches (KDTREE_CUDA_TREES_*), read once per process: getenv on every launch
 // cost a measurable part of a small build's host time.
 struct TreeSwitches {
-    bool heap, parallel, bisect, dfs, v1, inline_masks, thread_chains, no_walk;
+    bool heap, parallel, bisect, dfs, v1, inline_masks, thread_chains, no_walk, no_counting;
 };
 const TreeSwitches& tree_switches() {
     static const TreeSwitches s = {
         kdt::env_switch("KDTREE_CUDA_TREES_HEAP"),   kdt::env_switch("KDTREE_CUDA_TREES_PARALLEL"),
         kdt::env_switch("KDTREE_CUDA_TREES_BISECT"), kdt::env_switch("KDTREE_CUDA_TREES_DFS"),
         kdt::env_switch("KDTREE_CUDA_TREES_V1"),     kdt::env_switch("KDTREE_CUDA_TREES_INLINE_MASKS"),
-        kdt::env_switch("KDTREE_CUDA_TREES_THREAD_CHAINS"), kdt::env_switch("KDTREE_CUDA_TREES_NO_WALK")};
+        kdt::env_switch("KDTREE_CUDA_TREES_THREAD_CHAINS"), kdt::env_switch("KDTREE_CUDA_TREES_NO_WALK"),
+        kdt::env_switch("KDTREE_CUDA_TREES_NO_COUNTING")};
     return s;
 }
 constexpr int64_t kMaxBudget = (int64_t)INT32_MAX - 2;
@@ -94,6 +95,7 @@ struct BuildParams {
     int32_t descent;        // 1: version 4's threshold descent (chains by warps) before version 3's bisection
                             // (2: depth first, 3: chains by threads)
     int32_t walk;           // 1: version 4 walks first children at once (walk_first_children)
+    int32_t counting;       // 1: small candidate sets sorted, and small thresholds selected, by counting
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -522,13 +524,15 @@ __device__ inline void warp_find_bin(const unsigned* bins, int* k, int* bin) {
 // Block-wide; bins: 512 words.
 // Up to this many candidates (and blockDim.x), parallel_expand orders them by counting.
 constexpr int kCountSortMax = 256;
+// More candidates than this with exactly equal scores send the set to the bitonic network.
+constexpr int kCountSortMaxTies = 8;
 // Up to this many values (and blockDim.x), block_threshold selects exactly by counting.
 constexpr int kCountSelectMax = 256;
 template <class Value>
-__device__ double block_threshold(const Value& value, int count, int k, unsigned* bins) {
+__device__ double block_threshold(const Value& value, int count, int k, unsigned* bins, bool counting) {
     __shared__ unsigned long long s_lo, s_hi, s_min;
     __shared__ int s_k, s_bin_a, s_bin_b, s_finite;
-    if (count <= kCountSelectMax && count <= (int)blockDim.x && !KDT_KNOB(16)) {
+    if (counting && count <= kCountSelectMax && count <= (int)blockDim.x && !KDT_KNOB(16)) {
         // Few values (a pass's chain heads at N <= 256): the exact k-th largest, min(k, F),
         // by counting: the value v with #(> v) < k <= #(>= v), one thread per value, the
         // values staged in the bins' 2 KB (H200: the two bin rounds cost ~3 us for 65).
@@ -1004,7 +1008,7 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, i
 // or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
                                  int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first,
-                                 bool warp_chains, bool walk_switch) {
+                                 bool warp_chains, bool walk_switch, bool counting) {
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
@@ -1046,7 +1050,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                 const int d = i / width, r = i - d * width;
                 return spine[d] + (double)lp_s[(int64_t)d * kp + r];
             },
-            items, (int)(half < items ? half : items), bins);
+            items, (int)(half < items ? half : items), bins, counting);
     } else if (low < top) {
         const double scale = 256.0 / (top - low);
         for (int base = 0; base < items; base += blockDim.x) {
@@ -1168,7 +1172,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         t_kept = T;
         // The next threshold from the chain heads (the heap's frontier).
         auto head = [&](int i) { return chain_head(c, lp_s, L, kp, i - 1, &s_root_next, &s_root_last); };
-        T = block_threshold(head, M + 1, (int)(N - M), bins);
+        T = block_threshold(head, M + 1, (int)(N - M), bins, counting);
         if (isinf(T)) return -1;  // (cannot happen: a pruned chain has a finite head; version 3 if it does)
         if (have_over && !(T > t_over)) {
             // Never at or below a threshold that already overflowed: interpolate log(count)
@@ -1297,7 +1301,8 @@ __device__ void warp_bitonic_stages(const Cands& c, int P, int k_lo, int k_hi) {
 // or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0.
 __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
                                    double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
-                                   int32_t* node_par, int32_t* node_depth, int descent, bool walk) {
+                                   int32_t* node_par, int32_t* node_depth, int descent, bool walk,
+                                   bool counting) {
     __shared__ int s_count, s_pruned, s_root_fc, s_fail;
     __shared__ __align__(16) unsigned s_bins[512];  // also 256 doubles (block_threshold)
     __shared__ double s_spine[kDescentMaxDepth];
@@ -1309,7 +1314,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     if (descent && L <= kDescentMaxDepth) {
         int passes = 0;
         M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2,
-                              descent == 1, walk);
+                              descent == 1, walk, counting);
         if (M >= 0) prof_passes_any = 1000 + passes;
     }
     if (M < 0) M = bisect_threshold(c, lp_s, L, kp, N, &s_count, &s_pruned, &s_root_fc, &prof_passes_any);
@@ -1324,23 +1329,31 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     // Stages whose pairs lie inside one 64-candidate segment (j <= 32) run in registers,
     // one warp per segment, with no block barrier between them: all of k <= 64 in one
     // phase, then for each larger k the stages j >= 64 one by one and j <= 32 as one phase.
-    if (M <= kCountSortMax && M <= (int)blockDim.x && !KDT_KNOB(8)) {
+    bool sorted = false;
+    if (counting && M <= kCountSortMax && M <= (int)blockDim.x && !KDT_KNOB(8)) {
         // Up to 256 candidates: each one's position is the number of candidates before it
-        // (scores compared eight at a time from 16-byte loads, no branch; exact ties alone
-        // compare rank paths), then every candidate is written at its position. (The
-        // bitonic network below is latency-bound at these sizes: one warp's 21 dependent
-        // stages took 3.2 us for 64 candidates on an H200; counting 423 took 7.7 us against
-        // the network's 8.8, and ~2x that with a tie, so larger sets keep the network.)
+        // (scores compared eight at a time from 16-byte loads, no branch), then every
+        // candidate is written at its position. Candidates with an exactly equal score
+        // then scan again, comparing rank paths with each equal one; when more than
+        // kCountSortMaxTies candidates are tied the bitonic network below runs instead (the
+        // same order): the rank-path walks diverge across lanes (H200: a flat drafter's
+        // many equal log-probs made N = 64 38.5 -> 45.3 us). (The network is latency-bound
+        // at these sizes: one warp's 21 dependent stages took 3.2 us for 64 candidates;
+        // counting 423 took 7.7 us against its 8.8, and ~2x that with a tie, so larger sets
+        // keep the network.)
+        __shared__ int s_ties;
+        if (threadIdx.x == 0) s_ties = 0;
         KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_sort[blockIdx.x][0] = clock64();)
         __syncthreads();
         const int i = (int)threadIdx.x;
+        const double2* w2 = reinterpret_cast<const double2*>(c.logw);
+        const int M8 = M & ~7;  // whole groups of eight; the rest one by one
         double wi = 0.0;
         int at = 0;
+        bool tied = false;
         if (i < M) {
             wi = c.logw[i];  // finite: every candidate was admitted at a finite T
-            const double2* w2 = reinterpret_cast<const double2*>(c.logw);
             int gt = 0, ge = 0;
-            const int M8 = M & ~7;  // whole groups of eight; the rest one by one
             for (int j = 0; j < M8 / 2; j += 4) {
                 double2 q[4];
 #pragma unroll
@@ -1357,33 +1370,28 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
                 ge += u >= wi;
             }
             at = gt;
-            if (ge - gt > 1) {
-                // Exact ties (itself counts once; ~1 a request at N = 256 on the benchmark's
-                // drafter): the heap's order among them, the scores scanned the same way.
-                for (int j = 0; j < M8 / 2; j += 4) {
-                    double2 q[4];
-#pragma unroll
-                    for (int u = 0; u < 4; u++) q[u] = w2[j + u];
-#pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        const int a = 2 * (j + u);
-                        if (q[u].x == wi && a != i && cand_path_before(c, a, i)) at++;
-                        if (q[u].y == wi && a + 1 != i && cand_path_before(c, a + 1, i)) at++;
-                    }
-                }
-                for (int j = M8; j < M; j++) {
+            tied = ge - gt > 1;  // itself counts once
+        }
+        const unsigned tied_lanes = __ballot_sync(kFullMask, tied);
+        if ((threadIdx.x & 31) == 0 && tied_lanes) atomicAdd(&s_ties, __popc(tied_lanes));
+        __syncthreads();
+        if (s_ties <= kCountSortMaxTies) {
+            if (tied) {  // the heap's order among equal scores
+                for (int j = 0; j < M; j++) {
                     if (j != i && c.logw[j] == wi && cand_path_before(c, j, i)) at++;
                 }
             }
+            KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_sort[blockIdx.x][1] = clock64();)
+            __syncthreads();
+            if (i < M) {
+                c.logw[at] = wi;
+                c.order[at] = i;
+            }
+            __syncthreads();
+            sorted = true;
         }
-        KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_sort[blockIdx.x][1] = clock64();)
-        __syncthreads();
-        if (i < M) {
-            c.logw[at] = wi;
-            c.order[at] = i;
-        }
-        __syncthreads();
-    } else {
+    }
+    if (!sorted) {
         int P = 1;
         while (P < M) P <<= 1;
         const bool warp_stages = c.cap >= 64;  // c.order and c.logw hold >= 64 entries
@@ -1662,7 +1670,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     if (!s_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
         const int64_t pn = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s,
                                            tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent,
-                                           p.walk != 0);
+                                           p.walk != 0, p.counting != 0);
         if (threadIdx.x == 0) s_par_n = pn;
         __syncthreads();
     }
@@ -1884,6 +1892,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     p.masks_separate = 0;
     p.descent = 0;
     p.walk = 0;
+    p.counting = 0;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
@@ -1934,6 +1943,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     // 1: version 4 then 3; 2: version 4 depth first (KDTREE_CUDA_TREES_DFS=1); 0: version 3.
     p.descent = sw.bisect ? 0 : sw.dfs ? 2 : sw.thread_chains || N > kWarpChainsMaxBudget ? 3 : 1;
     p.walk = sw.no_walk ? 0 : 1;
+    p.counting = sw.no_counting ? 0 : 1;
     const size_t smem_bytes = sl.total + (p.cap3 > 0 ? cands_bytes(p.cap3) : 0);
     if (smem_bytes + smem_static <= (size_t)smem_max && !sw.v1) {
         if ((int)smem_bytes > g_smem_set[slot].load(std::memory_order_relaxed)) {
