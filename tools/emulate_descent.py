@@ -73,15 +73,38 @@ def enumerate_pt(lp: np.ndarray, T: float, cap: int):
     return count, heads, pruned
 
 
-def descend(lp: np.ndarray, N: int, cap: int, policy: str = "A", max_passes: int = 8):
-    """("ok", passes, |P_T|) or ("v3", passes): the kernel would hand over to version 3."""
+def first_threshold(lp: np.ndarray, N: int, wide_below: int = 256) -> float:
+    """The kernel's first threshold: about the target-th best spine child over the first
+    N/2 ranks of each row (target 3N/4 below `wide_below`, else N/2): from N = 512 two
+    rounds of bins (block_threshold), below that the lower edge of the chosen bin of one
+    round of 256 between lp[0][0] and the lowest spine child."""
     L, K = lp.shape
     half = max(1, N // 2)
     width = min(K, half)
+    target = max(1, 3 * N // 4) if N < wide_below else half
     spine = [0.0]
     for d in range(L - 1):
         spine.append(spine[-1] + float(lp[d, 0]))
-    T = block_threshold([spine[d] + float(lp[d, r]) for d in range(L) for r in range(width)], min(half, L * width))
+    values = [spine[d] + float(lp[d, r]) for d in range(L) for r in range(width)]
+    want = min(target, L * width)
+    if N >= 512:
+        return block_threshold(values, want)
+    finite = [v for v in values if math.isfinite(v)]
+    top = float(lp[0, 0])
+    low = min(finite + [top])
+    if not low < top:
+        return low
+    scale = 256.0 / (top - low)
+    bins = np.bincount([min(255, max(0, int((top - v) * scale))) for v in finite], minlength=256)
+    cum = np.cumsum(bins)
+    if cum[-1] < want:
+        return low
+    return top - (int(np.argmax(cum >= want)) + 1) / scale
+
+
+def descend(lp: np.ndarray, N: int, cap: int, policy: str = "A", max_passes: int = 8, wide_below: int = 256):
+    """("ok", passes, |P_T|) or ("v3", passes): the kernel would hand over to version 3."""
+    T = first_threshold(lp, N, wide_below)
     kept, t_kept, over = 0, float(lp[0, 0]), None
     for p in range(max_passes):
         M, heads, pruned = enumerate_pt(lp, T, cap)
@@ -120,17 +143,21 @@ def drafts(kind: str, rng: np.random.Generator, batch: int, N: int, L: int = 16,
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    print("| drafter | N | candidates | policy A passes (v3 = handed over) | policy C passes |")
-    print("|---|---|---|---|---|")
+    print("Passes per request (v3 = handed over) and the mean |P_T|; first threshold at 3N/4 (the")
+    print("kernel, below N = 256) or N/2 spine children.\n")
+    print("| drafter | N | candidates | policy A | policy C | policy C, first at N/2 |")
+    print("|---|---|---|---|---|---|")
     for kind in ("peaked", "flat", "c-bench"):
         for N in (64, 256, 1024):
             cap = 4 * N if N < 1024 else 2 * N  # the kernel's arrays on an H200
             lps = drafts(kind, rng, 6, N).astype(np.float64)
             row = []
-            for policy in ("A", "C"):
-                res = [descend(lps[b], N, cap, policy) for b in range(len(lps))]
-                row.append(" ".join(f"{r[1]}" if r[0] == "ok" else f"v3({r[1]})" for r in res))
-            print(f"| {kind} | {N} | {cap} | {row[0]} | {row[1]} |")
+            for policy, wide_below in (("A", 256), ("C", 256), ("C", 0)):
+                res = [descend(lps[b], N, cap, policy, wide_below=wide_below) for b in range(len(lps))]
+                sizes = [r[2] for r in res if r[0] == "ok"]
+                mean = f", mean {sum(sizes) / len(sizes):.0f}" if sizes else ""
+                row.append(" ".join(f"{r[1]}" if r[0] == "ok" else f"v3({r[1]})" for r in res) + mean)
+            print(f"| {kind} | {N} | {cap} | {' | '.join(row)} |")
     return 0
 
 

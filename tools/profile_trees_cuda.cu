@@ -27,7 +27,8 @@ int main() {
     CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
     const double cyc_per_us = clock_khz / 1000.0;
     const int64_t B = 64, L = 16;
-    // KDT_PROF_KNOB (profiling build only): 1 skips the duplicate-id hash, 2 the loads.
+    // KDT_PROF_KNOB (profiling build only), bits: 1 skips the duplicate-id hash, 2 the loads;
+    // 4 first threshold at N/2 at every budget; 8 no counting sort; 16 no counting select.
     const int knob = getenv("KDT_PROF_KNOB") ? atoi(getenv("KDT_PROF_KNOB")) : 0;
     CK(cudaMemcpyToSymbol(kdt_prof_knob, &knob, sizeof knob));
     printf("SM clock %.0f MHz; median over %lld blocks, microseconds; knob %d\n", cyc_per_us, (long long)B, knob);

@@ -26,7 +26,9 @@ namespace {
 // KDT_TREES_PROFILE defined; the library itself has no probes.
 #ifdef KDT_TREES_PROFILE
 __device__ long long kdt_prof[4096][8];
-__device__ int kdt_prof_knob;  // 1: skip the duplicate-id hash, 2: skip the global loads (synthetic rows)
+// 1: skip the duplicate-id hash, 2: skip the global loads (synthetic rows), 4: first threshold
+// at N/2 at every budget, 8: the bitonic network at every size, 16: the bin-round thresholds
+__device__ int kdt_prof_knob;
 #define KDT_KNOB(bit) (kdt_prof_knob & (bit))
 #define KDT_PROBE(phase) \
     do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
@@ -357,6 +359,23 @@ __device__ inline bool cand_path_before(const Cands& c, int32_t a, int32_t b) {
 }
 
 
+// Writes candidate `slot`: score w, parent (-1: the root), rank among its siblings, depth,
+// next sibling (-1: none yet) and generator (the candidate whose pop pushes it in the
+// heap: the previous sibling, else the parent), with no child and an empty chain of its
+// own (next rank 0, last child none).
+__device__ inline void new_cand(const Cands& c, int32_t slot, double w, int32_t parent, int32_t rank, int32_t depth,
+                                int32_t ns, int32_t gen) {
+    c.logw[slot] = w;
+    c.parent[slot] = parent;
+    c.rank[slot] = rank;
+    c.depth[slot] = depth;
+    c.fc[slot] = -1;
+    c.ns[slot] = ns;
+    c.gen[slot] = gen;
+    c.order[slot] = 0;
+    c.pos[slot] = -1;
+}
+
 // One parent's chain of children (parent -1: the root's, at row 0) with scores >= T: the
 // chain is scored twice (once to count it, once to write it) so that it takes one atomic
 // add for all its slots, which are consecutive.
@@ -402,13 +421,7 @@ __device__ inline void enumerate_chain(const Cands& c, const float* lp_s, int64_
             const int32_t r = r0 + j;
             if (r >= len) break;
             const int32_t slot = slot0 + r;
-            c.logw[slot] = w;
-            c.parent[slot] = parent;
-            c.rank[slot] = r;
-            c.depth[slot] = d + 1;
-            c.fc[slot] = -1;
-            c.ns[slot] = r + 1 < len ? slot + 1 : -1;
-            c.gen[slot] = r > 0 ? slot - 1 : parent;
+            new_cand(c, slot, w, parent, r, d + 1, r + 1 < len ? slot + 1 : -1, r > 0 ? slot - 1 : parent);
             w = (w - (double)v[j]) + (double)v[j + 1];
         }
     }
@@ -466,6 +479,11 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 
 constexpr int kDescentMaxPasses = 8;
 constexpr int64_t kDescentPreciseFirstMin = 512;  // from this budget the first threshold takes two rounds
+// Below this budget the first threshold aims at 3N/4 spine children, not N/2: one pass
+// where N/2 took 1.1-2.4 on average (tools/emulate_descent.py, the benchmarks' drafters at
+// N = 64), for a P_T of ~110-170 instead of ~65-140; at N = 256 3N/4 gave P_Ts of ~800,
+// which the bitonic network sorts far slower.
+constexpr int64_t kFirstWideTargetBelow = 256;
 constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
 
 // An order-preserving map of doubles (NaN excluded) to unsigned 64-bit integers.
@@ -690,15 +708,7 @@ __device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L
             *overflow = 1;
             return;
         }
-        c.logw[slot] = w;
-        c.parent[slot] = node;
-        c.rank[slot] = 0;
-        c.depth[slot] = dn + 1;
-        c.fc[slot] = -1;
-        c.ns[slot] = -1;
-        c.gen[slot] = node;
-        c.order[slot] = 0;
-        c.pos[slot] = -1;
+        new_cand(c, slot, w, node, 0, dn + 1, -1, node);
         c.fc[node] = slot;
         c.order[node] = 1;
         c.pos[node] = slot;
@@ -741,16 +751,12 @@ __device__ void walk_first_children_warp(const Cands& c, const float* lp_s, int6
     if (lane < n) {
         const int32_t slot = slot0 + lane;
         const int32_t parent = lane == 0 ? node : slot - 1;
-        const bool more = lane + 1 < n;  // this step has a child in the walk
-        c.logw[slot] = w;
-        c.parent[slot] = parent;
-        c.rank[slot] = 0;
-        c.depth[slot] = d0 + 1 + lane;
-        c.fc[slot] = more ? slot + 1 : -1;
-        c.ns[slot] = -1;
-        c.gen[slot] = parent;
-        c.order[slot] = more ? 1 : 0;
-        c.pos[slot] = more ? slot + 1 : -1;
+        new_cand(c, slot, w, parent, 0, d0 + 1 + lane, -1, parent);
+        if (lane + 1 < n) {  // this step has a child in the walk, its chain so far
+            c.fc[slot] = slot + 1;
+            c.order[slot] = 1;
+            c.pos[slot] = slot + 1;
+        }
         if (lane == 0) {
             c.fc[node] = slot;
             c.order[node] = 1;
@@ -817,15 +823,8 @@ __device__ inline void resume_chain(const Cands& c, const float* lp_s, int64_t L
             for (int j = 0; j < 8; j++) {
                 if (j >= nb) break;
                 const int32_t slot = slot0 + j;
-                c.logw[slot] = ws[j];
-                c.parent[slot] = o;
-                c.rank[slot] = r + j;
-                c.depth[slot] = d + 1;
-                c.fc[slot] = -1;
-                c.ns[slot] = j + 1 < nb ? slot + 1 : -1;
-                c.gen[slot] = j > 0 ? slot - 1 : (prev >= 0 ? prev : o);
-                c.order[slot] = 0;   // its own chain: next rank 0,
-                c.pos[slot] = -1;    // no child yet
+                new_cand(c, slot, ws[j], o, r + j, d + 1, j + 1 < nb ? slot + 1 : -1,
+                         j > 0 ? slot - 1 : (prev >= 0 ? prev : o));
             }
             if (prev >= 0) c.ns[prev] = slot0;
             else if (o >= 0) c.fc[o] = slot0;
@@ -898,15 +897,8 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
             }
             if (lane < m) {
                 const int32_t slot = slot0 + lane;
-                c.logw[slot] = w;
-                c.parent[slot] = o;
-                c.rank[slot] = rk;
-                c.depth[slot] = d + 1;
-                c.fc[slot] = -1;
-                c.ns[slot] = lane + 1 < m ? slot + 1 : -1;
-                c.gen[slot] = lane > 0 ? slot - 1 : (prev >= 0 ? prev : o);
-                c.order[slot] = 0;  // its own chain: next rank 0,
-                c.pos[slot] = -1;   // no child yet
+                new_cand(c, slot, w, o, rk, d + 1, lane + 1 < m ? slot + 1 : -1,
+                         lane > 0 ? slot - 1 : (prev >= 0 ? prev : o));
             }
             __syncwarp();  // the last step's final lane wrote ns[prev] = -1: lane 0 links after it
             if (lane == 0) {
@@ -987,15 +979,7 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, i
     const int n = s_n, slot0 = s_slot0, prev = s_prev, r0 = s_r0;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         const int32_t slot = slot0 + j;
-        c.logw[slot] = root_child_score(lp_s, r0 + j);
-        c.parent[slot] = -1;
-        c.rank[slot] = r0 + j;
-        c.depth[slot] = 1;
-        c.fc[slot] = -1;
-        c.ns[slot] = j + 1 < n ? slot + 1 : -1;
-        c.gen[slot] = j > 0 ? slot - 1 : prev;
-        c.order[slot] = 0;
-        c.pos[slot] = -1;
+        new_cand(c, slot, root_child_score(lp_s, r0 + j), -1, r0 + j, 1, j + 1 < n ? slot + 1 : -1, j > 0 ? slot - 1 : prev);
     }
     __syncthreads();
     if (walk && r0 == 0 && n > 0) {  // the spine below the root's first child
@@ -1014,11 +998,12 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     __shared__ int32_t s_root_next, s_root_last;
     // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
     // the first `width` ranks of each row (an estimate: any threshold gives the exact tree;
-    // the passes below correct it),
+    // the passes below correct it), the (3N/4)-th below kFirstWideTargetBelow,
     // from one round of 256 bins between the best value lp[0][0] and the lowest finite one.
-    const int64_t half = KDT_KNOB(4) ? N : (N / 2 > 1 ? N / 2 : 1);
+    const int64_t half = N / 2 > 1 ? N / 2 : 1;
     const int width = (int)(kp < half ? kp : half);
     const int items = (int)L * width;
+    const int64_t target = N < kFirstWideTargetBelow && !KDT_KNOB(4) ? (3 * N / 4 > 1 ? 3 * N / 4 : 1) : half;
     __shared__ double s_low;
     __shared__ int s_want, s_bin;
     if (threadIdx.x == 0) {
@@ -1034,7 +1019,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             w = w + (double)lp_s[d * kp];
         }
         s_low = low;
-        s_want = (int)(half < items ? half : items);
+        s_want = (int)(target < items ? target : items);
         s_bin = -1;
     }
     for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
