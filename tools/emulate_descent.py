@@ -73,15 +73,15 @@ def enumerate_pt(lp: np.ndarray, T: float, cap: int):
     return count, heads, pruned
 
 
-def first_threshold(lp: np.ndarray, N: int, wide_below: int = 256) -> float:
+def first_threshold(lp: np.ndarray, N: int, wide_max: int = 96) -> float:
     """The kernel's first threshold: about the target-th best spine child over the first
-    N/2 ranks of each row (target 3N/4 below `wide_below`, else N/2): from N = 512 two
+    N/2 ranks of each row (target 3N/4 up to N = `wide_max`, else N/2): from N = 512 two
     rounds of bins (block_threshold), below that the lower edge of the chosen bin of one
     round of 256 between lp[0][0] and the lowest spine child."""
     L, K = lp.shape
     half = max(1, N // 2)
     width = min(K, half)
-    target = max(1, 3 * N // 4) if N < wide_below else half
+    target = max(1, 3 * N // 4) if N <= wide_max else half
     spine = [0.0]
     for d in range(L - 1):
         spine.append(spine[-1] + float(lp[d, 0]))
@@ -102,9 +102,9 @@ def first_threshold(lp: np.ndarray, N: int, wide_below: int = 256) -> float:
     return top - (int(np.argmax(cum >= want)) + 1) / scale
 
 
-def descend(lp: np.ndarray, N: int, cap: int, policy: str = "A", max_passes: int = 8, wide_below: int = 256):
+def descend(lp: np.ndarray, N: int, cap: int, policy: str = "A", max_passes: int = 8, wide_max: int = 96):
     """("ok", passes, |P_T|) or ("v3", passes): the kernel would hand over to version 3."""
-    T = first_threshold(lp, N, wide_below)
+    T = first_threshold(lp, N, wide_max)
     kept, t_kept, over = 0, float(lp[0, 0]), None
     for p in range(max_passes):
         M, heads, pruned = enumerate_pt(lp, T, cap)
@@ -143,8 +143,8 @@ def drafts(kind: str, rng: np.random.Generator, batch: int, N: int, L: int = 16,
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    print("Passes per request (v3 = handed over) and the mean |P_T|; first threshold at 3N/4 (the")
-    print("kernel, below N = 256) or N/2 spine children.\n")
+    print("Passes per request (v3 = handed over) and the mean |P_T|. The first threshold aims at")
+    print("3N/4 spine children up to N = 96, else N/2 (the kernel); the last column at N/2 always.\n")
     print("| drafter | N | candidates | policy A | policy C | policy C, first at N/2 |")
     print("|---|---|---|---|---|---|")
     for kind in ("peaked", "flat", "c-bench"):
@@ -152,8 +152,8 @@ def main() -> int:
             cap = 4 * N if N < 1024 else 2 * N  # the kernel's arrays on an H200
             lps = drafts(kind, rng, 6, N).astype(np.float64)
             row = []
-            for policy, wide_below in (("A", 256), ("C", 256), ("C", 0)):
-                res = [descend(lps[b], N, cap, policy, wide_below=wide_below) for b in range(len(lps))]
+            for policy, wide_max in (("A", 96), ("C", 96), ("C", 0)):
+                res = [descend(lps[b], N, cap, policy, wide_max=wide_max) for b in range(len(lps))]
                 sizes = [r[2] for r in res if r[0] == "ok"]
                 mean = f", mean {sum(sizes) / len(sizes):.0f}" if sizes else ""
                 row.append(" ".join(f"{r[1]}" if r[0] == "ok" else f"v3({r[1]})" for r in res) + mean)

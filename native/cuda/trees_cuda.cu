@@ -479,11 +479,12 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 
 constexpr int kDescentMaxPasses = 8;
 constexpr int64_t kDescentPreciseFirstMin = 512;  // from this budget the first threshold takes two rounds
-// Below this budget the first threshold aims at 3N/4 spine children, not N/2: one pass
+// Up to this budget the first threshold aims at 3N/4 spine children, not N/2: one pass
 // where N/2 took 1.1-2.4 on average (tools/emulate_descent.py, the benchmarks' drafters at
-// N = 64), for a P_T of ~110-170 instead of ~65-140; at N = 256 3N/4 gave P_Ts of ~800,
-// which the bitonic network sorts far slower.
-constexpr int64_t kFirstWideTargetBelow = 256;
+// N = 64), for a P_T of ~2-2.7 N, which the counting sort (<= 256) still takes. H200,
+// B = 64: N = 64 25.2 -> 22.2 us; at N = 128 the larger P_T went to the bitonic network,
+// 32.9 -> 40.5 us, and at 256 its P_Ts of ~800 would too.
+constexpr int64_t kFirstWideTargetMax = 96;
 constexpr int64_t kDescentMaxDepth = 64;  // the spine's scores live in a static array
 
 // An order-preserving map of doubles (NaN excluded) to unsigned 64-bit integers.
@@ -998,12 +999,12 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     __shared__ int32_t s_root_next, s_root_last;
     // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
     // the first `width` ranks of each row (an estimate: any threshold gives the exact tree;
-    // the passes below correct it), the (3N/4)-th below kFirstWideTargetBelow,
+    // the passes below correct it), the (3N/4)-th up to kFirstWideTargetMax,
     // from one round of 256 bins between the best value lp[0][0] and the lowest finite one.
     const int64_t half = N / 2 > 1 ? N / 2 : 1;
     const int width = (int)(kp < half ? kp : half);
     const int items = (int)L * width;
-    const int64_t target = N < kFirstWideTargetBelow && !KDT_KNOB(4) ? (3 * N / 4 > 1 ? 3 * N / 4 : 1) : half;
+    const int64_t target = N <= kFirstWideTargetMax && !KDT_KNOB(4) ? (3 * N / 4 > 1 ? 3 * N / 4 : 1) : half;
     __shared__ double s_low;
     __shared__ int s_want, s_bin;
     if (threadIdx.x == 0) {
