@@ -42,10 +42,13 @@ def test_shipped_pair_is_complete_and_small():
 
 def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
     png = tmp_path / "round.png"
-    r = run_cli(["demo", "--max-new-tokens", "40", "--budget", "32", "--plot", str(png)], tmp_path)
+    r = run_cli(["demo", "--max-new-tokens", "40", "--budget", "32", "--plot", str(png), "--prompt-chars", "300"],
+                tmp_path)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.startswith("kdtree demo: DDTree speculative decoding")
+    assert "engine.py, characters 2000..2300:" in out  # --prompt-chars reaches generate
+    assert "saves target forwards, not seconds" in field(out, "wall time")  # the CPU note
     assert "Qwen3ForCausalLM" in out and "DFlash-style block drafter" in out
     assert "identical to greedy autoregressive decoding: YES" in out
     ar, dd = field(out, "target forwards").split(";")[0].replace("AR ", "").split(", DDTree ")
@@ -81,6 +84,7 @@ def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
     (["demo", "--order", "8"], "--order only applies to --model ngram"),
     (["demo", "--order", "8", "--no-cache"], "--order, --no-cache only apply to --model ngram"),
     (["demo", "--model", "ngram", "--plot", "x.png"], "--plot only applies to --model transformer"),
+    (["demo", "--model", "ngram", "--prompt-chars", "50"], "--prompt-chars only applies to --model transformer"),
     (["generate", "--device", "bogus"], "--device 'bogus'"),
     (["generate", "--device", "meta"], "only cpu and cuda devices"),
     (["generate", "--plot", "picture.xyz"], "must end in one of .png"),

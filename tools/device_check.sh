@@ -18,21 +18,21 @@ for step in "${steps[@]}"; do
     cmake --build build-gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -B2 -A8 -m5 "error" "$OUT/build.log"; exit 1; }
     echo "build: ok" ;;
   tests)
-    (cd build-gpu && ctest --output-on-failure -j 4) 2>&1 | tee "$OUT/ctest.log" | tail -25 ;;
+    (cd build-gpu && ctest --output-on-failure -j 4 --timeout 300) 2>&1 | tee "$OUT/ctest.log" | tail -25 ;;
   forced)
     echo "-- tree paths forced: heap (v2), descent (v4) and bisection (v3) at every budget, v1, inline masks,"
     echo "   v4 with one thread per chain owner, v4 depth first, v4 without the first-child walk, v4 without counting"
-    KDTREE_CUDA_TREES_HEAP=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_BISECT=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_INLINE_MASKS=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_THREAD_CHAINS=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_DFS=1 KDT_CUDA_TREES=10000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_NO_WALK=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
-    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_NO_COUNTING=1 KDT_CUDA_TREES=20000 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_HEAP=1 KDT_CUDA_TREES=10000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_PARALLEL=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_BISECT=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_V1=1 KDT_CUDA_TREES=3000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_INLINE_MASKS=1 KDT_CUDA_TREES=10000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_THREAD_CHAINS=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_DFS=1 KDT_CUDA_TREES=10000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_NO_WALK=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_NO_COUNTING=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
     echo "-- top-k: the chunk kernels for every k"
-    KDTREE_CUDA_TOPK_CHUNKED=1 build-gpu/test_topk_cuda 2>&1 | tail -1 ;;
+    KDTREE_CUDA_TOPK_CHUNKED=1 timeout 300 build-gpu/test_topk_cuda 2>&1 | tail -1 ;;
   sanitize)
     for tool in memcheck racecheck initcheck synccheck; do
       for t in ${SAN_TESTS:-build-gpu/test_*_cuda}; do

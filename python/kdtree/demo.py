@@ -91,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"transformer pair, else 0; clamped so the prompt fits)")
     p.add_argument("--prompt-bytes", type=_int_in(1), default=DEFAULT_PROMPT_BYTES,
                    help="(ngram) prompt length in bytes")
+    p.add_argument("--prompt-chars", type=_int_in(1), default=None,
+                   help="(transformer) prompt length in characters (default: as kdtree generate's)")
     p.add_argument("--stop-byte", type=_int_in(0, 255), action="append", default=[],
                    metavar="BYTE", help="(ngram) byte value that ends generation (repeatable; "
                                         "e.g. 10 for newline)")
@@ -238,6 +240,8 @@ def _run_transformer(args: argparse.Namespace) -> int:
     gargs.max_new_tokens = 96 if args.max_new_tokens is None else args.max_new_tokens
     gargs.prompt_file = args.prompt_file
     gargs.prompt_offset = args.prompt_offset
+    if args.prompt_chars is not None:
+        gargs.prompt_chars = args.prompt_chars
     gargs.plot = args.plot
     gargs.tree_nodes = args.tree_nodes
     return generate.run(gargs, header="kdtree demo")
@@ -250,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_transformer(args)
     if args.plot is not None:
         raise UsageError("--plot only applies to --model transformer")
+    if args.prompt_chars is not None:
+        raise UsageError("--prompt-chars only applies to --model transformer (--prompt-bytes sets the "
+                         "n-gram prompt's length)")
     if args.max_new_tokens is None:
         args.max_new_tokens = 256
     if args.draft_order > args.order:
