@@ -481,7 +481,7 @@ constexpr int kDescentMaxPasses = 8;
 constexpr int64_t kDescentPreciseFirstMin = 512;  // from this budget the first threshold takes two rounds
 // Up to this budget the first threshold aims at 3N/4 spine children, not N/2: one pass
 // where N/2 took 1.1-2.4 on average (tools/emulate_descent.py, the benchmarks' drafters at
-// N = 64), for a P_T of ~2-2.7 N, which the counting sort (<= 256) still takes. H200,
+// N = 64), for a P_T of ~2-2.7 N, which the counting sort (<= 256) mostly still takes. H200,
 // B = 64: N = 64 25.2 -> 22.2 us; at N = 128 the larger P_T went to the bitonic network,
 // 32.9 -> 40.5 us, and at 256 its P_Ts of ~800 would too.
 constexpr int64_t kFirstWideTargetMax = 96;
@@ -535,18 +535,19 @@ __device__ inline void warp_find_bin(const unsigned* bins, int* k, int* bin) {
     }
 }
 
-// A threshold T with at least min(k, F) of value(i), i in [0, count), >= T, where F is
-// the number of finite values (k >= 1); -inf when F = 0. T is one of the values and at
-// most the k-th largest, usually just below it: two rounds of 256 bins, the second inside
-// the first's chosen bin, then the smallest value of the chosen sub-bin. The bins are
-// monotone in the value, so every value counted before the chosen sub-bin is >= T.
-// Block-wide; bins: 512 words.
 // Up to this many candidates (and blockDim.x), parallel_expand orders them by counting.
 constexpr int kCountSortMax = 256;
 // More candidates than this with exactly equal scores send the set to the bitonic network.
 constexpr int kCountSortMaxTies = 8;
 // Up to this many values (and blockDim.x), block_threshold selects exactly by counting.
 constexpr int kCountSelectMax = 256;
+
+// A threshold T with at least min(k, F) of value(i), i in [0, count), >= T, where F is
+// the number of finite values (k >= 1); -inf when F = 0. T is one of the values and at
+// most the k-th largest, usually just below it: two rounds of 256 bins, the second inside
+// the first's chosen bin, then the smallest value of the chosen sub-bin. The bins are
+// monotone in the value, so every value counted before the chosen sub-bin is >= T.
+// Block-wide; bins: 512 words.
 template <class Value>
 __device__ double block_threshold(const Value& value, int count, int k, unsigned* bins, bool counting) {
     __shared__ unsigned long long s_lo, s_hi, s_min;
@@ -560,7 +561,7 @@ __device__ double block_threshold(const Value& value, int count, int k, unsigned
         double v = -INFINITY;
         if (i < count) {
             v = value(i);
-            vals[i] = v;  // finite or -inf (log-probs are <= 0)
+            vals[i] = v;  // finite or -inf (a sum of <= 64 finite floats cannot overflow a double)
         }
         if (i == 0) {
             s_finite = 0;
@@ -719,8 +720,9 @@ __device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L
 
 // walk_first_children by a whole warp (every lane calls it with the same node): lane k
 // scores the walk's k-th step, ((w + lp[d][0]) + lp[d + 1][0]) + ... + lp[d + k][0], the
-// same additions in the same order as the one-thread walk, so the same doubles; the steps
-// admitted (finite, >= T) are a prefix, since adding a log-prob <= 0 never raises a score.
+// same additions in the same order as the one-thread walk, so the same doubles; the walk
+// takes the steps before the first one not admitted (not finite, or < T), as the
+// one-thread walk stops there.
 // They take their slots with one atomic and are written one lane each: the same nodes,
 // fields and links as walk_first_children, with no dependent atomic per step (the
 // one-thread walk cost ~0.1 us a step on an H200). On overflow nothing is written (the
@@ -980,7 +982,8 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, i
     const int n = s_n, slot0 = s_slot0, prev = s_prev, r0 = s_r0;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         const int32_t slot = slot0 + j;
-        new_cand(c, slot, root_child_score(lp_s, r0 + j), -1, r0 + j, 1, j + 1 < n ? slot + 1 : -1, j > 0 ? slot - 1 : prev);
+        new_cand(c, slot, root_child_score(lp_s, r0 + j), -1, r0 + j, 1, j + 1 < n ? slot + 1 : -1,
+                 j > 0 ? slot - 1 : prev);
     }
     __syncthreads();
     if (walk && r0 == 0 && n > 0) {  // the spine below the root's first child
@@ -1307,11 +1310,12 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     if (M < 0) return -1;
     KDT_V3_PROF(const long long prof_t1 = clock64();)
     const int64_t n = M < N ? M : N;
-    // Bitonic sort of the candidates by the heap's key, on (score, index) pairs held side
-    // by side (c.logw is permuted along with c.order; no candidate table is read except
-    // the rank paths of exactly equal scores). Padding (index -1, score -inf) goes last.
-    // (Counting each candidate's predecessors instead was slower from 64 candidates up on
-    // an H200: perf-notes.)
+    // The candidates sorted by the heap's key: by counting up to kCountSortMax (below), else
+    // by a bitonic network on (score, index) pairs held side by side (c.logw is permuted
+    // along with c.order; no candidate table is read except the rank paths of exactly equal
+    // scores). Padding (index -1, score -inf) goes last. (Session 5's counting, a scalar
+    // loop with a branchy comparison, was slower than the network from 64 candidates up;
+    // perf-notes.)
     // Stages whose pairs lie inside one 64-candidate segment (j <= 32) run in registers,
     // one warp per segment, with no block barrier between them: all of k <= 64 in one
     // phase, then for each larger k the stages j >= 64 one by one and j <= 32 as one phase.
