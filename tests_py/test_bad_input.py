@@ -214,6 +214,16 @@ def test_negative_budget(budget):
         kdtree.build_trees(lp, ids, budget)
 
 
+def test_budget_too_large_for_memory_says_so_before_allocating():
+    # 10^7 nodes: the dense mask alone is 3 x 10^14 bytes (~273 TiB), beyond any host; numpy
+    # would otherwise fail with its own message (or the process be killed on first touch).
+    lp, ids = good()
+    with raises(MemoryError, "budget 10000000", "dense visibility mask", "GiB"):
+        kdtree.build_trees(lp, ids, 10**7)
+    with raises(MemoryError, "budget 10000000"):
+        kdtree.empty_trees(B, 10**7, L)
+
+
 @pytest.mark.parametrize("budget", [2.0, "4", None, True, np.float64(3), np.bool_(True)])
 def test_non_int_budget(budget):
     lp, ids = good()
@@ -581,10 +591,14 @@ def test_topk_nan_and_pos_inf(value, what):
     x[2, 4] = value
     with raises(KdtreeError, "row 2, column 4", what, status="KDT_ERR_VALUE"):
         kdtree.topk_logprobs(x, 3)
-    x3 = np.zeros((2, 2, 7), np.float32)  # rows are the flattened leading axes
+    x3 = np.zeros((2, 2, 7), np.float32)  # [B, L, V]: the row as request and position
     x3[1, 0, 6] = value
-    with raises(KdtreeError, "row 2, column 6", what):
+    with raises(KdtreeError, "request 1, position 0 (logits[1, 0]), column 6", what):
         kdtree.topk_logprobs(x3, 1)
+    x4 = np.zeros((2, 3, 2, 7), np.float32)  # other ranks: the index of the row
+    x4[1, 2, 0, 3] = value
+    with raises(KdtreeError, "logits[1, 2, 0], column 3", what):
+        kdtree.topk_logprobs(x4, 1)
 
 
 def test_topk_all_neg_inf_row():

@@ -77,7 +77,9 @@ def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["generate", "--depth", "16"], "exceeds this drafter's 15 positions"),
-    (["generate", "--models", "nowhere"], "no tokenizer.json"),
+    (["generate", "--models", "nowhere"], "--models nowhere: no such folder"),
+    (["generate", "--models", "/dev/null"], "--models /dev/null: not a folder"),
+    (["generate", "--models", "."], "no tokenizer.json"),
     (["generate", "--prompt", ""], "--prompt is empty"),
     (["generate", "--temperature", "-1"], "--temperature: must be in [0.0, 100.0]"),
     (["generate", "--top-p", "0"], "--top-p: must be in (0.0, 1.0]"),

@@ -8,6 +8,8 @@ arrays stay referenced for the whole call. Errors from the library raise
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -117,14 +119,45 @@ def _int_array(x, name: str, dtype=np.int32) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _tree_outputs_fit(batch: int, budget: int, words: int) -> None:
+    """Raises MemoryError, naming the budget and the bytes, when the outputs of `batch`
+    trees of `budget` nodes cannot fit in this machine's memory (checked before numpy
+    allocates, so a huge budget fails at once instead of being killed when the pages are
+    touched)."""
+    rows = budget + 1
+    dense = batch * rows * rows  # visibility, bool [B, N+1, N+1]
+    total = dense + batch * rows * (4 * words + 36) + 4 * batch  # + bits and the per-node arrays
+    phys = _physical_memory_bytes()
+    if phys is not None and total > phys:
+        raise MemoryError(
+            f"budget {budget}: the trees of {batch} request(s) need {total / 2**30:.1f} GiB (the dense "
+            f"visibility mask [B, N+1, N+1] alone {dense / 2**30:.1f} GiB), more than this machine's "
+            f"{phys / 2**30:.1f} GiB of memory; use a smaller budget or batch (the C API builds without "
+            f"the dense mask when its pointer is NULL)")
+
+
 def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
-    """Allocates (uninitialised) output arrays for :func:`build_trees` ``out=``."""
+    """Allocates (uninitialised) output arrays for :func:`build_trees` ``out=``.
+
+    Raises:
+        ValueError: a negative or too large batch, budget or depth.
+        MemoryError: the arrays (about B x (N+1)^2 bytes, the dense mask) exceed this
+            machine's memory; the message names the budget and the bytes.
+    """
     batch = _int_scalar(batch, "batch", 0, 2**62)
     budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
     depth = _int_scalar(depth, "depth", 0, 2**31 - 2)
     lib = _lib.load()
     words = ctypes.c_int64()
     lib.kdt_visibility_words(budget, ctypes.byref(words))
+    _tree_outputs_fit(batch, budget, words.value)
     rows = budget + 1
     return TreeBatch(
         num_nodes=np.empty(batch, np.int32),
@@ -240,6 +273,8 @@ def build_trees(
         ValueError / KdtreeError: shape mismatch, negative budget, NaN or +inf log-probs,
             unsorted rows, duplicate ids in a row, ids out of range (the message names
             request, depth and rank).
+        MemoryError: CPU: the outputs (about B x (N+1)^2 bytes, the dense mask) exceed this
+            machine's memory (see :func:`empty_trees`).
     """
     if _device.is_device_array(logprobs) or _device.is_device_array(token_ids):
         budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
@@ -357,6 +392,22 @@ def verify_greedy(
                       request_status=_ok_status((batch,)) if errors == "status" else None)
 
 
+def _name_logits_row(exc: _lib.KdtreeError, batch_shape: tuple) -> _lib.KdtreeError:
+    """The C library numbers the rows of a flattened [rows, V]; for [B, L, V] logits the
+    message names request and position instead ("request 1, position 3 (logits[1, 3])"),
+    for other ranks the index tuple."""
+    text = str(exc)
+    found = re.search(r"\brow (\d+)", text)
+    if found is None or len(batch_shape) < 2:
+        return exc
+    idx = [int(i) for i in np.unravel_index(int(found.group(1)), batch_shape)]
+    where = f"logits[{', '.join(map(str, idx))}]"
+    if len(batch_shape) == 2:
+        where = f"request {idx[0]}, position {idx[1]} ({where})"
+    message = text.split(f"{exc.status_name}: ", 1)[-1].replace(found.group(0), where, 1)
+    return _lib.KdtreeError(exc.status, message, exc.function)
+
+
 def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
@@ -377,7 +428,8 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
 
     Raises:
         TypeError: non-floating logits. ValueError / KdtreeError: k out of range, a NaN or
-        +inf logit, or a row whose logits are all -inf (the message names row and column).
+        +inf logit, or a row whose logits are all -inf (the message names the row, as
+        request and position for ``[B, L, V]`` logits, and the column).
     """
     if _device.is_device_array(logits):
         k = _int_scalar(k, "k", 0, 2**31 - 1)
@@ -392,7 +444,10 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     out_lp = np.empty(x.shape[:-1] + (k,), np.float32)
     out_ids = np.empty(x.shape[:-1] + (k,), np.int32)
     if rows > 0:
-        _lib.load().kdt_topk_logprobs_cpu(_ptr(x), rows, vocab, vocab, k, _ptr(out_lp), _ptr(out_ids))
+        try:
+            _lib.load().kdt_topk_logprobs_cpu(_ptr(x), rows, vocab, vocab, k, _ptr(out_lp), _ptr(out_ids))
+        except _lib.KdtreeError as exc:
+            raise _name_logits_row(exc, x.shape[:-1]) from None
     if errors == "status":
         return out_lp, out_ids, _ok_status(x.shape[:-1] if x.ndim > 1 else (1,))
     return out_lp, out_ids

@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 with a usage message on bad flags
+    args, extra = parser.parse_known_args(argv)  # exits 2 with a usage message on bad flags
+    if extra:
+        # Reported by the subcommand's parser, whose usage lists the options it does take
+        # (argparse would print the top-level usage, which names none of them).
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args._run(args) or 0)
     except UsageError as exc:

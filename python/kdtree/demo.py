@@ -53,10 +53,11 @@ RUN_SHARE_NOTE = 0.25
 def _budget(text: str) -> int:
     v = _int_in(1)(text)
     if v > MAX_BUDGET:
-        gb = (v + 1) ** 2 / 1e9
+        size = (v + 1) ** 2
+        size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
         raise argparse.ArgumentTypeError(
             f"must be <= {MAX_BUDGET} in the demo, got {v}: each draft tree holds an attention "
-            f"mask of (N+1)^2 bytes ({gb:.1f} GB at N={v}) and the target scores all N+1 "
+            f"mask of (N+1)^2 bytes ({size_text} at N={v}) and the target scores all N+1 "
             f"nodes every round (the library itself accepts larger budgets)")
     return v
 
@@ -77,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"draft nodes per tree N (root excluded), 1..{MAX_BUDGET} (each tree's "
                         f"attention mask takes (N+1)^2 bytes)")
     p.add_argument("--depth", type=_int_in(1, 255), default=15,
-                   help="draft positions per drafter call L (tree depth limit), 1..255")
+                   help="draft positions per drafter call L (tree depth limit), 1..255 (at most 15 with "
+                        "the transformer pair, whose drafter proposes 15 positions)")
     p.add_argument("--max-new-tokens", type=_int_in(1), default=None,
                    help="tokens to generate, an exact cap (default: 96 tokens with the transformer pair, "
                         "256 bytes with --model ngram)")

@@ -142,6 +142,9 @@ def load_pair(models: Path, device: str, dtype: str | None):
     tools/train_models.py. Raises UsageError for a missing folder or library."""
     from .cli import UsageError
 
+    if not models.is_dir():
+        raise UsageError(f"--models {models}: {'not a folder' if models.exists() else 'no such folder'} "
+                         f"(expected a folder written by tools/train_models.py)")
     if not (models / "tokenizer.json").is_file():
         raise UsageError(f"{models}: no tokenizer.json (expected a folder written by tools/train_models.py)")
     try:

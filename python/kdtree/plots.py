@@ -66,6 +66,7 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
     ax_h.set_xlabel("tokens committed per round (accepted draft tokens + bonus)")
     ax_h.set_ylabel("rounds")
     ax_h.yaxis.get_major_locator().set_params(integer=True)
+    ax_h.xaxis.get_major_locator().set_params(integer=True)  # counts of whole tokens
     ax_h.set_title(f"acceptance length: mean {result.mean_acceptance_length:.2f} over {result.rounds} rounds")
     snap = result.snapshot
     ax_t.set_axis_off()
