@@ -218,10 +218,36 @@ def test_budget_too_large_for_memory_says_so_before_allocating():
     # 10^7 nodes: the dense mask alone is 3 x 10^14 bytes (~273 TiB), beyond any host; numpy
     # would otherwise fail with its own message (or the process be killed on first touch).
     lp, ids = good()
-    with raises(MemoryError, "budget 10000000", "dense visibility mask", "GiB"):
+    with raises(MemoryError, "budget 10000000", "dense visibility mask", "TiB"):
         kdtree.build_trees(lp, ids, 10**7)
     with raises(MemoryError, "budget 10000000"):
         kdtree.empty_trees(B, 10**7, L)
+
+
+def test_budget_over_the_process_memory_limit_says_so(tmp_path):
+    # Under RLIMIT_AS = 4 GiB (as a container or ulimit would set), trees needing ~6 GiB are
+    # refused with the limit named, not left to numpy or the kernel's OOM killer.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, numpy as np, kdtree\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))\n"
+        "lp = np.log(np.full((1, 2, 2), 0.5, np.float32)); ids = np.array([[[1, 2], [3, 4]]], np.int32)\n"
+        "try:\n"
+        "    kdtree.build_trees(lp, ids, 80000)\n"
+        "except MemoryError as e:\n"
+        "    print(e)\n"
+    )
+    from pathlib import Path
+
+    package_root = str(Path(kdtree.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "budget 80000" in r.stdout and "4.0 GiB of memory this process may use" in r.stdout
 
 
 @pytest.mark.parametrize("budget", [2.0, "4", None, True, np.float64(3), np.bool_(True)])
@@ -593,12 +619,20 @@ def test_topk_nan_and_pos_inf(value, what):
         kdtree.topk_logprobs(x, 3)
     x3 = np.zeros((2, 2, 7), np.float32)  # [B, L, V]: the row as request and position
     x3[1, 0, 6] = value
-    with raises(KdtreeError, "request 1, position 0 (logits[1, 0]), column 6", what):
+    with raises(KdtreeError, "request 1, position 0 (logits[1, 0], row 2), column 6", what):
         kdtree.topk_logprobs(x3, 1)
     x4 = np.zeros((2, 3, 2, 7), np.float32)  # other ranks: the index of the row
     x4[1, 2, 0, 3] = value
-    with raises(KdtreeError, "logits[1, 2, 0], column 3", what):
+    with raises(KdtreeError, "logits[1, 2, 0], row 10, column 3", what):
         kdtree.topk_logprobs(x4, 1)
+
+
+def test_build_trees_from_logits_names_the_callers_row():
+    x = np.zeros((4, 9), np.float32)  # [L, V]: the row is logits[3], not a [1, L, V] index
+    x[3, 2] = np.nan
+    with raises(KdtreeError, "row 3, column 2", "NaN") as info:
+        kdtree.build_trees_from_logits(x, 2, 4)
+    assert "request" not in str(info.value)
 
 
 def test_topk_all_neg_inf_row():

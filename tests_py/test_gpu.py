@@ -92,7 +92,7 @@ def test_topk_row_status_and_strided_input(cuda):
     bad = view.clone()
     bad[1, 2, 5] = float("nan")
     bad[2, 0, :] = float("-inf")
-    with pytest.raises(kdtree.KdtreeError, match="row 6"):
+    with pytest.raises(kdtree.KdtreeError, match=r"request 1, position 2 \(logits\[1, 2\], row 6\)"):
         kdtree.topk_logprobs(bad, 10)
     lp, ids, status = kdtree.topk_logprobs(bad, 10, errors="status")
     s = host(status)

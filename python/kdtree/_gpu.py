@@ -242,7 +242,10 @@ def topk_logprobs(logits, k: int, *, errors: str, stream):
                                    ws_ptr, ws_bytes, s)
         del ws
     if errors == "raise":
-        _raise_on_status(status, "topk_logprobs", "row")
+        try:
+            _raise_on_status(status, "topk_logprobs", "row")
+        except KdtreeError as exc:
+            raise _lib.name_logits_row(exc, tuple(lead)) from None
         return out_lp, out_ids
     return out_lp, out_ids, status
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -50,6 +51,29 @@ class KdtreeError(ValueError):
         self.function = function
         where = f"{function}: " if function else ""
         super().__init__(f"{where}{self.status_name}: {message}")
+
+
+def name_logits_row(exc: KdtreeError, batch_shape: tuple) -> KdtreeError:
+    """The top-k kernels number the rows of the logits flattened to [rows, V]; for
+    [B, L, V] logits the message names request and position too ("request 1, position 3
+    (logits[1, 3], row 7)"), for more leading axes the index ("logits[1, 0, 2], row 5").
+    Same type, status and function; `exc` itself when there is nothing to rename."""
+    text = str(exc)
+    found = re.search(r"\brow (\d+)", text)
+    if found is None or len(batch_shape) < 2:
+        return exc
+    row = int(found.group(1))
+    idx, rest = [], row
+    for extent in reversed(batch_shape):
+        idx.append(rest % extent)
+        rest //= extent
+    idx.reverse()
+    where = f"logits[{', '.join(map(str, idx))}], row {row}"
+    where = f"request {idx[0]}, position {idx[1]} ({where})" if len(batch_shape) == 2 else where
+    message = text.split(f"{exc.status_name}: ", 1)[-1]
+    if message == text and exc.function and text.startswith(f"{exc.function}: "):
+        message = text[len(exc.function) + 2:]
+    return KdtreeError(exc.status, message.replace(found.group(0), where, 1), exc.function)
 
 
 class LibraryNotFoundError(ImportError):

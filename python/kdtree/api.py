@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -119,28 +118,57 @@ def _int_array(x, name: str, dtype=np.int32) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def _physical_memory_bytes() -> int | None:
+def _memory_limit_bytes() -> int | None:
+    """The memory this process may use at most: the smallest of physical memory, the cgroup
+    limit (v2 memory.max or v1 memory.limit_in_bytes) and RLIMIT_AS; None if none is known."""
+    limits = []
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):
-        return None
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(int(soft))
+    except (ImportError, ValueError, OSError):
+        pass
+    return min(limits) if limits else None
+
+
+def _bytes_text(n: float) -> str:
+    """n bytes as '1.5 GiB' (KiB .. EiB)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024:
+            return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} EiB"
 
 
 def _tree_outputs_fit(batch: int, budget: int, words: int) -> None:
     """Raises MemoryError, naming the budget and the bytes, when the outputs of `batch`
-    trees of `budget` nodes cannot fit in this machine's memory (checked before numpy
-    allocates, so a huge budget fails at once instead of being killed when the pages are
-    touched)."""
+    trees of `budget` nodes exceed the memory this process may use (physical memory, its
+    cgroup's limit, RLIMIT_AS): checked before numpy allocates, so a huge budget fails at
+    once instead of the process being killed when the pages are touched."""
     rows = budget + 1
     dense = batch * rows * rows  # visibility, bool [B, N+1, N+1]
     total = dense + batch * rows * (4 * words + 36) + 4 * batch  # + bits and the per-node arrays
-    phys = _physical_memory_bytes()
-    if phys is not None and total > phys:
+    limit = _memory_limit_bytes()
+    if limit is not None and total > limit:
         raise MemoryError(
-            f"budget {budget}: the trees of {batch} request(s) need {total / 2**30:.1f} GiB (the dense "
-            f"visibility mask [B, N+1, N+1] alone {dense / 2**30:.1f} GiB), more than this machine's "
-            f"{phys / 2**30:.1f} GiB of memory; use a smaller budget or batch (the C API builds without "
-            f"the dense mask when its pointer is NULL)")
+            f"budget {budget}: the trees of {batch} request(s) need {_bytes_text(total)} (the dense "
+            f"visibility mask [B, N+1, N+1] alone {_bytes_text(dense)}), more than the "
+            f"{_bytes_text(limit)} of memory this process may use; use a smaller budget or batch (the C "
+            f"API builds without the dense mask when its pointer is NULL)")
 
 
 def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
@@ -392,22 +420,6 @@ def verify_greedy(
                       request_status=_ok_status((batch,)) if errors == "status" else None)
 
 
-def _name_logits_row(exc: _lib.KdtreeError, batch_shape: tuple) -> _lib.KdtreeError:
-    """The C library numbers the rows of a flattened [rows, V]; for [B, L, V] logits the
-    message names request and position instead ("request 1, position 3 (logits[1, 3])"),
-    for other ranks the index tuple."""
-    text = str(exc)
-    found = re.search(r"\brow (\d+)", text)
-    if found is None or len(batch_shape) < 2:
-        return exc
-    idx = [int(i) for i in np.unravel_index(int(found.group(1)), batch_shape)]
-    where = f"logits[{', '.join(map(str, idx))}]"
-    if len(batch_shape) == 2:
-        where = f"request {idx[0]}, position {idx[1]} ({where})"
-    message = text.split(f"{exc.status_name}: ", 1)[-1].replace(found.group(0), where, 1)
-    return _lib.KdtreeError(exc.status, message, exc.function)
-
-
 def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
@@ -447,7 +459,7 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
         try:
             _lib.load().kdt_topk_logprobs_cpu(_ptr(x), rows, vocab, vocab, k, _ptr(out_lp), _ptr(out_ids))
         except _lib.KdtreeError as exc:
-            raise _name_logits_row(exc, x.shape[:-1]) from None
+            raise _lib.name_logits_row(exc, x.shape[:-1]) from None
     if errors == "status":
         return out_lp, out_ids, _ok_status(x.shape[:-1] if x.ndim > 1 else (1,))
     return out_lp, out_ids
@@ -492,14 +504,14 @@ def build_trees_from_logits(
                                               errors=errors, stream=stream)
     _cpu_only(stream, errors, "build_trees_from_logits")
     x = _host_array(logits, "logits")
-    if x.ndim == 2:
-        x = x[None]
-    if x.ndim != 3:
+    if x.ndim not in (2, 3):
         raise ValueError(f"logits must be [B, L, V] or [L, V], got shape {np.shape(logits)}")
-    vocab = x.shape[2]
+    vocab = x.shape[-1]
     if width > vocab:
         raise ValueError(f"width {width} exceeds the vocabulary size {vocab}")
-    lp, ids = topk_logprobs(x, min(width, budget))
+    lp, ids = topk_logprobs(x, min(width, budget))  # on the caller's shape: errors name its rows
+    if x.ndim == 2:
+        lp, ids = lp[None], ids[None]
     return build_trees(lp, ids, budget, root_tokens=root_tokens, root_positions=root_positions,
                        vocab_size=vocab if vocab > 0 else None, pad_token=pad, out=out)
 

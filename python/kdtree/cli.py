@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         # Reported by the subcommand's parser, whose usage lists the options it does take
         # (argparse would print the top-level usage, which names none of them).
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args._parser.error(f"unrecognized arguments: {shlex.join(extra)}")
     try:
         return int(args._run(args) or 0)
     except UsageError as exc:

@@ -54,7 +54,9 @@ def _budget(text: str) -> int:
     v = _int_in(1)(text)
     if v > MAX_BUDGET:
         size = (v + 1) ** 2
-        size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+        size_text = f"{size:.1e} bytes" if size >= 10**21 else next(
+            (f"{size / 10**e:.1f} {u}" for u, e in (("EB", 18), ("PB", 15), ("TB", 12), ("GB", 9)) if size >= 10**e),
+            f"{size / 1e6:.1f} MB")
         raise argparse.ArgumentTypeError(
             f"must be <= {MAX_BUDGET} in the demo, got {v}: each draft tree holds an attention "
             f"mask of (N+1)^2 bytes ({size_text} at N={v}) and the target scores all N+1 "
@@ -90,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,
                    help=f"first prompt byte (character with the transformer pair) in the file (default: "
                         f"{DEFAULT_OFFSET} in heapq.py with --model ngram, 2000 in engine.py with the "
-                        f"transformer pair, else 0; clamped so the prompt fits)")
+                        f"transformer pair, else 0; with --model ngram clamped so the prompt fits, with the "
+                        f"transformer pair an error past the end)")
     p.add_argument("--prompt-bytes", type=_int_in(1), default=DEFAULT_PROMPT_BYTES,
                    help="(ngram) prompt length in bytes")
     p.add_argument("--prompt-chars", type=_int_in(1), default=None,

@@ -142,10 +142,15 @@ def load_pair(models: Path, device: str, dtype: str | None):
     tools/train_models.py. Raises UsageError for a missing folder or library."""
     from .cli import UsageError
 
-    if not models.is_dir():
-        raise UsageError(f"--models {models}: {'not a folder' if models.exists() else 'no such folder'} "
+    try:
+        is_dir, exists = models.is_dir(), models.exists()
+        has_tokenizer = is_dir and (models / "tokenizer.json").is_file()
+    except OSError as exc:  # e.g. a folder this user cannot read
+        raise UsageError(f"--models {models}: {exc.strerror or exc}") from None
+    if not is_dir:
+        raise UsageError(f"--models {models}: {'not a folder' if exists else 'no such folder'} "
                          f"(expected a folder written by tools/train_models.py)")
-    if not (models / "tokenizer.json").is_file():
+    if not has_tokenizer:
         raise UsageError(f"{models}: no tokenizer.json (expected a folder written by tools/train_models.py)")
     try:
         import torch  # noqa: F401
@@ -318,8 +323,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         if str(args.device).split(":")[0] == "cpu":
             # A tree forward of N + 1 rows costs a small model on a CPU nearly N + 1 one-token
             # forwards (README, "What to expect"): fewer forwards, not fewer seconds.
-            cpu_note = (" (on a CPU a tree forward of N + 1 rows costs nearly N + 1 one-token forwards, "
-                        "so DDTree saves target forwards, not seconds; on a GPU the rows are nearly free)")
+            cpu_note = (" (on a CPU DDTree saves target forwards, not seconds: a tree forward of N + 1 rows "
+                        "costs nearly N + 1 one-token forwards, and every round also runs the drafter; on a "
+                        "GPU the rows are nearly free)")
         print(f"wall time          : AR {ar.wall:.2f} s, DDTree {sp.wall:.2f} s{cpu_note}", file=out)
     else:
         print(f"target forwards    : DDTree {sp.target_calls} for {len(sp.tokens)} tokens; "

@@ -55,6 +55,7 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise ImportError("--plot needs matplotlib (pip install matplotlib)") from exc
     if not result.committed:
@@ -66,7 +67,8 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
     ax_h.set_xlabel("tokens committed per round (accepted draft tokens + bonus)")
     ax_h.set_ylabel("rounds")
     ax_h.yaxis.get_major_locator().set_params(integer=True)
-    ax_h.xaxis.get_major_locator().set_params(integer=True)  # counts of whole tokens
+    # whole tokens, also with a single bar (the default locator goes fractional below 2 ticks)
+    ax_h.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax_h.set_title(f"acceptance length: mean {result.mean_acceptance_length:.2f} over {result.rounds} rounds")
     snap = result.snapshot
     ax_t.set_axis_off()
