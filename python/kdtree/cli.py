@@ -96,6 +96,11 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def plural(n: int, word: str) -> str:
+    """'1 round', '2 rounds', '1,024 tokens'."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kdtree",
@@ -118,8 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)  # exits 2 with a usage message on bad flags
     if extra:
         # Reported by the subcommand's parser, whose usage lists the options it does take
-        # (argparse would print the top-level usage, which names none of them).
-        args._parser.error(f"unrecognized arguments: {shlex.join(extra)}")
+        # (argparse would print the top-level usage, which names none of them), unless the
+        # first one came before the subcommand's name.
+        tokens = list(sys.argv[1:] if argv is None else argv)
+        first = tokens.index(extra[0]) if extra[0] in tokens else len(tokens)
+        before_command = args.command not in tokens[:first]
+        (parser if before_command else args._parser).error(f"unrecognized arguments: {shlex.join(extra)}")
     try:
         return int(args._run(args) or 0)
     except UsageError as exc:

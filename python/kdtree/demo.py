@@ -180,7 +180,9 @@ def _short(path: Path) -> str:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+    from .cli import plural
+
+    return plural(n, word)
 
 
 def _size(nbytes: int) -> str:

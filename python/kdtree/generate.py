@@ -26,6 +26,7 @@ from typing import Any
 from . import engine
 from .cli import float_in as _float_in
 from .cli import int_in as _int_in
+from .cli import plural as _plural
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "").replace("\n", " ")
 DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "stdlib-qwen3"
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
 
     print(f"\n---- prompt (last 300 characters) {'-' * 30}", file=out)
     print(prompt_text[-300:], file=out)
-    print(f"---- continuation ({len(sp.tokens)} tokens, stop: {sp.stop_reason}) {'-' * 24}", file=out)
+    print(f"---- continuation ({_plural(len(sp.tokens), 'token')}, stop: {sp.stop_reason}) {'-' * 24}", file=out)
     print(tok.decode(sp.tokens), file=out)
     print("-" * 66, file=out)
     rep = repeated_share(sp.tokens, prompt)
@@ -328,10 +329,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                         "GPU the rows are nearly free)")
         print(f"wall time          : AR {ar.wall:.2f} s, DDTree {sp.wall:.2f} s{cpu_note}", file=out)
     else:
-        print(f"target forwards    : DDTree {sp.target_calls} for {len(sp.tokens)} tokens; "
+        print(f"target forwards    : DDTree {sp.target_calls} for {_plural(len(sp.tokens), 'token')}; "
               f"drafter calls {sp.drafter_calls}; wall {sp.wall:.2f} s", file=out)
     print(f"acceptance length  : {sp.mean_acceptance_length:.2f} tokens per round (accepted draft tokens + "
-          f"bonus) over {sp.rounds} rounds", file=out)
+          f"bonus) over {_plural(sp.rounds, 'round')}", file=out)
     if rep > REPEAT_NOTE:
         print(f"note               : {100 * rep:.0f}% of the new tokens repeat an earlier {REPEAT_WINDOW}-token "
               f"window (this small target loops); acceptance on repeated text is easy, so the ratio is "
