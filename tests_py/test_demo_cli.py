@@ -116,7 +116,7 @@ def test_demo_prompt_inside_corpus_is_held_out(tmp_path):
     (["demo", "--max-new-tokens", "-3"], "--max-new-tokens"),
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
     (["demo", "--budget", "100000"], "--budget: must be <= 4096 in the demo, got 100000"),
-    (["demo", "--budget", "4097"], "attention mask of (N+1)^2 bytes (16.8 MB at N=4097)"),
+    (["demo", "--budget", "4097"], "attention mask of (N+1)^2 bytes (16.0 MiB at N=4097)"),
     (["generate", "--no-such-flag"], "python -m kdtree generate: error: unrecognized arguments: --no-such-flag"),
     (["--no-such-flag", "demo"], "python -m kdtree: error: unrecognized arguments: --no-such-flag"),
     (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),

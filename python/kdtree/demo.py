@@ -31,6 +31,7 @@ from pathlib import Path
 
 from . import engine, ngram
 from .cli import int_in as _int_in
+from .cli import plural as _plural
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
     " Decodes a continuation twice, greedy autoregressive and DDTree, with the shipped transformer pair "
@@ -53,10 +54,7 @@ RUN_SHARE_NOTE = 0.25
 def _budget(text: str) -> int:
     v = _int_in(1)(text)
     if v > MAX_BUDGET:
-        size = (v + 1) ** 2
-        size_text = f"{size:.1e} bytes" if size >= 10**21 else next(
-            (f"{size / 10**e:.1f} {u}" for u, e in (("EB", 18), ("PB", 15), ("TB", 12), ("GB", 9)) if size >= 10**e),
-            f"{size / 1e6:.1f} MB")
+        size_text = _size((v + 1) ** 2)
         raise argparse.ArgumentTypeError(
             f"must be <= {MAX_BUDGET} in the demo, got {v}: each draft tree holds an attention "
             f"mask of (N+1)^2 bytes ({size_text} at N={v}) and the target scores all N+1 "
@@ -179,15 +177,9 @@ def _short(path: Path) -> str:
         return str(path)
 
 
-def _plural(n: int, word: str) -> str:
-    from .cli import plural
-
-    return plural(n, word)
-
-
 def _size(nbytes: int) -> str:
-    """Bytes as "3 MiB" / "24.2 MiB" / "812 KiB" / "95 bytes"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    """Bytes as "3 MiB" / "24.2 MiB" / "812 KiB" / "95 bytes" (up to EiB)."""
+    for unit, shift in (("EiB", 60), ("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
             v = nbytes / (1 << shift)
             return f"{v:.0f} {unit}" if v == int(v) or v >= 100 else f"{v:.1f} {unit}"
