@@ -718,6 +718,20 @@ __device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L
     }
 }
 
+// n > 0 consecutive candidate slots for the calling warp (every lane calls it with the same
+// n): lane 0 takes them with one atomic; returns the first on every lane, or -1 with
+// *overflow set when they do not fit (the pass is then rolled back).
+__device__ inline int warp_take_slots(int* count, int n, int cap, int* overflow) {
+    int slot0 = 0;
+    if ((threadIdx.x & 31) == 0) slot0 = atomicAdd(count, n);
+    slot0 = __shfl_sync(kFullMask, slot0, 0);
+    if (slot0 + n > cap) {
+        if ((threadIdx.x & 31) == 0) *overflow = 1;
+        return -1;
+    }
+    return slot0;
+}
+
 // walk_first_children by a whole warp (every lane calls it with the same node): lane k
 // scores the walk's k-th step, ((w + lp[d][0]) + lp[d + 1][0]) + ... + lp[d + k][0], the
 // same additions in the same order as the one-thread walk, so the same doubles; the walk
@@ -744,13 +758,8 @@ __device__ void walk_first_children_warp(const Cands& c, const float* lp_s, int6
     const unsigned refused = __ballot_sync(kFullMask, !admitted);
     const int n = refused ? __ffs(refused) - 1 : 32;
     if (n == 0) return;
-    int slot0 = 0;
-    if (lane == 0) slot0 = atomicAdd(count, n);
-    slot0 = __shfl_sync(kFullMask, slot0, 0);
-    if (slot0 + n > c.cap) {
-        if (lane == 0) *overflow = 1;
-        return;
-    }
+    const int slot0 = warp_take_slots(count, n, c.cap, overflow);
+    if (slot0 < 0) return;
     if (lane < n) {
         const int32_t slot = slot0 + lane;
         const int32_t parent = lane == 0 ? node : slot - 1;
@@ -889,15 +898,11 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
         const int stop = refused ? __ffs(refused) - 1 : 32;      // the first rank not admitted
         const int m = stop <= valid ? stop : valid + 1;          // lanes [0, m) are emitted now
         if (m > 0) {
-            int slot0 = 0;
-            if (lane == 0) slot0 = atomicAdd(count, m);
-            slot0 = __shfl_sync(kFullMask, slot0, 0);
-            if (slot0 + m > c.cap) {
-                // This threshold is too low: order[o] / pos[o] are left as they were, and any
-                // link made by an earlier step of this call is cut by the pass's rollback.
-                if (lane == 0) *overflow = 1;
-                return;
-            }
+            // Too many for the arrays: this threshold is too low. order[o] / pos[o] are left
+            // as they were, and any link made by an earlier step of this call is cut by the
+            // pass's rollback.
+            const int slot0 = warp_take_slots(count, m, c.cap, overflow);
+            if (slot0 < 0) return;
             if (lane < m) {
                 const int32_t slot = slot0 + lane;
                 new_cand(c, slot, w, o, rk, d + 1, lane + 1 < m ? slot + 1 : -1,
