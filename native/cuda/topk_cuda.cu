@@ -836,6 +836,45 @@ __device__ __noinline__ uint32_t insert_candidates(uint32_t w0, uint32_t w1, uin
     return last;
 }
 
+// Appends the keys > tau of the np queued vectors (vecs[i], element 0 at column vids[i])
+// to the buffer, one element per thread: element e (vector e / kVec) goes to thread e of
+// the block, in passes of kThreads elements, and each warp claims its slots with one
+// atomic. Warps with no element left return at once, so the work spreads over
+// ceil(np * kVec / 32) warps instead of running a per-vector loop on the few lanes that
+// hold a queued vector. Returns the buffer's count after the calling warp's last
+// insertion (`last` when it inserted nothing). Every thread of the block calls it with
+// the same np; the elements are tested against tv (tau's value) before a key is made.
+template <int D>
+__device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint32_t* vids, uint32_t np, uint64_t tau,
+                                                  float tv, uint64_t* buf, uint32_t* count, uint32_t last) {
+    using E = Elem<D>;
+    constexpr uint32_t kPer = E::kPerWord, kVec = kVecWords * kPer;
+    const uint32_t n = np * kVec, lane = threadIdx.x & 31u;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(vecs);
+    for (uint32_t e = threadIdx.x; e - lane < n; e += kThreads) {  // e - lane: the warp's first element
+        bool pass = false;
+        uint64_t key = 0;
+        if (e < n) {
+            const uint32_t v = e / kVec, q = e % kVec;
+            const float x = E::get(words[v * kVecWords + q / kPer], (int)(q % kPer));
+            if (x >= tv) {
+                key = element_key(x, vids[v] + q);
+                pass = key > tau;
+            }
+        }
+        const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, pass);
+        if (ballot != 0) {
+            const uint32_t leader = (uint32_t)__ffs(ballot) - 1u;
+            uint32_t at = 0;
+            if (lane == leader) at = atomicAdd(count, (uint32_t)__popc(ballot));
+            at = __shfl_sync(0xFFFFFFFFu, at, (int)leader);
+            if (pass) buf[at + (uint32_t)__popc(ballot & ((1u << lane) - 1u))] = key;
+            last = max(last, at + (uint32_t)__popc(ballot));
+        }
+    }
+    return last;
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
     using E = Elem<D>;
@@ -925,9 +964,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
         };
         set_tau(tau);
         // The candidate path. A vector whose max reaches tv is queued in trip t's list
-        // (t % 3) and its keys are made in trip t + 1 by one thread per queued vector, so
-        // the key work runs on full warps instead of on the one or two lanes that need it;
-        // the lists rotate so that a list is reset only when no thread reads or fills it.
+        // (t % 3) and its keys are made in trip t + 1 by one thread per queued element
+        // (insert_queued), so the key work runs on full warps spread over the block instead
+        // of on the one or two lanes that need it; the lists rotate so that a list is reset only when no thread reads or fills it.
         // When a trip's list is full the lane makes its keys at once. Per trip at most
         // kPendCap vectors' keys come from the list and the rest of the trip's elements
         // directly: never more than one trip of elements, which the buffer has room for.
@@ -937,10 +976,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             uint32_t last = 0;  // the buffer's count after this thread's last insertion
             if (t >= 1) {
                 const uint32_t pl = (t - 1) % 3, np = min(s.pend_n[pl], (uint32_t)kPendCap);
-                for (uint32_t i = (uint32_t)tid; i < np; i += kThreads) {
-                    const uint4 v = s.pend_vec[pl][i];
-                    last = insert_candidates<D>(v.x, v.y, v.z, v.w, s.pend_vid[pl][i], tau, tv, s.buf, &s.count, last);
-                }
+                last = insert_queued<D>(s.pend_vec[pl], s.pend_vid[pl], np, tau, tv, s.buf, &s.count, last);
             }
             if (tid == 0) s.pend_n[(t + 1) % 3] = 0;
             float vmax[kRowU];
@@ -1025,11 +1061,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             if (t + 1 == trips) {
                 // The last list's keys now (at most kPendCap vectors: the buffer holds them),
                 // then the final selection below.
-                const uint32_t np = min(s.pend_n[pl], (uint32_t)kPendCap);
-                for (uint32_t i = (uint32_t)tid; i < np; i += kThreads) {
-                    const uint4 v = s.pend_vec[pl][i];
-                    insert_candidates<D>(v.x, v.y, v.z, v.w, s.pend_vid[pl][i], tau, tv, s.buf, &s.count, 0);
-                }
+                insert_queued<D>(s.pend_vec[pl], s.pend_vid[pl], min(s.pend_n[pl], (uint32_t)kPendCap), tau, tv,
+                                 s.buf, &s.count, 0);
                 __syncthreads();
             }
         };
