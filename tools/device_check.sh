@@ -50,6 +50,7 @@ for step in "${steps[@]}"; do
     build-gpu/kdtree_profile_trees_cuda ;;
   bench)
     build-gpu/kdtree_bench_cuda 2>&1 | tee "$OUT/bench-trees.txt"
+    build-gpu/kdtree_bench_stream 2>&1 | tee "$OUT/bench-stream.txt"
     KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONPATH=python python3 tools/bench_gpu.py 2>&1 | tee "$OUT/bench-gpu.txt" ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
