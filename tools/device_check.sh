@@ -39,7 +39,7 @@ for step in "${steps[@]}"; do
         KDT_CUDA_QUICK=1 KDT_CUDA_TREES=300 timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 "$t" \
           > "$OUT/san-$(basename "$t")-$tool.log" 2>&1
         rc=$?
-        echo "$(basename "$t") $tool: exit $rc, $(grep -h 'ERROR SUMMARY' "$OUT/san-$(basename "$t")-$tool.log" | tail -1)"
+        echo "$(basename "$t") $tool: exit $rc, $(grep -h 'SUMMARY' "$OUT/san-$(basename "$t")-$tool.log" | tail -1)"
       done
     done ;;
   python)
