@@ -875,6 +875,70 @@ __device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint3
     return last;
 }
 
+// The 16-byte vector v of a row read in the frame of the 16-byte boundary pa (column u is
+// frame position u + a), with -inf for the positions outside the row [0, V) and past the
+// frame's nvec vectors: one 16-byte load when the vector lies inside the row, else one
+// load per element.
+template <int D>
+__device__ __forceinline__ uint4 load_vector_checked(const char* pa, uint32_t v, uint32_t nvec, uint32_t a,
+                                                    uint32_t V) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
+    const int64_t id0 = (int64_t)v * kVec - (int64_t)a;
+    if (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V) {
+        return __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)v * 16u));
+    }
+    uint32_t w[kVecWords];
+#pragma unroll
+    for (int q = 0; q < kVecWords; q++) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int h = 0; h < kPer; h++) {
+            const int64_t id = id0 + q * kPer + h;
+            const uint32_t bits = (v < nvec && id >= 0 && id < (int64_t)V)
+                                      ? E::load_bits(pa, v * kVec + (uint32_t)(q * kPer + h))
+                                      : E::kNegInfBits;
+            word |= bits << (16 * h);
+        }
+        w[q] = word;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One vector (words w0..w3) into a thread's running statistics: mx (NaN-propagating max,
+// for the flags), m (the max of the finite part, starting at -FLT_MAX) and sum, the sum of
+// 2^(x log2 e - c) with c = m log2 e rounded to float (one fma per logit; the rounding of
+// c scales every term of the thread alike and cancels when the threads' sums are combined
+// with the same c, see finish_row); rescaled when m grows. Returns the vector's max.
+template <int D>
+__device__ __forceinline__ float accumulate_vector(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, float& m,
+                                                   float& sum, float& mx) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
+    const uint32_t pm = E::word_max(E::word_max(w0, w1), E::word_max(w2, w3));
+    const float vm = word_elems_max<D>(pm);
+    mx = fmax_nan(mx, vm);
+    if (vm > m) {
+        sum *= hw_exp2(__fsub_rn(m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e), __fmul_rn(vm, kLog2e)));
+        m = vm;
+    }
+    const float c = m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e);
+    const uint32_t w[kVecWords] = {w0, w1, w2, w3};
+    float e8[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; e++) e8[e] = hw_exp2(__fmaf_rn(E::get(w[e / kPer], e % kPer), kLog2e, -c));
+#pragma unroll
+    for (int width = kVec / 2; width > 0; width >>= 1) {
+#pragma unroll
+        for (int e = 0; e < width; e++) e8[e] += e8[e + width];
+    }
+    sum += e8[0];
+    return vm;
+}
+
+template <int D, class Smem>
+__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx);
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
     using E = Elem<D>;
@@ -922,38 +986,17 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             }
 #pragma unroll
             for (int j = 0; j < kRowU; j++) {
-                const uint32_t v = trip * kTrip + (uint32_t)(j * kThreads + tid);
-                const int64_t id0 = (int64_t)v * kVec - (int64_t)a;
-                if (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V) {
-                    const uint4 x = __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)v * 16u));
-                    w[j][0] = x.x;
-                    w[j][1] = x.y;
-                    w[j][2] = x.z;
-                    w[j][3] = x.w;
-                } else {
-#pragma unroll
-                    for (int q = 0; q < kVecWords; q++) {
-                        uint32_t word = 0;
-#pragma unroll
-                        for (int h = 0; h < kPer; h++) {
-                            const int64_t id = id0 + q * kPer + h;
-                            const uint32_t bits = (v < nvec && id >= 0 && id < (int64_t)V)
-                                                      ? E::load_bits(pa, v * kVec + (uint32_t)(q * kPer + h))
-                                                      : E::kNegInfBits;
-                            word |= bits << (16 * h);
-                        }
-                        w[j][q] = word;
-                    }
-                }
+                const uint4 x = load_vector_checked<D>(pa, trip * kTrip + (uint32_t)(j * kThreads + tid), nvec, a, V);
+                w[j][0] = x.x;
+                w[j][1] = x.y;
+                w[j][2] = x.z;
+                w[j][3] = x.w;
             }
         };
 
-        // Each term is 2^(x log2 e - c) with c = m log2 e rounded to float (one fma per
-        // logit): the rounding of c scales every term of this thread alike and cancels when
-        // the threads' sums are combined with the same c (see below). m and c start at the
-        // lowest finite value, not -inf, so that no term is -inf - -inf; mx (NaN-propagating)
-        // gives the flags and whether any logit is finite.
-        // (c is recomputed from m where needed rather than kept: one register fewer.)
+        // The running statistics (accumulate_vector). m starts at the lowest finite value,
+        // not -inf, so that no term is -inf - -inf; mx (NaN-propagating) gives the flags and
+        // whether any logit is finite.
         float m = -FLT_MAX, sum = 0.0f, mx = -INFINITY;
         uint64_t tau = k == 0 ? ~0ull : 0;  // k = 0: nothing is buffered
         float tv = -INFINITY;               // tau's value, rounded down
@@ -966,7 +1009,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
         // The candidate path. A vector whose max reaches tv is queued in trip t's list
         // (t % 3) and its keys are made in trip t + 1 by one thread per queued element
         // (insert_queued), so the key work runs on full warps spread over the block instead
-        // of on the one or two lanes that need it; the lists rotate so that a list is reset only when no thread reads or fills it.
+        // of on the one or two lanes that need it; the lists rotate so that a list is reset
+        // only when no thread reads or fills it.
         // When a trip's list is full the lane makes its keys at once. Per trip at most
         // kPendCap vectors' keys come from the list and the rest of the trip's elements
         // directly: never more than one trip of elements, which the buffer has room for.
@@ -982,24 +1026,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             float vmax[kRowU];
 #pragma unroll
             for (int j = 0; j < kRowU; j++) {
-                const uint32_t pm = E::word_max(E::word_max(cur[j][0], cur[j][1]), E::word_max(cur[j][2], cur[j][3]));
-                const float vm = word_elems_max<D>(pm);
-                vmax[j] = vm;
-                mx = fmax_nan(mx, vm);
-                if (vm > m) {
-                    sum *= hw_exp2(__fsub_rn(m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e), __fmul_rn(vm, kLog2e)));
-                    m = vm;
-                }
-                const float c = m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e);
-                float e8[kVec];
-#pragma unroll
-                for (int e = 0; e < kVec; e++) e8[e] = hw_exp2(__fmaf_rn(E::get(cur[j][e / kPer], e % kPer), kLog2e, -c));
-#pragma unroll
-                for (int width = kVec / 2; width > 0; width >>= 1) {
-#pragma unroll
-                    for (int e = 0; e < width; e++) e8[e] += e8[e + width];
-                }
-                sum += e8[0];
+                vmax[j] = accumulate_vector<D>(cur[j][0], cur[j][1], cur[j][2], cur[j][3], m, sum, mx);
             }
             if (t == 0 && k > 0) {
                 // t0 from the thread maxima of trip 0 (see above): tau = key(t0, id 2^32 - 1)
@@ -1073,89 +1100,101 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             if (t + 1 < trips) trip_body(t + 1, wb, wa);
         }
 
-        // The row's max, flags and sum rescaled to the max.
-        uint32_t flags = isnan(mx) ? kFlagNaN : mx == INFINITY ? kFlagPosInf : mx > -INFINITY ? kFlagFinite : 0u;
-        float wm = m;
-        for (int off = 16; off > 0; off >>= 1) {
-            wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, off));
-            flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
+        finish_row<D>(s, p, row, rowp, m, sum, mx);
+    }
+}
+
+// The end of a row, for every thread of the block (after a barrier): the row's max, flags
+// and log-sum-exp from the threads' statistics (m, sum, mx: accumulate_vector), its status,
+// and for k > 0 the k largest of the s.count buffered keys, sorted, as log-probs and ids.
+// Smem is the kernel's shared state (sel, buf, sorted, red_*, count, out_n).
+template <int D, class Smem>
+__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t V = (uint32_t)p.vocab;
+    const uint32_t k = (uint32_t)p.k;
+    // The row's max, flags and sum rescaled to the max.
+    uint32_t flags = isnan(mx) ? kFlagNaN : mx == INFINITY ? kFlagPosInf : mx > -INFINITY ? kFlagFinite : 0u;
+    float wm = m;
+    for (int off = 16; off > 0; off >>= 1) {
+        wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, off));
+        flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
+    }
+    if (lane == 0) {
+        s.red_max[warp] = wm;
+        s.red_flags[warp] = flags;
+    }
+    __syncthreads();
+    float rmax = s.red_max[0];
+    uint32_t rflags = s.red_flags[0];
+    for (int i = 1; i < kWarps; i++) {
+        rmax = fmaxf(rmax, s.red_max[i]);
+        rflags |= s.red_flags[i];
+    }
+    const bool bad = (rflags & (kFlagNaN | kFlagPosInf)) != 0 || (rflags & kFlagFinite) == 0;
+    // S = sum over threads of sum * 2^(c - c_max) = sum over the row of 2^(x log2 e -
+    // c_max), c_max = rmax log2 e rounded as the threads rounded it; then
+    // log sum exp(x - rmax) = log S + (c_max ln 2 - rmax), the correction in float64.
+    const float c_max = __fmul_rn(rmax, kLog2e);
+    float term = bad ? 0.0f : sum * exp2f((m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e)) - c_max);
+    for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
+    if (lane == 0) s.red_sum[warp] = term;
+    __syncthreads();
+    float rsum = 0.0f;
+    for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+    float log_sum = logf(rsum) + (float)((double)c_max * 0.69314718055994530942 - (double)rmax);
+    if (!bad && !(rsum > 0.0f && rsum < INFINITY)) {
+        // |rmax| > FLT_MAX / log2 e: c overflowed. Read the row again with x - rmax.
+        float s2 = 0.0f;
+        for (uint32_t id = (uint32_t)tid; id < V; id += kThreads) {
+            s2 += hw_exp2(__fmul_rn(__fsub_rn(kdt::load_logit<D>(rowp, id), rmax), kLog2e));
         }
-        if (lane == 0) {
-            s.red_max[warp] = wm;
-            s.red_flags[warp] = flags;
-        }
+        for (int off = 16; off > 0; off >>= 1) s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, off);
+        __syncthreads();  // every thread has read red_sum
+        if (lane == 0) s.red_sum[warp] = s2;
         __syncthreads();
-        float rmax = s.red_max[0];
-        uint32_t rflags = s.red_flags[0];
-        for (int i = 1; i < kWarps; i++) {
-            rmax = fmaxf(rmax, s.red_max[i]);
-            rflags |= s.red_flags[i];
-        }
-        const bool bad = (rflags & (kFlagNaN | kFlagPosInf)) != 0 || (rflags & kFlagFinite) == 0;
-        // S = sum over threads of sum * 2^(c - c_max) = sum over the row of 2^(x log2 e -
-        // c_max), c_max = rmax log2 e rounded as the threads rounded it; then
-        // log sum exp(x - rmax) = log S + (c_max ln 2 - rmax), the correction in float64.
-        const float c_max = __fmul_rn(rmax, kLog2e);
-        float term = bad ? 0.0f : sum * exp2f((m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e)) - c_max);
-        for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
-        if (lane == 0) s.red_sum[warp] = term;
-        __syncthreads();
-        float rsum = 0.0f;
+        rsum = 0.0f;
         for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
-        float log_sum = logf(rsum) + (float)((double)c_max * 0.69314718055994530942 - (double)rmax);
-        if (!bad && !(rsum > 0.0f && rsum < INFINITY)) {
-            // |rmax| > FLT_MAX / log2 e: c overflowed. Read the row again with x - rmax.
-            float s2 = 0.0f;
-            for (uint32_t id = (uint32_t)tid; id < V; id += kThreads) {
-                s2 += hw_exp2(__fmul_rn(__fsub_rn(kdt::load_logit<D>(rowp, id), rmax), kLog2e));
-            }
-            for (int off = 16; off > 0; off >>= 1) s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, off);
-            __syncthreads();  // every thread has read red_sum
-            if (lane == 0) s.red_sum[warp] = s2;
-            __syncthreads();
-            rsum = 0.0f;
-            for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
-            log_sum = logf(rsum);
-        }
-        if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
-        if (k == 0) continue;
-        float* lp = p.out_logprobs + row * (int64_t)k;
-        int32_t* ids = p.out_ids + row * (int64_t)k;
-        if (bad) {
-            for (int i = tid; i < (int)k; i += kThreads) {
-                lp[i] = __int_as_float(0x7FC00000);
-                ids[i] = i;
-            }
-            continue;
-        }
-        // The k largest buffered keys (at least k are > tau; the rest are not needed).
-        const uint32_t n = s.count;
-        const uint64_t T = block_select<1>(s.sel, nullptr, k, [&](auto&& f) {
-            for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) f(s.buf[i]);
-        });
-        for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) {
-            const uint64_t key = s.buf[i];
-            if (key >= T) {
-                const uint32_t at = atomicAdd(&s.out_n, 1u);
-                if (at < k) s.sorted[at] = key;
-            }
-        }
-        __syncthreads();
-        // Exactly k keys, all different: each one's rank is the number of larger ones.
+        log_sum = logf(rsum);
+    }
+    if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
+    if (k == 0) return;
+    float* lp = p.out_logprobs + row * (int64_t)k;
+    int32_t* ids = p.out_ids + row * (int64_t)k;
+    if (bad) {
         for (int i = tid; i < (int)k; i += kThreads) {
-            const uint64_t key = s.sorted[i];
-            uint32_t rank = 0;
-            for (uint32_t j = 0; j < k; j++) rank += s.sorted[j] > key ? 1u : 0u;
-            const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
-            uint32_t id = ~(uint32_t)key;
-            if ((key >> 32) < kNegInfKey || id >= V || rank >= k) {  // cannot happen: a bug
-                p.row_status[row] = KDT_ERR_INTERNAL;
-                id = 0;
-                rank = (uint32_t)i;
-            }
-            lp[rank] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
-            ids[rank] = (int32_t)id;
+            lp[i] = __int_as_float(0x7FC00000);
+            ids[i] = i;
         }
+        return;
+    }
+    // The k largest buffered keys (at least k are > tau; the rest are not needed).
+    const uint32_t n = s.count;
+    const uint64_t T = block_select<1>(s.sel, nullptr, k, [&](auto&& f) {
+        for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) f(s.buf[i]);
+    });
+    for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) {
+        const uint64_t key = s.buf[i];
+        if (key >= T) {
+            const uint32_t at = atomicAdd(&s.out_n, 1u);
+            if (at < k) s.sorted[at] = key;
+        }
+    }
+    __syncthreads();
+    // Exactly k keys, all different: each one's rank is the number of larger ones.
+    for (int i = tid; i < (int)k; i += kThreads) {
+        const uint64_t key = s.sorted[i];
+        uint32_t rank = 0;
+        for (uint32_t j = 0; j < k; j++) rank += s.sorted[j] > key ? 1u : 0u;
+        const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
+        uint32_t id = ~(uint32_t)key;
+        if ((key >> 32) < kNegInfKey || id >= V || rank >= k) {  // cannot happen: a bug
+            p.row_status[row] = KDT_ERR_INTERNAL;
+            id = 0;
+            rank = (uint32_t)i;
+        }
+        lp[rank] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
+        ids[rank] = (int32_t)id;
     }
 }
 
