@@ -122,11 +122,11 @@ static float quantize(int32_t dtype, float x, uint32_t* bits) {
 
 enum {
     kNormal, kPeaked, kTies, kAllEqual, kMasked, kSparse, kLarge, kNaN, kPosInf, kAllNegInf, kSomeNegInf,
-    kNegInfHead, kAscending, kDescending, kHuge, kHugeNeg, kKinds
+    kNegInfHead, kAscending, kDescending, kHuge, kHugeNeg, kSignedZeros, kKinds
 };
 static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "masked", "sparse", "large",
                                    "nan",    "+inf",   "all-inf", "some-inf",  "inf-head",
-                                   "ascending", "descending", "huge", "huge-negative"};
+                                   "ascending", "descending", "huge", "huge-negative", "signed-zeros"};
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {
     const double scale = 0.5 + 3.0 * unit();
@@ -150,6 +150,9 @@ static void make_row(float* x, int64_t V, int64_t K, int kind) {
             // sums the row again (float16 rounds these to +-inf: bad rows there).
             case kHuge: y = (unit() < 0.5 ? 3.0e38 : -3.0e38) * (0.9 + 0.1 * unit()); break;
             case kHugeNeg: y = -3.0e38 * (0.9 + 0.1 * unit()); break;
+            // -0 and +0 at random, a few negative logits: the top k tie at zero and go by
+            // lower id whatever the sign (the order key alone would put every +0 first).
+            case kSignedZeros: y = unit() < 0.1 ? -1.0 - unit() : (unit() < 0.5 ? -0.0 : 0.0); break;
             default: y = scale * normal(); break;
         }
         x[v] = (float)y;

@@ -211,14 +211,16 @@ __device__ __forceinline__ float word_elems_max(uint32_t w) {
     return fmax_nan(E::get(w, 0), E::get(w, 1));
 }
 
+// -0 and +0 are equal logits: both take +0's key, so that their tie goes to the lower id
+// as everywhere else (the CPU top-k, the reference, the verify kernels).
 __device__ __forceinline__ uint64_t element_key(float x, uint32_t id) {
-    const uint32_t hi = isnan(x) ? 0u : kdt::float_order_key(x);
+    const uint32_t hi = isnan(x) ? 0u : kdt::float_order_key(x == 0.0f ? 0.0f : x);
     return ((uint64_t)hi << 32) | (uint64_t)(uint32_t)~id;
 }
 
 // Key of a group maximum for the threshold search: value only, NaN as -inf.
 __device__ __forceinline__ uint64_t max_key(float v) {
-    return (uint64_t)(isnan(v) ? kNegInfKey : kdt::float_order_key(v)) << 32;
+    return (uint64_t)(isnan(v) ? kNegInfKey : kdt::float_order_key(v == 0.0f ? 0.0f : v)) << 32;
 }
 
 struct SelectSmem {
@@ -1039,7 +1041,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 __syncthreads();
                 float t0 = s.warp_t0[0];
                 for (int i = 1; i < kWarps; i++) t0 = fminf(t0, s.warp_t0[i]);
-                if (t0 == 0.0f) t0 = -0.0f;  // both zeros pass (their keys differ)
+                if (t0 == 0.0f) t0 = 0.0f;  // +0's key, which both zeros' keys equal (element_key)
                 set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
             }
             const uint32_t pl = t % 3;
