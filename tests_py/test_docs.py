@@ -33,6 +33,19 @@ def test_readme_gpu_example_is_the_one_the_device_runs():
     assert script.split('"""\n\n', 1)[-1] == block
 
 
+def test_readme_c_example_is_inside_a_tested_program():
+    """Every line of the README's C snippet appears, in order, in
+    tests_native/test_readme_example.c, which ctest builds, runs and checks."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```c\n") + len("```c\n")
+    block = [line.strip() for line in text[start : text.index("```", start)].splitlines() if line.strip()]
+    program = [line.strip() for line in (ROOT / "tests_native" / "test_readme_example.c").read_text().splitlines()]
+    at = 0
+    for line in block:
+        assert line in program[at:], f"README C line not in tests_native/test_readme_example.c (in order): {line}"
+        at = program.index(line, at) + 1
+
+
 def test_api_md_decoding_example_runs(monkeypatch):
     """The decoding example of docs/api.md runs as written (from the repository root) and
     its lossless assertion holds."""

@@ -49,6 +49,7 @@ def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
     assert out.startswith("kdtree demo: DDTree speculative decoding")
     assert "engine.py, characters 2000..2300:" in out  # --prompt-chars reaches generate
     assert "saves target forwards, not seconds" in field(out, "wall time")  # the CPU note
+    assert "---- prompt (300 characters) " in out
     assert "Qwen3ForCausalLM" in out and "DFlash-style block drafter" in out
     assert "identical to greedy autoregressive decoding: YES" in out
     ar, dd = field(out, "target forwards").split(";")[0].replace("AR ", "").split(", DDTree ")
@@ -73,6 +74,7 @@ def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):
     cont = r1.stdout.split("---- continuation")[1].split("\n-----")[0]
     assert cont == r2.stdout.split("---- continuation")[1].split("\n-----")[0]
     assert "(16 tokens, stop: max_new_tokens)" in cont
+    assert "---- prompt (16 characters) " in r1.stdout  # a short prompt is shown whole
 
 
 @pytest.mark.parametrize("args,message", [

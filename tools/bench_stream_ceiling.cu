@@ -70,8 +70,12 @@ __device__ __forceinline__ void consume(const uint4& v, Acc& a) {
 }
 
 // One block per row; trip t covers vectors [t * 256 U, (t + 1) * 256 U) of the row.
+// (The register bound asks for at most 6 blocks of 256 threads: 1,536 threads is the most
+// an SM holds on some of the default architectures, e.g. sm_120; the 8-block variant needs
+// only 32 registers anyway.)
 template <int U, int kAhead, bool kBarrier, int kMath, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) row_stream(const uint4* data, int nvec, float* out) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks > 6 ? 6 : kMinBlocks)
+    row_stream(const uint4* data, int nvec, float* out) {
     const uint4* row = data + (size_t)blockIdx.x * nvec;
     const int trip_vecs = kThreads * U;
     const int trips = (nvec + trip_vecs - 1) / trip_vecs;

@@ -32,6 +32,7 @@ from pathlib import Path
 from . import engine, ngram
 from .cli import int_in as _int_in
 from .cli import plural as _plural
+from .generate import PROMPT_CHARS, TREE_NODES
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
     " Decodes a continuation twice, greedy autoregressive and DDTree, with the shipped transformer pair "
@@ -95,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-bytes", type=_int_in(1), default=DEFAULT_PROMPT_BYTES,
                    help="(ngram) prompt length in bytes")
     p.add_argument("--prompt-chars", type=_int_in(1), default=None,
-                   help="(transformer) prompt length in characters (default: as kdtree generate's)")
+                   help=f"(transformer) prompt length in characters (default: {PROMPT_CHARS})")
     p.add_argument("--stop-byte", type=_int_in(0, 255), action="append", default=[],
                    metavar="BYTE", help="(ngram) byte value that ends generation (repeatable; "
                                         "e.g. 10 for newline)")
@@ -103,8 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(ngram) target n-gram order (context = order - 1 bytes)")
     p.add_argument("--draft-order", type=_int_in(1, ngram.MAX_ORDER),
                    default=ngram.DEFAULT_DRAFT_ORDER, help="(ngram) drafter n-gram order (<= --order)")
-    p.add_argument("--tree-nodes", type=_int_in(0), default=40,
-                   help="most tree nodes drawn (the best by score)")
+    p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,
+                   help="most draft-tree nodes drawn (the best by score)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), default="auto",
                    help="(ngram) tree ops: native libkdtree, the pure-Python reference, or auto "
                         "(native when it loads, else the reference)")
@@ -320,6 +321,11 @@ def run(args: argparse.Namespace) -> int:
           f"max_new_tokens={args.max_new_tokens}, stop bytes={sorted(set(args.stop_byte)) or 'none'}",
           file=out)
 
+    # Untimed warm-up: one new byte by each method first, so that one-off costs (the
+    # library's first calls, page-in of the count tables) land on neither timed run.
+    engine.autoregressive_generate(target, prompt, 1)
+    engine.speculative_generate(target, drafter, prompt, 1, budget=args.budget, depth=args.depth, ops=ops,
+                                snapshot=None)
     ar = _run_with_bar(lambda **kw: engine.autoregressive_generate(
         target, prompt, args.max_new_tokens, stop_tokens=args.stop_byte, **kw),
         args.max_new_tokens, "greedy AR", args.no_progress)

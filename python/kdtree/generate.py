@@ -45,6 +45,8 @@ PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 
 
 PROMPT_CHARS = 400  # --prompt-chars default
+TREE_NODES = 40  # --tree-nodes default (kdtree demo's too)
+PROMPT_SHOWN = 300  # prompt characters printed above the continuation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eos-stop", action="store_true", help=f"do not stop at {EOS}")
     p.add_argument("--plot", type=Path, default=None,
                    help="write the acceptance-length histogram and one round's tree to this PNG/SVG file")
-    p.add_argument("--tree-nodes", type=_int_in(0), default=30, help="draft-tree nodes to print")
+    p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,
+                   help="most draft-tree nodes drawn (the best by score)")
 
 
 def _default_prompt(args) -> tuple[str, str]:
@@ -285,15 +288,23 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     except ValueError as exc:
         raise UsageError(f"{args.models / 'target'}: {exc}") from None
 
+    runner = BlockDrafterRunner(drafter_model)
+    # Untimed warm-up: one new token by each method first, so that one-off costs (lazy
+    # initialisation, allocator growth) land on neither timed run.
+    if not args.no_ar:
+        engine.autoregressive_generate(new_target(), prompt, 1)
+    engine.speculative_generate(new_target(), runner, prompt, 1, budget=args.budget, depth=depth, snapshot=None)
     ar = None
     if not args.no_ar:
         ar = engine.autoregressive_generate(new_target(), prompt, args.max_new_tokens, stop_tokens=stops)
-    runner = BlockDrafterRunner(drafter_model)
     sp = engine.speculative_generate(new_target(), runner, prompt, args.max_new_tokens, budget=args.budget,
                                      depth=depth, stop_tokens=stops)
 
-    print(f"\n---- prompt (last 300 characters) {'-' * 30}", file=out)
-    print(prompt_text[-300:], file=out)
+    shown = prompt_text[-PROMPT_SHOWN:]
+    what = (_plural(len(prompt_text), "character") if len(shown) == len(prompt_text)
+            else f"last {len(shown)} of {len(prompt_text):,} characters shown")
+    print(f"\n---- prompt ({what}) {'-' * 30}", file=out)
+    print(shown, file=out)
     print(f"---- continuation ({_plural(len(sp.tokens), 'token')}, stop: {sp.stop_reason}) {'-' * 24}", file=out)
     print(tok.decode(sp.tokens), file=out)
     print("-" * 66, file=out)
