@@ -122,11 +122,27 @@ static float quantize(int32_t dtype, float x, uint32_t* bits) {
 
 enum {
     kNormal, kPeaked, kTies, kAllEqual, kMasked, kSparse, kLarge, kNaN, kPosInf, kAllNegInf, kSomeNegInf,
-    kNegInfHead, kAscending, kDescending, kHuge, kHugeNeg, kSignedZeros, kKinds
+    kNegInfHead, kAscending, kDescending, kHuge, kHugeNeg, kSignedZeros, kFullBuffer, kKinds
 };
 static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "masked", "sparse", "large",
                                    "nan",    "+inf",   "all-inf", "some-inf",  "inf-head",
-                                   "ascending", "descending", "huge", "huge-negative", "signed-zeros"};
+                                   "ascending", "descending", "huge", "huge-negative", "signed-zeros",
+                                   "full-buffer"};
+
+// kFullBuffer fills the row kernel's candidate buffer to its capacity exactly (found by a
+// host emulation of the kernel, session 8), for a 16-bit dtype, a row on a 16-byte
+// boundary and k = 128: trip t holds columns ((2t + j) * 256 + thread) * 8 + e. In trip 0,
+// 16 lanes of each warp hold a vector (j = 0) with four 1.0s, so t0 = 1.0 and 128 vectors
+// (512 keys) queue; in trip 1 the same vectors are all 2.0 (1,024 keys); in trip 2 every
+// logit is 3.0: 128 vectors queue and the other 384 go straight to the buffer (3,072
+// keys): 512 + 1,024 + 3,072 = 4,608 keys, the buffer's size, before the refine.
+static double full_buffer_logit(int64_t col) {
+    const int64_t e = col % 8, vec = col / 8, trip = vec / 512, j = (vec / 256) % 2, thread = vec % 256;
+    const bool marked = j == 0 && thread % 32 < 16;
+    if (trip == 0) return marked && e < 4 ? 1.0 : -1.0;
+    if (trip == 1) return marked ? 2.0 : -1.0;
+    return trip == 2 ? 3.0 : -1.0;
+}
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {
     const double scale = 0.5 + 3.0 * unit();
@@ -153,6 +169,7 @@ static void make_row(float* x, int64_t V, int64_t K, int kind) {
             // -0 and +0 at random, a few negative logits: the top k tie at zero and go by
             // lower id whatever the sign (the order key alone would put every +0 first).
             case kSignedZeros: y = unit() < 0.1 ? -1.0 - unit() : (unit() < 0.5 ? -0.0 : 0.0); break;
+            case kFullBuffer: y = full_buffer_logit(v); break;
             default: y = scale * normal(); break;
         }
         x[v] = (float)y;
@@ -535,6 +552,15 @@ int main() {
             }
             CUDA_OK(cudaFree(t.base));
         }
+    }
+
+    // The row that fills the row kernel's buffer exactly (k = 128, 16-bit dtypes).
+    for (int32_t dtype : {KDT_DTYPE_BFLOAT16, KDT_DTYPE_FLOAT16}) {
+        Shape sh = {dtype, 1, 1, 3 * 4096, 0, 0, 0, false};
+        Tensor t;
+        make_tensor(sh, kFullBuffer, &t);
+        run_case(&d, t, 128, "full buffer");
+        CUDA_OK(cudaFree(t.base));
     }
 
     // A broadcast row (strides 0), k = 0 (only row_status), the benchmark shape (fewer rows).
