@@ -223,6 +223,20 @@ __device__ __forceinline__ uint64_t max_key(float v) {
     return (uint64_t)(isnan(v) ? kNegInfKey : kdt::float_order_key(v == 0.0f ? 0.0f : v)) << 32;
 }
 
+// The warp's max of m and OR of flags, stored by lane 0 in s.red_max[warp] and
+// s.red_flags[warp] (the chunk and row kernels' first step of a block reduction).
+template <class Smem>
+__device__ __forceinline__ void store_warp_max_flags(Smem& s, float m, uint32_t flags) {
+    for (int off = 16; off > 0; off >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+        flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        s.red_max[threadIdx.x >> 5] = m;
+        s.red_flags[threadIdx.x >> 5] = flags;
+    }
+}
+
 struct SelectSmem {
     uint32_t hist[256];  // all zero between calls
     uint64_t red_or[kWarps], red_and[kWarps];
@@ -469,15 +483,7 @@ __global__ void __launch_bounds__(kThreads, G == 1 ? 4 : 3) topk_chunk_kernel(Ch
         for (int q = 0; q < kWords; q++) asm volatile("" : "+r"(w[q]));
 
         // Chunk max, flags, then the sum rescaled to the chunk max.
-        float wm = m;
-        for (int off = 16; off > 0; off >>= 1) {
-            wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, off));
-            flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
-        }
-        if (lane == 0) {
-            s.red_max[warp] = wm;
-            s.red_flags[warp] = flags;
-        }
+        store_warp_max_flags(s, m, flags);
         if (tid == 0) {
             s.cand_n = 0;
             s.out_n = 0;
@@ -1116,16 +1122,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
     // The row's max, flags and sum rescaled to the max.
-    uint32_t flags = isnan(mx) ? kFlagNaN : mx == INFINITY ? kFlagPosInf : mx > -INFINITY ? kFlagFinite : 0u;
-    float wm = m;
-    for (int off = 16; off > 0; off >>= 1) {
-        wm = fmaxf(wm, __shfl_xor_sync(0xFFFFFFFFu, wm, off));
-        flags |= __shfl_xor_sync(0xFFFFFFFFu, flags, off);
-    }
-    if (lane == 0) {
-        s.red_max[warp] = wm;
-        s.red_flags[warp] = flags;
-    }
+    store_warp_max_flags(s, m, isnan(mx) ? kFlagNaN : mx == INFINITY ? kFlagPosInf : mx > -INFINITY ? kFlagFinite : 0u);
     __syncthreads();
     float rmax = s.red_max[0];
     uint32_t rflags = s.red_flags[0];
