@@ -252,9 +252,13 @@ struct SelectSmem {
 // for_each(f) calls f(key) on each of the calling thread's items (the same items on every
 // call). kCopies = 1: one shared histogram; 32: one per lane (hist32, 256 x 32 words,
 // zero on entry and left zero), so lanes of a warp never add to the same word.
-template <int kCopies, class ForEach>
+// NT: the block's threads (256 or 128); each thread owns 256 / NT consecutive bins.
+template <int kCopies, int NT = kThreads, class ForEach>
 __device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32, uint32_t k, ForEach&& for_each,
                                                  uint32_t retain_max = 0) {
+    static_assert(NT == 256 || NT == 128, "256 / NT bins per thread");
+    static_assert(kCopies == 1 || NT == kThreads, "the per-lane histogram is for 256-thread blocks");
+    constexpr int kBins = 256 / NT, kW = NT / 32;
     if (retain_max < k) retain_max = k;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     uint64_t o = 0, a = ~0ull;
@@ -274,7 +278,7 @@ __device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32
     __syncthreads();
     o = 0;
     a = ~0ull;
-    for (int w = 0; w < kWarps; w++) {
+    for (int w = 0; w < kW; w++) {
         o |= s.red_or[w];
         a &= s.red_and[w];
     }
@@ -308,20 +312,25 @@ __device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32
         });
         if (run_n != 0) add(run_d, run_n);
         __syncthreads();
-        // Thread t owns digit 255 - t: scanning in thread order counts from the top.
-        const uint32_t bin = 255u - (uint32_t)tid;
-        uint32_t c;
-        if (kCopies == 1) {
-            c = s.hist[bin];
-            s.hist[bin] = 0;
-        } else {
-            c = 0;
+        // Thread t owns digits 255 - (t kBins + i), i < kBins: scanning in thread order
+        // counts from the top.
+        uint32_t cb[kBins], c = 0;
+#pragma unroll
+        for (int i = 0; i < kBins; i++) {
+            const uint32_t bin = 255u - (uint32_t)(tid * kBins + i);
+            if (kCopies == 1) {
+                cb[i] = s.hist[bin];
+                s.hist[bin] = 0;
+            } else {
+                cb[i] = 0;
 #pragma unroll 8
-            for (int i = 0; i < 32; i++) {
-                uint32_t* h = &hist32[bin * 32u + (uint32_t)((i + lane) & 31)];  // bank (i + lane) % 32
-                c += *h;
-                *h = 0;
+                for (int j = 0; j < 32; j++) {
+                    uint32_t* h = &hist32[bin * 32u + (uint32_t)((j + lane) & 31)];  // bank (j + lane) % 32
+                    cb[i] += *h;
+                    *h = 0;
+                }
             }
+            c += cb[i];
         }
         uint32_t incl = c;
         for (int off = 1; off < 32; off <<= 1) {
@@ -332,10 +341,14 @@ __device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32
         __syncthreads();
         uint32_t above = incl - c;  // matching items with a larger digit
         for (int w = 0; w < warp; w++) above += s.wsum[w];
-        if (c > 0 && above < needed && needed <= above + c) {
-            s.sel_digit = bin;
-            s.sel_above = above;
-            s.sel_count = c;
+#pragma unroll
+        for (int i = 0; i < kBins; i++) {
+            if (cb[i] > 0 && above < needed && needed <= above + cb[i]) {
+                s.sel_digit = 255u - (uint32_t)(tid * kBins + i);
+                s.sel_above = above;
+                s.sel_count = cb[i];
+            }
+            above += cb[i];
         }
         __syncthreads();
         needed -= s.sel_above;
@@ -769,10 +782,19 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // (bitonic) and writes them as the finish kernel does. No workspace is used.
 constexpr int kRowMaxK = 128;
 constexpr int kRowU = 2;                                // vectors per thread per trip
-constexpr int kRowTripMax = kThreads * kRowU * 8;       // elements per trip (16-bit dtypes)
-constexpr int kRowCap = kRowTripMax + 4 * kRowMaxK;     // buffered keys
-constexpr int kPendCap = 128;                           // vectors queued per trip
-static_assert(kRowMaxK <= 8 * 32, "t0 needs ceil(k / 8) <= 32 lanes per warp");
+
+// The row kernel's shape for NT threads a block (256: 4 blocks per SM; 128: 8 blocks per
+// SM, each with half the shared memory, so twice as many rows stream at once).
+template <int NT>
+struct RowShape {
+    static constexpr int kWarps = NT / 32;
+    static constexpr int kMinBlocks = NT == 256 ? 4 : 8;
+    static constexpr int kTripMax = NT * kRowU * 8;                          // elements per trip (16-bit)
+    static constexpr int kCap = kTripMax + (NT == 256 ? 4 : 3) * kRowMaxK;   // buffered keys
+    static constexpr int kPendCap = NT == 256 ? 128 : 64;                    // vectors queued per trip
+    static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
+    static_assert(kCap - kTripMax >= 2 * kRowMaxK + 128, "a refine keeps at most 2k keys and must free room");
+};
 
 struct RowParams {
     const char* data;        // logits->data
@@ -787,13 +809,16 @@ struct RowParams {
     int32_t* row_status;     // [rows]
 };
 
+template <int NT>
 struct RowSmem {
     SelectSmem sel;
-    uint64_t buf[kRowCap];         // candidate keys
-    uint64_t kept[2 * kRowMaxK];   // a refine's survivors
-    uint64_t sorted[kRowMaxK];
-    uint4 pend_vec[3][kPendCap];   // vectors waiting for their keys (see the kernel)
-    uint32_t pend_vid[3][kPendCap];
+    uint64_t buf[RowShape<NT>::kCap];  // candidate keys
+    union {
+        uint64_t kept[2 * kRowMaxK];   // a refine's survivors
+        uint64_t sorted[kRowMaxK];     // finish_row: the k keys (no refine runs then)
+    };
+    uint4 pend_vec[3][RowShape<NT>::kPendCap];  // vectors waiting for their keys (see the kernel)
+    uint32_t pend_vid[3][RowShape<NT>::kPendCap];
     uint32_t pend_n[3];
     float warp_t0[kWarps];
     float red_max[kWarps], red_sum[kWarps];
@@ -846,20 +871,20 @@ __device__ __noinline__ uint32_t insert_candidates(uint32_t w0, uint32_t w1, uin
 
 // Appends the keys > tau of the np queued vectors (vecs[i], element 0 at column vids[i])
 // to the buffer, one element per thread: element e (vector e / kVec) goes to thread e of
-// the block, in passes of kThreads elements, and each warp claims its slots with one
+// the block, in passes of NT (the block's threads) elements, and each warp claims its slots with one
 // atomic. Warps with no element left return at once, so the work spreads over
 // ceil(np * kVec / 32) warps instead of running a per-vector loop on the few lanes that
 // hold a queued vector. Returns the buffer's count after the calling warp's last
 // insertion (`last` when it inserted nothing). Every thread of the block calls it with
 // the same np; the elements are tested against tv (tau's value) before a key is made.
-template <int D>
+template <int D, int NT>
 __device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint32_t* vids, uint32_t np, uint64_t tau,
                                                   float tv, uint64_t* buf, uint32_t* count, uint32_t last) {
     using E = Elem<D>;
     constexpr uint32_t kPer = E::kPerWord, kVec = kVecWords * kPer;
     const uint32_t n = np * kVec, lane = threadIdx.x & 31u;
     const uint32_t* words = reinterpret_cast<const uint32_t*>(vecs);
-    for (uint32_t e = threadIdx.x; e - lane < n; e += kThreads) {  // e - lane: the warp's first element
+    for (uint32_t e = threadIdx.x; e - lane < n; e += NT) {  // e - lane: the warp's first element
         bool pass = false;
         uint64_t key = 0;
         if (e < n) {
@@ -944,20 +969,24 @@ __device__ __forceinline__ float accumulate_vector(uint32_t w0, uint32_t w1, uin
     return vm;
 }
 
-template <int D, class Smem>
+template <int D, int NT, class Smem>
 __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx);
 
-template <int D>
-__global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
+template <int D, int NT>
+__global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(RowParams p) {
     using E = Elem<D>;
+    using Shape = RowShape<NT>;
     constexpr int kPer = E::kPerWord;
     constexpr int kVec = kVecWords * kPer;                  // elements per 16-byte load
     constexpr int kEsize = 4 / kPer;
-    constexpr uint32_t kTrip = (uint32_t)(kThreads * kRowU);   // vectors per trip
-    constexpr uint32_t kRefineMax = (uint32_t)kRowCap - kTrip * kVec;  // >= 4 kRowMaxK: a trip always fits
-    __shared__ RowSmem s;
+    constexpr int kW = Shape::kWarps;
+    constexpr uint32_t kPendCap = (uint32_t)Shape::kPendCap;
+    constexpr uint32_t kTrip = (uint32_t)(NT * kRowU);   // vectors per trip
+    constexpr uint32_t kRefineMax = (uint32_t)Shape::kCap - kTrip * kVec;  // a trip always fits
+    __shared__ RowSmem<NT> s;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    s.sel.hist[tid] = 0;
+#pragma unroll
+    for (int i = 0; i < 256 / NT; i++) s.sel.hist[tid + i * NT] = 0;
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
     const uint32_t retain = 2 * k;
@@ -984,7 +1013,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 const uint4* q = row_vecs + (size_t)trip * kTrip;
 #pragma unroll
                 for (int j = 0; j < kRowU; j++) {
-                    const uint4 x = __ldcs(q + j * kThreads);
+                    const uint4 x = __ldcs(q + j * NT);
                     w[j][0] = x.x;
                     w[j][1] = x.y;
                     w[j][2] = x.z;
@@ -994,7 +1023,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             }
 #pragma unroll
             for (int j = 0; j < kRowU; j++) {
-                const uint4 x = load_vector_checked<D>(pa, trip * kTrip + (uint32_t)(j * kThreads + tid), nvec, a, V);
+                const uint4 x = load_vector_checked<D>(pa, trip * kTrip + (uint32_t)(j * NT + tid), nvec, a, V);
                 w[j][0] = x.x;
                 w[j][1] = x.y;
                 w[j][2] = x.z;
@@ -1027,8 +1056,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             if (t + 1 < trips) load(t + 1, nxt);
             uint32_t last = 0;  // the buffer's count after this thread's last insertion
             if (t >= 1) {
-                const uint32_t pl = (t - 1) % 3, np = min(s.pend_n[pl], (uint32_t)kPendCap);
-                last = insert_queued<D>(s.pend_vec[pl], s.pend_vid[pl], np, tau, tv, s.buf, &s.count, last);
+                const uint32_t pl = (t - 1) % 3, np = min(s.pend_n[pl], kPendCap);
+                last = insert_queued<D, NT>(s.pend_vec[pl], s.pend_vid[pl], np, tau, tv, s.buf, &s.count, last);
             }
             if (tid == 0) s.pend_n[(t + 1) % 3] = 0;
             float vmax[kRowU];
@@ -1042,11 +1071,11 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
                 float tmax = vmax[0];
 #pragma unroll
                 for (int j = 1; j < kRowU; j++) tmax = fmax_nan(tmax, vmax[j]);
-                const float wt = warp_jth_largest(tmax, (int)((k + kWarps - 1) / kWarps));
+                const float wt = warp_jth_largest(tmax, (int)((k + kW - 1) / kW));
                 if (lane == 0) s.warp_t0[warp] = wt;
                 __syncthreads();
                 float t0 = s.warp_t0[0];
-                for (int i = 1; i < kWarps; i++) t0 = fminf(t0, s.warp_t0[i]);
+                for (int i = 1; i < kW; i++) t0 = fminf(t0, s.warp_t0[i]);
                 if (t0 == 0.0f) t0 = 0.0f;  // +0's key, which both zeros' keys equal (element_key)
                 set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
             }
@@ -1058,9 +1087,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
 #pragma unroll
                 for (int j = 0; j < kRowU; j++) {
                     if (vmax[j] >= tv) {
-                        const uint32_t vid = (t * kTrip + (uint32_t)(j * kThreads + tid)) * kVec - a;  // element 0's column
+                        const uint32_t vid = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;  // element 0's column
                         const uint32_t slot = atomicAdd(&s.pend_n[pl], 1u);
-                        if (slot < (uint32_t)kPendCap) {
+                        if (slot < kPendCap) {
                             s.pend_vec[pl][slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
                             s.pend_vid[pl][slot] = vid;
                         } else {
@@ -1074,21 +1103,21 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             // the count is what it was, <= refine_at). The barrier also completes list t.
             if (__syncthreads_or(last > refine_at)) {
                 const uint32_t n = s.count;
-                const uint64_t cut = block_select<1>(
+                const uint64_t cut = block_select<1, NT>(
                     s.sel, nullptr, k,
                     [&](auto&& f) {
-                        for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) f(s.buf[i]);
+                        for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
                     },
                     retain);
                 if (tid == 0) s.kept_n = 0;
                 __syncthreads();
-                for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) {
+                for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
                     const uint64_t key = s.buf[i];
                     if (key >= cut) s.kept[atomicAdd(&s.kept_n, 1u)] = key;
                 }
                 __syncthreads();
                 const uint32_t kn = s.kept_n;  // k .. 2k
-                for (uint32_t i = (uint32_t)tid; i < kn; i += kThreads) s.buf[i] = s.kept[i];
+                for (uint32_t i = (uint32_t)tid; i < kn; i += NT) s.buf[i] = s.kept[i];
                 if (tid == 0) s.count = kn;
                 set_tau(cut - 1);  // cut > 0: the buffer holds no NaN key (0)
                 __syncthreads();
@@ -1096,7 +1125,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             if (t + 1 == trips) {
                 // The last list's keys now (at most kPendCap vectors: the buffer holds them),
                 // then the final selection below.
-                insert_queued<D>(s.pend_vec[pl], s.pend_vid[pl], min(s.pend_n[pl], (uint32_t)kPendCap), tau, tv,
+                insert_queued<D, NT>(s.pend_vec[pl], s.pend_vid[pl], min(s.pend_n[pl], kPendCap), tau, tv,
                                  s.buf, &s.count, 0);
                 __syncthreads();
             }
@@ -1108,7 +1137,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
             if (t + 1 < trips) trip_body(t + 1, wb, wa);
         }
 
-        finish_row<D>(s, p, row, rowp, m, sum, mx);
+        finish_row<D, NT>(s, p, row, rowp, m, sum, mx);
     }
 }
 
@@ -1116,8 +1145,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_row_kernel(RowParams p) {
 // and log-sum-exp from the threads' statistics (m, sum, mx: accumulate_vector), its status,
 // and for k > 0 the k largest of the s.count buffered keys, sorted, as log-probs and ids.
 // Smem is the kernel's shared state (sel, buf, sorted, red_*, count, out_n).
-template <int D, class Smem>
+template <int D, int NT, class Smem>
 __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx) {
+    constexpr int kW = NT / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
@@ -1126,7 +1156,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     __syncthreads();
     float rmax = s.red_max[0];
     uint32_t rflags = s.red_flags[0];
-    for (int i = 1; i < kWarps; i++) {
+    for (int i = 1; i < kW; i++) {
         rmax = fmaxf(rmax, s.red_max[i]);
         rflags |= s.red_flags[i];
     }
@@ -1140,12 +1170,12 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     if (lane == 0) s.red_sum[warp] = term;
     __syncthreads();
     float rsum = 0.0f;
-    for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+    for (int i = 0; i < kW; i++) rsum += s.red_sum[i];
     float log_sum = logf(rsum) + (float)((double)c_max * 0.69314718055994530942 - (double)rmax);
     if (!bad && !(rsum > 0.0f && rsum < INFINITY)) {
         // |rmax| > FLT_MAX / log2 e: c overflowed. Read the row again with x - rmax.
         float s2 = 0.0f;
-        for (uint32_t id = (uint32_t)tid; id < V; id += kThreads) {
+        for (uint32_t id = (uint32_t)tid; id < V; id += NT) {
             s2 += hw_exp2(__fmul_rn(__fsub_rn(kdt::load_logit<D>(rowp, id), rmax), kLog2e));
         }
         for (int off = 16; off > 0; off >>= 1) s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, off);
@@ -1153,7 +1183,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
         if (lane == 0) s.red_sum[warp] = s2;
         __syncthreads();
         rsum = 0.0f;
-        for (int i = 0; i < kWarps; i++) rsum += s.red_sum[i];
+        for (int i = 0; i < kW; i++) rsum += s.red_sum[i];
         log_sum = logf(rsum);
     }
     if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
@@ -1161,7 +1191,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     float* lp = p.out_logprobs + row * (int64_t)k;
     int32_t* ids = p.out_ids + row * (int64_t)k;
     if (bad) {
-        for (int i = tid; i < (int)k; i += kThreads) {
+        for (int i = tid; i < (int)k; i += NT) {
             lp[i] = __int_as_float(0x7FC00000);
             ids[i] = i;
         }
@@ -1169,10 +1199,10 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     }
     // The k largest buffered keys (at least k are > tau; the rest are not needed).
     const uint32_t n = s.count;
-    const uint64_t T = block_select<1>(s.sel, nullptr, k, [&](auto&& f) {
-        for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) f(s.buf[i]);
+    const uint64_t T = block_select<1, NT>(s.sel, nullptr, k, [&](auto&& f) {
+        for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
     });
-    for (uint32_t i = (uint32_t)tid; i < n; i += kThreads) {
+    for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
         const uint64_t key = s.buf[i];
         if (key >= T) {
             const uint32_t at = atomicAdd(&s.out_n, 1u);
@@ -1181,7 +1211,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     }
     __syncthreads();
     // Exactly k keys, all different: each one's rank is the number of larger ones.
-    for (int i = tid; i < (int)k; i += kThreads) {
+    for (int i = tid; i < (int)k; i += NT) {
         const uint64_t key = s.sorted[i];
         uint32_t rank = 0;
         for (uint32_t j = 0; j < k; j++) rank += s.sorted[j] > key ? 1u : 0u;
@@ -1200,7 +1230,18 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
 template <int D>
 void launch_rows(const RowParams& p, cudaStream_t stream) {
     const unsigned grid = (unsigned)(p.rows < (int64_t)INT32_MAX ? p.rows : (int64_t)INT32_MAX);
-    topk_row_kernel<D><<<grid, kThreads, 0, stream>>>(p);
+    static const bool narrow = kdt::env_switch("KDTREE_CUDA_TOPK_ROW128");  // experiment: 128-thread blocks
+    if (narrow) {
+        // 8 blocks of 27 KB want the largest shared-memory carveout; a hint (errors ignored).
+        static const bool carved = cudaFuncSetAttribute(topk_row_kernel<D, 128>,
+                                                        cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                        (int)cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
+                                   (cudaGetLastError(), false);
+        (void)carved;
+        topk_row_kernel<D, 128><<<grid, 128, 0, stream>>>(p);
+    } else {
+        topk_row_kernel<D, 256><<<grid, 256, 0, stream>>>(p);
+    }
 }
 
 template <int D>
