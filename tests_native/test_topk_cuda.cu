@@ -129,19 +129,24 @@ static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "
                                    "ascending", "descending", "huge", "huge-negative", "signed-zeros",
                                    "full-buffer"};
 
-// kFullBuffer fills the row kernel's candidate buffer to its capacity exactly (found by a
-// host emulation of the kernel, session 8), for a 16-bit dtype, a row on a 16-byte
-// boundary and k = 128: trip t holds columns ((2t + j) * 256 + thread) * 8 + e. In trip 0,
-// 16 lanes of each warp hold a vector (j = 0) with four 1.0s, so t0 = 1.0 and 128 vectors
-// (512 keys) queue; in trip 1 the same vectors are all 2.0 (1,024 keys); in trip 2 every
-// logit is 3.0: 128 vectors queue and the other 384 go straight to the buffer (3,072
-// keys): 512 + 1,024 + 3,072 = 4,608 keys, the buffer's size, before the refine.
+// kFullBuffer fills the row kernel's candidate buffer to its capacity exactly, for a 16-bit
+// dtype, a row on a 16-byte boundary and k = 128. The kernel (128 threads) holds 2,048 +
+// 3 x 128 = 2,432 keys, refines when a trip ends with more than refine_at = 384, and
+// queues at most 64 vectors a trip; trip t holds columns ((2t + j) * 128 + thread) * 8 + e.
+//   trip 0: every thread's vector j = 0 has one 1.0, so t0 = 1.0; 64 of those vectors
+//           queue and 64 go straight to the buffer (64 keys);
+//   trip 1: the 64 queued keys (128); vectors j = 0 of threads 0..31 are all 1.0 and queue;
+//   trip 2: their 256 keys (384: not above refine_at); vectors j = 0 of threads 0..63 are
+//           all 2.0 and queue;
+//   trip 3: their 512 keys (896); every logit is 3.0: 64 vectors queue and the other 192
+//           go straight to the buffer (1,536 keys): 2,432, the buffer's size, at the
+//           trip's end, where the refine runs.
 static double full_buffer_logit(int64_t col) {
-    const int64_t e = col % 8, vec = col / 8, trip = vec / 512, j = (vec / 256) % 2, thread = vec % 256;
-    const bool marked = j == 0 && thread % 32 < 16;
-    if (trip == 0) return marked && e < 4 ? 1.0 : -1.0;
-    if (trip == 1) return marked ? 2.0 : -1.0;
-    return trip == 2 ? 3.0 : -1.0;
+    const int64_t e = col % 8, vec = col / 8, trip = vec / 256, j = (vec / 128) % 2, thread = vec % 128;
+    if (trip == 0) return j == 0 && e == 0 ? 1.0 : -1.0;
+    if (trip == 1) return j == 0 && thread < 32 ? 1.0 : -1.0;
+    if (trip == 2) return j == 0 && thread < 64 ? 2.0 : -1.0;
+    return trip == 3 ? 3.0 : -1.0;
 }
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {
@@ -556,7 +561,7 @@ int main() {
 
     // The row that fills the row kernel's buffer exactly (k = 128, 16-bit dtypes).
     for (int32_t dtype : {KDT_DTYPE_BFLOAT16, KDT_DTYPE_FLOAT16}) {
-        Shape sh = {dtype, 1, 1, 3 * 4096, 0, 0, 0, false};
+        Shape sh = {dtype, 1, 1, 5 * 2048, 0, 0, 0, false};
         Tensor t;
         make_tensor(sh, kFullBuffer, &t);
         run_case(&d, t, 128, "full buffer");

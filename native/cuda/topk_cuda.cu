@@ -760,31 +760,36 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 
 // ---- Row kernel (k <= kRowMaxK) ---------------------------------------------------
 //
-// One block per row, reading it once. The row is streamed in trips: in trip t thread tid
-// holds the 16-byte vectors v = (t * 2 + j) * 256 + tid, j = 0, 1 (4,096 elements of a
-// 16-bit dtype, 2,048 of float32, per trip), and the next trip's loads are issued before
-// the current trip is processed, so every thread keeps loads in flight.
-// Per thread: a running max m and a sum of 2^((x - m) log2 e) (rescaled when m grows;
-// each vector's terms are summed as a tree first, so the thread's chain is ~V / 4,096
-// vector sums long), the NaN / +inf flags, and a filter: an element goes to the block's
-// candidate buffer in shared memory only when its key is > tau, where tau is a valid
-// bound at all times (at least k buffered keys are > tau, so an element with a smaller
-// key is not in the row's top k). A vector whose max is below tau's value costs one
-// comparison. tau starts from trip 0's thread maxima: each warp sorts its 32 maxima (a
-// bitonic network over shuffles) and takes the ceil(k / 8)-th; the smallest of the 8 warps'
-// values, t0, has at least k elements >= it (ceil(k / 8) threads in each warp hold one).
-// After each trip, when the buffer holds more than refine_at = max(4k, 256) keys (at most
-// kRowCap minus a trip), the block radix-selects
-// a cut keeping between k and 2k keys (block_select with a retain bound, usually one or
-// two digits of the value), compacts the buffer and sets tau = cut - 1. The trip size and
-// refine_at are such that a trip can never overflow the buffer. At the row's end the block
-// selects the exact k-th largest buffered key, gathers the k keys >= it, sorts them
-// (bitonic) and writes them as the finish kernel does. No workspace is used.
+// One block of kRowThreads (128) threads per row, reading it once. The row is streamed in
+// trips: in trip t thread tid holds the 16-byte vectors v = (t * 2 + j) * 128 + tid,
+// j = 0, 1 (2,048 elements of a 16-bit dtype, 1,024 of float32, per trip), and the next
+// trip's loads are issued before the current trip is processed, so every thread keeps
+// loads in flight.
+// Per thread: a running max m and a sum of 2^((x - m) log2 e) (rescaled when m grows,
+// tested once per trip; a trip's terms are summed as a tree first, so the thread's chain
+// is ~V / 2,048 trip sums long), the NaN / +inf flags, and a filter: an element goes to
+// the block's candidate buffer in shared memory only when its key is > tau, where tau is
+// a valid bound at all times (at least k buffered keys are > tau, so an element with a
+// smaller key is not in the row's top k). A vector whose max is below tau's value costs
+// one comparison. tau starts from trip 0's thread maxima: each warp sorts its 32 maxima
+// (a bitonic network over shuffles) and takes the ceil(k / 4)-th; the smallest of the 4
+// warps' values, t0, has at least k elements >= it (ceil(k / 4) threads in each warp hold
+// one). After each trip, when the buffer holds more than refine_at = max(4k, 256) keys (at
+// most the buffer's size minus a trip), the block radix-selects a cut keeping between k
+// and 2k keys (block_select with a retain bound, usually one or two digits of the value),
+// compacts the buffer and sets tau = cut - 1. The trip size and refine_at are such that a
+// trip can never overflow the buffer. At the row's end the block selects the exact k-th
+// largest buffered key, gathers the k keys >= it, ranks them and writes them as the
+// finish kernel does. No workspace is used.
 constexpr int kRowMaxK = 128;
 constexpr int kRowU = 2;                                // vectors per thread per trip
 
-// The row kernel's shape for NT threads a block (256: 4 blocks per SM; 128: 8 blocks per
-// SM, each with half the shared memory, so twice as many rows stream at once).
+// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM, 26.7 KB of
+// shared memory each) are used: on the H200 they beat 256 threads (4 blocks per SM) by
+// ~6% (docs/perf-notes.md, session 9): twice as many rows stream at once, so a block
+// waiting at its per-trip barrier leaves more of the SM to the others, and the benchmark's
+// 1,024 rows fit in one wave of 1,056 blocks.
+constexpr int kRowThreads = 128;
 template <int NT>
 struct RowShape {
     static constexpr int kWarps = NT / 32;
@@ -841,6 +846,18 @@ __device__ __forceinline__ float warp_jth_largest(float x, int j) {
     return __shfl_sync(0xFFFFFFFFu, x, j - 1);
 }
 
+// atomicAdd on a shared-memory word, as one instruction: the compiler would otherwise wrap
+// an atomicAdd that one lane makes in its own warp aggregation (a vote, a leader, a shuffle:
+// ~10 instructions), which insert_queued has done already.
+[[maybe_unused]] __device__ __forceinline__ uint32_t shared_atomic_add(uint32_t* p, uint32_t v) {
+    uint32_t old;
+    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
+                 : "=r"(old)
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(v)
+                 : "memory");
+    return old;
+}
+
 // Appends the keys > tau of one vector (words w0..w3, element 0 at column vid) to the
 // buffer; returns the buffer's count after this thread's last insertion (`last` when none
 // passed). Only elements whose value is >= tv (tau's value, rounded down) get a key.
@@ -888,10 +905,10 @@ __device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint3
         bool pass = false;
         uint64_t key = 0;
         if (e < n) {
-            const uint32_t v = e / kVec, q = e % kVec;
-            const float x = E::get(words[v * kVecWords + q / kPer], (int)(q % kPer));
+            // Word e / kPer of the list (kVec / kPer = 4 words a vector); x >= tv > NaN.
+            const float x = E::get(words[e / kPer], (int)(e % kPer));
             if (x >= tv) {
-                key = element_key(x, vids[v] + q);
+                key = ((uint64_t)kdt::float_order_key(x == 0.0f ? 0.0f : x) << 32) | (uint32_t)~(vids[e / kVec] + e % kVec);
                 pass = key > tau;
             }
         }
@@ -899,7 +916,7 @@ __device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint3
         if (ballot != 0) {
             const uint32_t leader = (uint32_t)__ffs(ballot) - 1u;
             uint32_t at = 0;
-            if (lane == leader) at = atomicAdd(count, (uint32_t)__popc(ballot));
+            if (lane == leader) at = shared_atomic_add(count, (uint32_t)__popc(ballot));
             at = __shfl_sync(0xFFFFFFFFu, at, (int)leader);
             if (pass) buf[at + (uint32_t)__popc(ballot & ((1u << lane) - 1u))] = key;
             last = max(last, at + (uint32_t)__popc(ballot));
@@ -938,35 +955,51 @@ __device__ __forceinline__ uint4 load_vector_checked(const char* pa, uint32_t v,
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One vector (words w0..w3) into a thread's running statistics: mx (NaN-propagating max,
-// for the flags), m (the max of the finite part, starting at -FLT_MAX) and sum, the sum of
-// 2^(x log2 e - c) with c = m log2 e rounded to float (one fma per logit; the rounding of
-// c scales every term of the thread alike and cancels when the threads' sums are combined
-// with the same c, see finish_row); rescaled when m grows. Returns the vector's max.
-template <int D>
-__device__ __forceinline__ float accumulate_vector(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, float& m,
-                                                   float& sum, float& mx) {
+// The sum of n (a power of two) floats as a balanced tree: log2 n dependent adds.
+template <int n>
+__device__ __forceinline__ float tree_sum(const float* x) {
+    if constexpr (n == 1) {
+        return x[0];
+    } else {
+        return tree_sum<n / 2>(x) + tree_sum<n / 2>(x + n / 2);
+    }
+}
+
+// A trip's U vectors (w[j]: vector j's four 32-bit words) into a thread's running
+// statistics: mx (NaN-propagating max, for the flags), m (the max of the finite part,
+// starting at -FLT_MAX) and sum, the sum of 2^(x log2 e - c) with c = m log2 e rounded to
+// float (one fma per logit; the rounding of c scales every term of the thread alike and
+// cancels when the threads' sums are combined with the same c, see finish_row). One max
+// test, one rescale (when the trip's largest non-NaN vector max exceeds m) and one c per
+// trip, so the trip's U * kVec terms are independent of each other (one tree sum).
+// vmax[j]: vector j's max (NaN if it holds a NaN).
+template <int D, int U>
+__device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords], float& m, float& sum, float& mx,
+                                                float (&vmax)[U]) {
     using E = Elem<D>;
     constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
-    const uint32_t pm = E::word_max(E::word_max(w0, w1), E::word_max(w2, w3));
-    const float vm = word_elems_max<D>(pm);
-    mx = fmax_nan(mx, vm);
-    if (vm > m) {
-        sum *= hw_exp2(__fsub_rn(m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e), __fmul_rn(vm, kLog2e)));
-        m = vm;
+    float tm = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+        const uint32_t pm = E::word_max(E::word_max(w[j][0], w[j][1]), E::word_max(w[j][2], w[j][3]));
+        vmax[j] = word_elems_max<D>(pm);
+        mx = fmax_nan(mx, vmax[j]);
+        tm = fmaxf(tm, vmax[j]);
+    }
+    if (tm > m) {
+        sum *= hw_exp2(__fsub_rn(m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e), __fmul_rn(tm, kLog2e)));
+        m = tm;
     }
     const float c = m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e);
-    const uint32_t w[kVecWords] = {w0, w1, w2, w3};
-    float e8[kVec];
+    float e[U * kVec];
 #pragma unroll
-    for (int e = 0; e < kVec; e++) e8[e] = hw_exp2(__fmaf_rn(E::get(w[e / kPer], e % kPer), kLog2e, -c));
+    for (int j = 0; j < U; j++) {
 #pragma unroll
-    for (int width = kVec / 2; width > 0; width >>= 1) {
-#pragma unroll
-        for (int e = 0; e < width; e++) e8[e] += e8[e + width];
+        for (int q = 0; q < kVec; q++) {
+            e[j * kVec + q] = hw_exp2(__fmaf_rn(E::get(w[j][q / kPer], q % kPer), kLog2e, -c));
+        }
     }
-    sum += e8[0];
-    return vm;
+    sum += tree_sum<U * kVec>(e);
 }
 
 template <int D, int NT, class Smem>
@@ -1031,7 +1064,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             }
         };
 
-        // The running statistics (accumulate_vector). m starts at the lowest finite value,
+        // The running statistics (accumulate_trip). m starts at the lowest finite value,
         // not -inf, so that no term is -inf - -inf; mx (NaN-propagating) gives the flags and
         // whether any logit is finite.
         float m = -FLT_MAX, sum = 0.0f, mx = -INFINITY;
@@ -1061,10 +1094,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             }
             if (tid == 0) s.pend_n[(t + 1) % 3] = 0;
             float vmax[kRowU];
-#pragma unroll
-            for (int j = 0; j < kRowU; j++) {
-                vmax[j] = accumulate_vector<D>(cur[j][0], cur[j][1], cur[j][2], cur[j][3], m, sum, mx);
-            }
+            accumulate_trip<D, kRowU>(cur, m, sum, mx, vmax);
             if (t == 0 && k > 0) {
                 // t0 from the thread maxima of trip 0 (see above): tau = key(t0, id 2^32 - 1)
                 // - 1, so every element whose value is >= t0 passes.
@@ -1142,7 +1172,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
 }
 
 // The end of a row, for every thread of the block (after a barrier): the row's max, flags
-// and log-sum-exp from the threads' statistics (m, sum, mx: accumulate_vector), its status,
+// and log-sum-exp from the threads' statistics (m, sum, mx: accumulate_trip), its status,
 // and for k > 0 the k largest of the s.count buffered keys, sorted, as log-probs and ids.
 // Smem is the kernel's shared state (sel, buf, sorted, red_*, count, out_n).
 template <int D, int NT, class Smem>
@@ -1230,18 +1260,14 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
 template <int D>
 void launch_rows(const RowParams& p, cudaStream_t stream) {
     const unsigned grid = (unsigned)(p.rows < (int64_t)INT32_MAX ? p.rows : (int64_t)INT32_MAX);
-    static const bool narrow = kdt::env_switch("KDTREE_CUDA_TOPK_ROW128");  // experiment: 128-thread blocks
-    if (narrow) {
-        // 8 blocks of 27 KB want the largest shared-memory carveout; a hint (errors ignored).
-        static const bool carved = cudaFuncSetAttribute(topk_row_kernel<D, 128>,
-                                                        cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                        (int)cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
-                                   (cudaGetLastError(), false);
-        (void)carved;
-        topk_row_kernel<D, 128><<<grid, 128, 0, stream>>>(p);
-    } else {
-        topk_row_kernel<D, 256><<<grid, 256, 0, stream>>>(p);
-    }
+    // 8 blocks of 27 KB a SM want the largest shared-memory carveout: a hint, set once
+    // (a failure only costs occupancy, and its error is cleared).
+    static const bool carved = cudaFuncSetAttribute(topk_row_kernel<D, kRowThreads>,
+                                                    cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                    (int)cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
+                               (cudaGetLastError(), false);
+    (void)carved;
+    topk_row_kernel<D, kRowThreads><<<grid, kRowThreads, 0, stream>>>(p);
 }
 
 template <int D>
