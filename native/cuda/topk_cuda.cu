@@ -361,6 +361,36 @@ __device__ __forceinline__ uint64_t block_select(SelectSmem& s, uint32_t* hist32
     return prefix;
 }
 
+// The 16-byte vector v of a row read in the frame of the 16-byte boundary pa (column u is
+// frame position u + a), with -inf for the positions outside the row [0, V) and past the
+// frame's nvec vectors: one 16-byte load when the vector lies inside the row, else one
+// load per element.
+template <int D>
+__device__ __forceinline__ uint4 load_vector_checked(const char* pa, uint32_t v, uint32_t nvec, uint32_t a,
+                                                    uint32_t V) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
+    const int64_t id0 = (int64_t)v * kVec - (int64_t)a;
+    if (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V) {
+        return __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)v * 16u));
+    }
+    uint32_t w[kVecWords];
+#pragma unroll
+    for (int q = 0; q < kVecWords; q++) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int h = 0; h < kPer; h++) {
+            const int64_t id = id0 + q * kPer + h;
+            const uint32_t bits = (v < nvec && id >= 0 && id < (int64_t)V)
+                                      ? E::load_bits(pa, v * kVec + (uint32_t)(q * kPer + h))
+                                      : E::kNegInfBits;
+            word |= bits << (16 * h);
+        }
+        w[q] = word;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // ---- Chunk kernel -----------------------------------------------------------------
 
 struct ChunkParams {
@@ -425,28 +455,11 @@ __global__ void __launch_bounds__(kThreads, G == 1 ? 4 : 3) topk_chunk_kernel(Ch
 #pragma unroll
         for (int j = 0; j < kWords / kVecWords; j++) {
             const uint32_t u0 = cbase + (uint32_t)(j * kThreads + tid) * kVec;
-            const int64_t id0 = (int64_t)u0 - (int64_t)a;
-            if (id0 >= 0 && id0 + kVec <= (int64_t)V) {
-                const uint4 v = __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)u0 * kEsize));
-                w[j * 4 + 0] = v.x;
-                w[j * 4 + 1] = v.y;
-                w[j * 4 + 2] = v.z;
-                w[j * 4 + 3] = v.w;
-            } else {
-#pragma unroll
-                for (int q = 0; q < kVecWords; q++) {
-                    uint32_t word = 0;
-#pragma unroll
-                    for (int h = 0; h < kPer; h++) {
-                        const int64_t id = id0 + q * kPer + h;
-                        const uint32_t bits = (id >= 0 && id < (int64_t)V)
-                                                  ? E::load_bits(pa, u0 + (uint32_t)(q * kPer + h))
-                                                  : E::kNegInfBits;
-                        word |= bits << (16 * h);
-                    }
-                    w[j * 4 + q] = word;
-                }
-            }
+            const uint4 v = load_vector_checked<D>(pa, u0 / kVec, UINT32_MAX, a, V);  // every vector counts
+            w[j * 4 + 0] = v.x;
+            w[j * 4 + 1] = v.y;
+            w[j * 4 + 2] = v.z;
+            w[j * 4 + 3] = v.w;
         }
         // Calls fn(x, id) on every element of this thread; id wraps outside [0, V), where
         // x is -inf, and such keys sort below every column's key.
@@ -923,36 +936,6 @@ __device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint3
         }
     }
     return last;
-}
-
-// The 16-byte vector v of a row read in the frame of the 16-byte boundary pa (column u is
-// frame position u + a), with -inf for the positions outside the row [0, V) and past the
-// frame's nvec vectors: one 16-byte load when the vector lies inside the row, else one
-// load per element.
-template <int D>
-__device__ __forceinline__ uint4 load_vector_checked(const char* pa, uint32_t v, uint32_t nvec, uint32_t a,
-                                                    uint32_t V) {
-    using E = Elem<D>;
-    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
-    const int64_t id0 = (int64_t)v * kVec - (int64_t)a;
-    if (v < nvec && id0 >= 0 && id0 + kVec <= (int64_t)V) {
-        return __ldcs(reinterpret_cast<const uint4*>(pa + (size_t)v * 16u));
-    }
-    uint32_t w[kVecWords];
-#pragma unroll
-    for (int q = 0; q < kVecWords; q++) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int h = 0; h < kPer; h++) {
-            const int64_t id = id0 + q * kPer + h;
-            const uint32_t bits = (v < nvec && id >= 0 && id < (int64_t)V)
-                                      ? E::load_bits(pa, v * kVec + (uint32_t)(q * kPer + h))
-                                      : E::kNegInfBits;
-            word |= bits << (16 * h);
-        }
-        w[q] = word;
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The sum of n (a power of two) floats as a balanced tree: log2 n dependent adds.
