@@ -15,10 +15,11 @@
 // the relative term. A relative error e on S is an absolute error e on log S: the hardware
 // 2^x is within 2 ulp (2.4e-7) per term, and the sums round along any path ~45 times in
 // the chunk kernels (per-thread chains of <= 16 terms, warp trees, 8 warps, the chunks)
-// and ~140 times in the row kernel (a tree of each vector's 8 terms, a per-thread chain
-// of ceil(V / 2048) <= 128 vector sums, each rescale of the running sum, warp trees, 8
-// warps): ~5e-7 and ~8e-7 typically (random walk), ~3e-6 and ~9e-6 in the very worst
-// case. 2e-6 absolute covers the typical error 2.5-4x; a host emulation of the chunk
+// and ~140 times in the row kernel (a tree of each trip's 16 terms, a per-thread chain of
+// ceil(V / 2048) <= 128 trip sums for 16-bit dtypes (float32: 8-term trees, <= 256 trip
+// sums), each rescale of the running sum, warp trees, 4 warps): ~5e-7 and ~8e-7 typically
+// (random walk), ~3e-6 and ~9e-6 in the very worst case (~1.4e-5 for float32 at V =
+// 262,144). 2e-6 absolute covers the typical error 2.5-4x; a host emulation of the chunk
 // kernels peaked at 10% of this tolerance.
 // Also: the host-side argument checks (each returns its documented status and launches
 // nothing: the outputs keep their sentinel), k = 0 (only row_status), a reused workspace

@@ -787,17 +787,20 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // one comparison. tau starts from trip 0's thread maxima: each warp sorts its 32 maxima
 // (a bitonic network over shuffles) and takes the ceil(k / 4)-th; the smallest of the 4
 // warps' values, t0, has at least k elements >= it (ceil(k / 4) threads in each warp hold
-// one). After each trip, when the buffer holds more than refine_at = max(4k, 256) keys (at
+// one). After each trip, when the buffer holds more than refine_at = max(3k, 192) keys (at
 // most the buffer's size minus a trip), the block radix-selects a cut keeping between k
-// and 2k keys (block_select with a retain bound, usually one or two digits of the value),
-// compacts the buffer and sets tau = cut - 1. The trip size and refine_at are such that a
-// trip can never overflow the buffer. At the row's end the block selects the exact k-th
+// and retain = k + max(k / 4, 8) keys (block_select with a retain bound: usually the value's
+// digits, sometimes an id digit for ties), compacts the buffer and sets tau = cut - 1
+// (both constants measured on the H200, session 9: against 4k / 2k, 138-140 -> 133 us).
+// The trip size and refine_at are such that a trip can never overflow the buffer (a
+// refine that finds more keys than it holds marks the row KDT_ERR_INTERNAL: a tripwire
+// for the tests). At the row's end the block selects the exact k-th
 // largest buffered key, gathers the k keys >= it, ranks them and writes them as the
 // finish kernel does. No workspace is used.
 constexpr int kRowMaxK = 128;
 constexpr int kRowU = 2;                                // vectors per thread per trip
 
-// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM, 26.7 KB of
+// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM, 25.9 KB of
 // shared memory each) are used: on the H200 they beat 256 threads (4 blocks per SM) by
 // ~6% (docs/perf-notes.md, session 9): twice as many rows stream at once, so a block
 // waiting at its per-trip barrier leaves more of the SM to the others, and the benchmark's
@@ -811,7 +814,7 @@ struct RowShape {
     static constexpr int kCap = kTripMax + (NT == 256 ? 4 : 3) * kRowMaxK;   // buffered keys
     static constexpr int kPendCap = NT == 256 ? 128 : 64;                    // vectors queued per trip
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
-    static_assert(kCap - kTripMax >= 2 * kRowMaxK + 128, "a refine keeps at most 2k keys and must free room");
+    static_assert(kCap - kTripMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
 };
 
 struct RowParams {
@@ -832,7 +835,7 @@ struct RowSmem {
     SelectSmem sel;
     uint64_t buf[RowShape<NT>::kCap];  // candidate keys
     union {
-        uint64_t kept[2 * kRowMaxK];   // a refine's survivors
+        uint64_t kept[kRowMaxK + kRowMaxK / 4];  // a refine's survivors (<= retain)
         uint64_t sorted[kRowMaxK];     // finish_row: the k keys (no refine runs then)
     };
     uint4 pend_vec[3][RowShape<NT>::kPendCap];  // vectors waiting for their keys (see the kernel)
@@ -842,6 +845,7 @@ struct RowSmem {
     float red_max[kWarps], red_sum[kWarps];
     uint32_t red_flags[kWarps];
     uint32_t count, kept_n, out_n;
+    uint32_t overflow;  // a refine found more keys than buf holds (a bug)
 };
 
 // The j-th largest (1 <= j <= 32) of the warp's values x (NaN as -inf), on every lane.
@@ -1005,8 +1009,8 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     for (int i = 0; i < 256 / NT; i++) s.sel.hist[tid + i * NT] = 0;
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
-    const uint32_t retain = 2 * k;
-    const uint32_t refine_at = min(max(4 * k, 256u), kRefineMax);
+    const uint32_t retain = k + max(k / 4, 8u);  // <= kRowMaxK + kRowMaxK / 4 (kept)
+    const uint32_t refine_at = min(max(3 * k, 192u), kRefineMax);  // > retain
     for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
         const int64_t b = row / p.length, l = row - b * p.length;
         const char* rowp = p.data + (b * p.batch_stride + l * p.row_stride) * kEsize;
@@ -1020,6 +1024,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             s.count = 0;
             s.out_n = 0;
             s.pend_n[0] = s.pend_n[1] = s.pend_n[2] = 0;
+            s.overflow = 0;
         }
         __syncthreads();  // the previous row is done with the shared state
 
@@ -1116,6 +1121,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             // the count is what it was, <= refine_at). The barrier also completes list t.
             if (__syncthreads_or(last > refine_at)) {
                 const uint32_t n = s.count;
+                if (tid == 0 && n > (uint32_t)Shape::kCap) s.overflow = 1;
                 const uint64_t cut = block_select<1, NT>(
                     s.sel, nullptr, k,
                     [&](auto&& f) {
@@ -1129,7 +1135,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                     if (key >= cut) s.kept[atomicAdd(&s.kept_n, 1u)] = key;
                 }
                 __syncthreads();
-                const uint32_t kn = s.kept_n;  // k .. 2k
+                const uint32_t kn = s.kept_n;  // k .. retain
                 for (uint32_t i = (uint32_t)tid; i < kn; i += NT) s.buf[i] = s.kept[i];
                 if (tid == 0) s.count = kn;
                 set_tau(cut - 1);  // cut > 0: the buffer holds no NaN key (0)
@@ -1157,7 +1163,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
 // The end of a row, for every thread of the block (after a barrier): the row's max, flags
 // and log-sum-exp from the threads' statistics (m, sum, mx: accumulate_trip), its status,
 // and for k > 0 the k largest of the s.count buffered keys, sorted, as log-probs and ids.
-// Smem is the kernel's shared state (sel, buf, sorted, red_*, count, out_n).
+// Smem is the kernel's shared state (sel, buf, sorted, red_*, count, out_n, overflow).
 template <int D, int NT, class Smem>
 __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx) {
     constexpr int kW = NT / 32;
@@ -1199,7 +1205,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
         for (int i = 0; i < kW; i++) rsum += s.red_sum[i];
         log_sum = logf(rsum);
     }
-    if (tid == 0) p.row_status[row] = bad ? KDT_ERR_VALUE : KDT_OK;
+    if (tid == 0) p.row_status[row] = s.overflow ? KDT_ERR_INTERNAL : bad ? KDT_ERR_VALUE : KDT_OK;
     if (k == 0) return;
     float* lp = p.out_logprobs + row * (int64_t)k;
     int32_t* ids = p.out_ids + row * (int64_t)k;
