@@ -237,6 +237,18 @@ __device__ __forceinline__ void store_warp_max_flags(Smem& s, float m, uint32_t 
     }
 }
 
+// The block's max and OR of flags from the W warps' entries that store_warp_max_flags
+// left in s.red_max and s.red_flags (read after a barrier).
+template <int W, class Smem>
+__device__ __forceinline__ void load_block_max_flags(const Smem& s, float& mx, uint32_t& flags) {
+    mx = s.red_max[0];
+    flags = s.red_flags[0];
+    for (int i = 1; i < W; i++) {
+        mx = fmaxf(mx, s.red_max[i]);
+        flags |= s.red_flags[i];
+    }
+}
+
 struct SelectSmem {
     uint32_t hist[256];  // all zero between calls
     uint64_t red_or[kWarps], red_and[kWarps];
@@ -515,12 +527,9 @@ __global__ void __launch_bounds__(kThreads, G == 1 ? 4 : 3) topk_chunk_kernel(Ch
             s.out_n = 0;
         }
         __syncthreads();
-        float cmax = s.red_max[0];
-        uint32_t cflags = s.red_flags[0];
-        for (int i = 1; i < kWarps; i++) {
-            cmax = fmaxf(cmax, s.red_max[i]);
-            cflags |= s.red_flags[i];
-        }
+        float cmax;
+        uint32_t cflags;
+        load_block_max_flags<kWarps>(s, cmax, cflags);
         float term = finite ? tsum * expf(m - cmax) : 0.0f;
         for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
         if (lane == 0) s.red_sum[warp] = term;
@@ -1173,12 +1182,9 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     // The row's max, flags and sum rescaled to the max.
     store_warp_max_flags(s, m, isnan(mx) ? kFlagNaN : mx == INFINITY ? kFlagPosInf : mx > -INFINITY ? kFlagFinite : 0u);
     __syncthreads();
-    float rmax = s.red_max[0];
-    uint32_t rflags = s.red_flags[0];
-    for (int i = 1; i < kW; i++) {
-        rmax = fmaxf(rmax, s.red_max[i]);
-        rflags |= s.red_flags[i];
-    }
+    float rmax;
+    uint32_t rflags;
+    load_block_max_flags<kW>(s, rmax, rflags);
     const bool bad = (rflags & (kFlagNaN | kFlagPosInf)) != 0 || (rflags & kFlagFinite) == 0;
     // S = sum over threads of sum * 2^(c - c_max) = sum over the row of 2^(x log2 e -
     // c_max), c_max = rmax log2 e rounded as the threads rounded it; then
