@@ -817,11 +817,12 @@ constexpr int kRowU = 2;                                // vectors per thread pe
 constexpr int kRowThreads = 128;
 template <int NT>
 struct RowShape {
+    static_assert(NT == 128, "the sizes below are for 128 threads (256: 4 blocks, 4k margin, 128 slots)");
     static constexpr int kWarps = NT / 32;
-    static constexpr int kMinBlocks = NT == 256 ? 4 : 8;
-    static constexpr int kTripMax = NT * kRowU * 8;                          // elements per trip (16-bit)
-    static constexpr int kCap = kTripMax + (NT == 256 ? 4 : 3) * kRowMaxK;   // buffered keys
-    static constexpr int kPendCap = NT == 256 ? 128 : 64;                    // vectors queued per trip
+    static constexpr int kMinBlocks = 8;
+    static constexpr int kTripMax = NT * kRowU * 8;     // elements per trip (16-bit)
+    static constexpr int kCap = kTripMax + 3 * kRowMaxK;  // buffered keys
+    static constexpr int kPendCap = 64;                 // vectors queued per trip
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
     static_assert(kCap - kTripMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
 };
