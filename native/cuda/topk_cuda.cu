@@ -822,7 +822,7 @@ struct RowShape {
     static constexpr int kMinBlocks = 8;
     static constexpr int kTripMax = NT * kRowU * 8;     // elements per trip (16-bit)
     static constexpr int kCap = kTripMax + 3 * kRowMaxK;  // buffered keys
-    static constexpr int kPendCap = 64;                 // vectors queued per trip
+    static constexpr int kStageCap = 32 * kRowU + 8;    // a warp's staged vectors: a trip's plus < 8 left over
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
     static_assert(kCap - kTripMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
 };
@@ -838,6 +838,7 @@ struct RowParams {
     float* out_logprobs;     // [rows, k]
     int32_t* out_ids;        // [rows, k]
     int32_t* row_status;     // [rows]
+    uint32_t refine_at;      // buffered keys above which a refine runs (row_refine_at)
 };
 
 template <int NT>
@@ -848,9 +849,8 @@ struct RowSmem {
         uint64_t kept[kRowMaxK + kRowMaxK / 4];  // a refine's survivors (<= retain)
         uint64_t sorted[kRowMaxK];     // finish_row: the k keys (no refine runs then)
     };
-    uint4 pend_vec[3][RowShape<NT>::kPendCap];  // vectors waiting for their keys (see the kernel)
-    uint32_t pend_vid[3][RowShape<NT>::kPendCap];
-    uint32_t pend_n[3];
+    uint4 stage_vec[NT / 32][RowShape<NT>::kStageCap];  // per warp: vectors waiting for their keys (see the kernel)
+    uint32_t stage_vid[NT / 32][RowShape<NT>::kStageCap];
     float warp_t0[kWarps];
     float red_max[kWarps], red_sum[kWarps];
     uint32_t red_flags[kWarps];
@@ -873,62 +873,20 @@ __device__ __forceinline__ float warp_jth_largest(float x, int j) {
     return __shfl_sync(0xFFFFFFFFu, x, j - 1);
 }
 
-// atomicAdd on a shared-memory word, as one instruction: the compiler would otherwise wrap
-// an atomicAdd that one lane makes in its own warp aggregation (a vote, a leader, a shuffle:
-// ~10 instructions), which insert_queued has done already.
-[[maybe_unused]] __device__ __forceinline__ uint32_t shared_atomic_add(uint32_t* p, uint32_t v) {
-    uint32_t old;
-    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
-                 : "=r"(old)
-                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(v)
-                 : "memory");
-    return old;
-}
-
-// Appends the keys > tau of one vector (words w0..w3, element 0 at column vid) to the
-// buffer; returns the buffer's count after this thread's last insertion (`last` when none
-// passed). Only elements whose value is >= tv (tau's value, rounded down) get a key.
+// Appends the keys > tau of the calling warp's ns staged vectors (vecs[i], element 0 at
+// column vids[i]) to the buffer, one element per lane: element e (vector e / kVec) goes to
+// lane e % 32, in passes of 32 elements, and each pass claims its slots with one atomic.
+// Returns, on each lane, the buffer's count after that lane's last insertion (`last` when
+// it inserted nothing). Every lane of the warp calls it with the same ns; the elements are
+// tested against tv (tau's value) before a key is made.
 template <int D>
-__device__ __noinline__ uint32_t insert_candidates(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t vid,
-                                                   uint64_t tau, float tv, uint64_t* buf, uint32_t* count,
-                                                   uint32_t last) {
-    using E = Elem<D>;
-    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
-    const uint32_t w[kVecWords] = {w0, w1, w2, w3};
-    uint32_t mask = 0;
-#pragma unroll
-    for (int e = 0; e < kVec; e++) mask |= (E::get(w[e / kPer], e % kPer) >= tv ? 1u : 0u) << e;
-    while (mask != 0) {
-        const int e = __ffs(mask) - 1;
-        mask &= mask - 1;
-        const int q = e / kPer;
-        const uint32_t word = q == 0 ? w0 : q == 1 ? w1 : q == 2 ? w2 : w3;
-        const uint64_t key = element_key(E::get(word, e % kPer), vid + (uint32_t)e);
-        if (key > tau) {
-            const uint32_t at = atomicAdd(count, 1u);
-            buf[at] = key;
-            last = at + 1;
-        }
-    }
-    return last;
-}
-
-// Appends the keys > tau of the np queued vectors (vecs[i], element 0 at column vids[i])
-// to the buffer, one element per thread: element e (vector e / kVec) goes to thread e of
-// the block, in passes of NT (the block's threads) elements, and each warp claims its slots with one
-// atomic. Warps with no element left return at once, so the work spreads over
-// ceil(np * kVec / 32) warps instead of running a per-vector loop on the few lanes that
-// hold a queued vector. Returns the buffer's count after the calling warp's last
-// insertion (`last` when it inserted nothing). Every thread of the block calls it with
-// the same np; the elements are tested against tv (tau's value) before a key is made.
-template <int D, int NT>
-__device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint32_t* vids, uint32_t np, uint64_t tau,
+__device__ __forceinline__ uint32_t insert_staged(const uint4* vecs, const uint32_t* vids, uint32_t ns, uint64_t tau,
                                                   float tv, uint64_t* buf, uint32_t* count, uint32_t last) {
     using E = Elem<D>;
     constexpr uint32_t kPer = E::kPerWord, kVec = kVecWords * kPer;
-    const uint32_t n = np * kVec, lane = threadIdx.x & 31u;
+    const uint32_t n = ns * kVec, lane = threadIdx.x & 31u;
     const uint32_t* words = reinterpret_cast<const uint32_t*>(vecs);
-    for (uint32_t e = threadIdx.x; e - lane < n; e += NT) {  // e - lane: the warp's first element
+    for (uint32_t e = lane; e - lane < n; e += 32u) {  // e - lane: the pass's first element
         bool pass = false;
         uint64_t key = 0;
         if (e < n) {
@@ -939,14 +897,10 @@ __device__ __forceinline__ uint32_t insert_queued(const uint4* vecs, const uint3
                 pass = key > tau;
             }
         }
-        const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, pass);
-        if (ballot != 0) {
-            const uint32_t leader = (uint32_t)__ffs(ballot) - 1u;
-            uint32_t at = 0;
-            if (lane == leader) at = shared_atomic_add(count, (uint32_t)__popc(ballot));
-            at = __shfl_sync(0xFFFFFFFFu, at, (int)leader);
-            if (pass) buf[at + (uint32_t)__popc(ballot & ((1u << lane) - 1u))] = key;
-            last = max(last, at + (uint32_t)__popc(ballot));
+        if (pass) {  // the compiler aggregates the warp's atomics into one
+            const uint32_t at = atomicAdd(count, 1u);
+            buf[at] = key;
+            last = max(last, at + 1u);
         }
     }
     return last;
@@ -983,11 +937,12 @@ __device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords
         mx = fmax_nan(mx, vmax[j]);
         tm = fmaxf(tm, vmax[j]);
     }
-    if (tm > m) {
-        sum *= hw_exp2(__fsub_rn(m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e), __fmul_rn(tm, kLog2e)));
-        m = tm;
-    }
-    const float c = m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e);
+    // Without a branch (a warp's lanes rarely agree): the factor is exactly 1 unless m grows.
+    const float m_new = fmaxf(m, tm);
+    const float c_old = m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e);
+    const float c = m_new == -FLT_MAX ? -FLT_MAX : __fmul_rn(m_new, kLog2e);
+    sum *= m_new > m ? hw_exp2(__fsub_rn(c_old, c)) : 1.0f;
+    m = m_new;
     float e[U * kVec];
 #pragma unroll
     for (int j = 0; j < U; j++) {
@@ -1010,9 +965,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     constexpr int kVec = kVecWords * kPer;                  // elements per 16-byte load
     constexpr int kEsize = 4 / kPer;
     constexpr int kW = Shape::kWarps;
-    constexpr uint32_t kPendCap = (uint32_t)Shape::kPendCap;
     constexpr uint32_t kTrip = (uint32_t)(NT * kRowU);   // vectors per trip
-    constexpr uint32_t kRefineMax = (uint32_t)Shape::kCap - kTrip * kVec;  // a trip always fits
     __shared__ RowSmem<NT> s;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
@@ -1020,7 +973,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
     const uint32_t retain = k + max(k / 4, 8u);  // <= kRowMaxK + kRowMaxK / 4 (kept)
-    const uint32_t refine_at = min(max(3 * k, 192u), kRefineMax);  // > retain
+    const uint32_t refine_at = p.refine_at;  // > retain, <= kRefineMax
     for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
         const int64_t b = row / p.length, l = row - b * p.length;
         const char* rowp = p.data + (b * p.batch_stride + l * p.row_stride) * kEsize;
@@ -1028,20 +981,22 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         const char* pa = rowp - (size_t)a * kEsize;
         const uint32_t nvec = (a + V + kVec - 1) / kVec;
         const uint32_t trips = (nvec + kTrip - 1) / kTrip;
-        // Vectors [v_lo, v_hi) lie wholly inside the row; trips made of them load unchecked.
+        // Vectors [v_lo, v_hi) lie wholly inside the row; trips made of them, the trips in
+        // [in_lo, in_lo + in_n), load unchecked.
         const uint32_t v_lo = (a + kVec - 1) / kVec, v_hi = (a + V) / kVec;
+        const uint32_t in_lo = (v_lo + kTrip - 1) / kTrip, in_hi = v_hi / kTrip;
+        const uint32_t in_n = in_hi > in_lo ? in_hi - in_lo : 0u;
         if (tid == 0) {
             s.count = 0;
             s.out_n = 0;
-            s.pend_n[0] = s.pend_n[1] = s.pend_n[2] = 0;
             s.overflow = 0;
         }
         __syncthreads();  // the previous row is done with the shared state
 
         const uint4* row_vecs = reinterpret_cast<const uint4*>(pa) + tid;  // this thread's vector of trip 0
         auto load = [&](uint32_t trip, uint32_t (&w)[kRowU][kVecWords]) {
-            if (trip * kTrip >= v_lo && (trip + 1) * kTrip <= v_hi) {  // the whole trip is inside the row
-                const uint4* q = row_vecs + (size_t)trip * kTrip;
+            if (trip - in_lo < in_n) {  // the whole trip is inside the row
+                const uint4* q = row_vecs + trip * kTrip;
 #pragma unroll
                 for (int j = 0; j < kRowU; j++) {
                     const uint4 x = __ldcs(q + j * NT);
@@ -1074,23 +1029,57 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             tv = th <= kNegInfKey ? -INFINITY : kdt::float_from_order_key(th);
         };
         set_tau(tau);
-        // The candidate path. A vector whose max reaches tv is queued in trip t's list
-        // (t % 3) and its keys are made in trip t + 1 by one thread per queued element
-        // (insert_queued), so the key work runs on full warps spread over the block instead
-        // of on the one or two lanes that need it; the lists rotate so that a list is reset
-        // only when no thread reads or fills it.
-        // When a trip's list is full the lane makes its keys at once. Per trip at most
-        // kPendCap vectors' keys come from the list and the rest of the trip's elements
-        // directly: never more than one trip of elements, which the buffer has room for.
+        // The candidate path. A vector whose max reaches tv is staged by its warp (in the
+        // warp's own list, at the slot the warp's ballot gives it) and its keys are made at
+        // the start of the next trip by the same warp, one lane per element (insert_staged),
+        // while that trip's loads are in flight; the warp's list is empty again before it
+        // stages anew. A warp stages at most its whole trip (kStageCap vectors), so a trip
+        // never adds more than one trip of elements to the buffer, which has room for them.
         // The trip body runs with the two register sets swapped on odd trips (no copies).
+        uint4* const stage_vec = s.stage_vec[warp];
+        uint32_t* const stage_vid = s.stage_vid[warp];
+        uint32_t ns = 0;  // vectors in the warp's list (the same on every lane)
+        constexpr uint32_t kPassVecs = 32 / kVec;  // vectors in one pass of insert_staged
+        const uint32_t lt_mask = (1u << lane) - 1u;
+        // A refine (see above): keeps between k and retain keys and raises tau. Whole block.
+        auto refine = [&]() {
+            const uint32_t n = s.count;
+            if (tid == 0 && n > (uint32_t)Shape::kCap) s.overflow = 1;
+            const uint64_t cut = block_select<1, NT>(
+                s.sel, nullptr, k,
+                [&](auto&& f) {
+                    for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
+                },
+                retain);
+            if (tid == 0) s.kept_n = 0;
+            __syncthreads();
+            for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
+                const uint64_t key = s.buf[i];
+                if (key >= cut) s.kept[atomicAdd(&s.kept_n, 1u)] = key;
+            }
+            __syncthreads();
+            const uint32_t kn = s.kept_n;  // k .. retain
+            for (uint32_t i = (uint32_t)tid; i < kn; i += NT) s.buf[i] = s.kept[i];
+            if (tid == 0) s.count = kn;
+            set_tau(cut - 1);  // cut > 0: the buffer holds no NaN key (0)
+            __syncthreads();
+        };
         auto trip_body = [&](uint32_t t, uint32_t (&cur)[kRowU][kVecWords], uint32_t (&nxt)[kRowU][kVecWords]) {
             if (t + 1 < trips) load(t + 1, nxt);
             uint32_t last = 0;  // the buffer's count after this thread's last insertion
-            if (t >= 1) {
-                const uint32_t pl = (t - 1) % 3, np = min(s.pend_n[pl], kPendCap);
-                last = insert_queued<D, NT>(s.pend_vec[pl], s.pend_vid[pl], np, tau, tv, s.buf, &s.count, last);
+            if (ns >= kPassVecs) {
+                // Whole passes only (q <= 64 vectors: at most a trip of elements); the < kPassVecs
+                // vectors left over move to the front of the list and wait for more.
+                const uint32_t q = ns - ns % kPassVecs, r = ns - q;
+                last = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, last);
+                __syncwarp();  // the passes have read the list's front
+                if ((uint32_t)lane < r) {
+                    stage_vec[lane] = stage_vec[q + lane];  // q >= kPassVecs > r: no overlap
+                    stage_vid[lane] = stage_vid[q + lane];
+                }
+                ns = r;
+                __syncwarp();
             }
-            if (tid == 0) s.pend_n[(t + 1) % 3] = 0;
             float vmax[kRowU];
             accumulate_trip<D, kRowU>(cur, m, sum, mx, vmax);
             if (t == 0 && k > 0) {
@@ -1107,55 +1096,30 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                 if (t0 == 0.0f) t0 = 0.0f;  // +0's key, which both zeros' keys equal (element_key)
                 set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
             }
-            const uint32_t pl = t % 3;
-            bool want_any = false;
 #pragma unroll
-            for (int j = 0; j < kRowU; j++) want_any |= vmax[j] >= tv;
-            if (__any_sync(0xFFFFFFFFu, want_any)) {  // a real branch, rarely taken once tau settles
-#pragma unroll
-                for (int j = 0; j < kRowU; j++) {
-                    if (vmax[j] >= tv) {
-                        const uint32_t vid = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;  // element 0's column
-                        const uint32_t slot = atomicAdd(&s.pend_n[pl], 1u);
-                        if (slot < kPendCap) {
-                            s.pend_vec[pl][slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
-                            s.pend_vid[pl][slot] = vid;
-                        } else {
-                            last = insert_candidates<D>(cur[j][0], cur[j][1], cur[j][2], cur[j][3], vid, tau, tv,
-                                                        s.buf, &s.count, last);
-                        }
-                    }
+            for (int j = 0; j < kRowU; j++) {
+                const bool want = vmax[j] >= tv;  // false for NaN
+                const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, want);
+                if (want) {
+                    const uint32_t slot = ns + (uint32_t)__popc(ballot & lt_mask);
+                    stage_vec[slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
+                    stage_vid[slot] = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;  // element 0's column
                 }
+                ns += (uint32_t)__popc(ballot);
             }
             // The largest `last` of the block is the buffer's count (or nobody inserted and
-            // the count is what it was, <= refine_at). The barrier also completes list t.
-            if (__syncthreads_or(last > refine_at)) {
-                const uint32_t n = s.count;
-                if (tid == 0 && n > (uint32_t)Shape::kCap) s.overflow = 1;
-                const uint64_t cut = block_select<1, NT>(
-                    s.sel, nullptr, k,
-                    [&](auto&& f) {
-                        for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
-                    },
-                    retain);
-                if (tid == 0) s.kept_n = 0;
-                __syncthreads();
-                for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
-                    const uint64_t key = s.buf[i];
-                    if (key >= cut) s.kept[atomicAdd(&s.kept_n, 1u)] = key;
-                }
-                __syncthreads();
-                const uint32_t kn = s.kept_n;  // k .. retain
-                for (uint32_t i = (uint32_t)tid; i < kn; i += NT) s.buf[i] = s.kept[i];
-                if (tid == 0) s.count = kn;
-                set_tau(cut - 1);  // cut > 0: the buffer holds no NaN key (0)
-                __syncthreads();
-            }
+            // the count is what it was, <= refine_at). The barrier also makes the warp's
+            // staged vectors visible to its lanes.
+            if (__syncthreads_or(last > refine_at)) refine();
             if (t + 1 == trips) {
-                // The last list's keys now (at most kPendCap vectors: the buffer holds them),
-                // then the final selection below.
-                insert_queued<D, NT>(s.pend_vec[pl], s.pend_vid[pl], min(s.pend_n[pl], kPendCap), tau, tv,
-                                 s.buf, &s.count, 0);
+                // The last staged vectors' keys now: whole passes first (at most a trip of
+                // elements: the buffer holds them), a refine if needed, then the < kPassVecs
+                // vectors a warp has left; then the final selection below.
+                const uint32_t q = ns - ns % kPassVecs;
+                uint32_t last2 = 0;
+                if (q != 0) last2 = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, 0);
+                if (__syncthreads_or(last2 > refine_at)) refine();
+                if (ns > q) insert_staged<D>(stage_vec + q, stage_vid + q, ns - q, tau, tv, s.buf, &s.count, 0);
                 __syncthreads();
             }
         };
@@ -1251,6 +1215,14 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
         lp[rank] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
         ids[rank] = (int32_t)id;
     }
+}
+
+// The row kernel's refine threshold: max(3k, 192) buffered keys, at most the buffer's size
+// minus one trip of elements of esize bytes (constants measured on the H200, session 9).
+uint32_t row_refine_at(int64_t k, size_t esize) {
+    const int64_t cap = RowShape<kRowThreads>::kCap - (int64_t)kRowThreads * kRowU * (int64_t)(16 / esize);
+    const int64_t r = 3 * k > 192 ? 3 * k : 192;
+    return (uint32_t)(r < cap ? r : cap);
 }
 
 template <int D>
@@ -1353,6 +1325,7 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
         rp.out_logprobs = out_logprobs;
         rp.out_ids = out_ids;
         rp.row_status = row_status;
+        rp.refine_at = row_refine_at(k, kdt::float_dtype_size(logits->dtype));
         switch (logits->dtype) {
             case KDT_DTYPE_FLOAT32: launch_rows<KDT_DTYPE_FLOAT32>(rp, s); break;
             case KDT_DTYPE_FLOAT16: launch_rows<KDT_DTYPE_FLOAT16>(rp, s); break;
