@@ -131,23 +131,23 @@ static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "
                                    "full-buffer"};
 
 // kFullBuffer fills the row kernel's candidate buffer to its capacity exactly, for a 16-bit
-// dtype, a row on a 16-byte boundary and k = 128. The kernel (128 threads) holds 2,048 +
-// 3 x 128 = 2,432 keys, refines when a trip ends with more than refine_at = 384, and
-// queues at most 64 vectors a trip; trip t holds columns ((2t + j) * 128 + thread) * 8 + e.
-//   trip 0: every thread's vector j = 0 has one 1.0, so t0 = 1.0; 64 of those vectors
-//           queue and 64 go straight to the buffer (64 keys);
-//   trip 1: the 64 queued keys (128); vectors j = 0 of threads 0..31 are all 1.0 and queue;
-//   trip 2: their 256 keys (384: not above refine_at); vectors j = 0 of threads 0..63 are
-//           all 2.0 and queue;
-//   trip 3: their 512 keys (896); every logit is 3.0: 64 vectors queue and the other 192
-//           go straight to the buffer (1,536 keys): 2,432, the buffer's size, at the
-//           trip's end, where the refine runs.
+// dtype, a row on a 16-byte boundary and k = 128. The kernel (128 threads, 4 warps) holds
+// 2,048 + 3 x 128 = 2,432 keys and refines when a trip ends with more than refine_at = 384;
+// a warp stages the vectors whose max reaches tau's value and makes their keys at the start
+// of the next trip, in whole passes of 4 vectors (at most 64 vectors a warp); trip t holds
+// columns ((2t + j) * 128 + thread) * 8 + e.
+//   trip 0: every thread's vector j = 0 has one 1.0, so t0 = 1.0; those 128 vectors stage
+//           (32 a warp);
+//   trip 1: their 128 keys; vectors j = 0 of threads 0..31 (warp 0) are all 1.0 and stage;
+//   trip 2: their 256 keys (384: not above refine_at); every logit is 2.0: all 256
+//           vectors stage (64 a warp);
+//   trip 3: their 2,048 keys: 2,432, the buffer's size, at the trip's end, where the
+//           refine runs.
 static double full_buffer_logit(int64_t col) {
     const int64_t e = col % 8, vec = col / 8, trip = vec / 256, j = (vec / 128) % 2, thread = vec % 128;
     if (trip == 0) return j == 0 && e == 0 ? 1.0 : -1.0;
     if (trip == 1) return j == 0 && thread < 32 ? 1.0 : -1.0;
-    if (trip == 2) return j == 0 && thread < 64 ? 2.0 : -1.0;
-    return trip == 3 ? 3.0 : -1.0;
+    return trip == 2 ? 2.0 : -1.0;
 }
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {

@@ -45,6 +45,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -839,6 +840,7 @@ struct RowParams {
     int32_t* out_ids;        // [rows, k]
     int32_t* row_status;     // [rows]
     uint32_t refine_at;      // buffered keys above which a refine runs (row_refine_at)
+    uint32_t retain;         // a refine keeps k .. retain keys (row_retain)
 };
 
 template <int NT>
@@ -972,7 +974,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     for (int i = 0; i < 256 / NT; i++) s.sel.hist[tid + i * NT] = 0;
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
-    const uint32_t retain = k + max(k / 4, 8u);  // <= kRowMaxK + kRowMaxK / 4 (kept)
+    const uint32_t retain = p.retain;        // k .. kRowMaxK + kRowMaxK / 4 (kept)
     const uint32_t refine_at = p.refine_at;  // > retain, <= kRefineMax
     for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
         const int64_t b = row / p.length, l = row - b * p.length;
@@ -1045,6 +1047,9 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         auto refine = [&]() {
             const uint32_t n = s.count;
             if (tid == 0 && n > (uint32_t)Shape::kCap) s.overflow = 1;
+#ifdef KDT_TOPK_DEBUG_CAP
+            if (tid == 0 && n == (uint32_t)Shape::kCap) printf("row %lld: the buffer is full (%u keys)\n", (long long)row, n);
+#endif
             const uint64_t cut = block_select<1, NT>(
                 s.sel, nullptr, k,
                 [&](auto&& f) {
@@ -1326,6 +1331,14 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
         rp.out_ids = out_ids;
         rp.row_status = row_status;
         rp.refine_at = row_refine_at(k, kdt::float_dtype_size(logits->dtype));
+        rp.retain = (uint32_t)(k + (k / 4 > 8 ? k / 4 : 8));
+        if (const char* e = getenv("KDT_EXP_REFINE")) {  // EXPERIMENT
+            unsigned ra = 0, rt = 0;
+            if (sscanf(e, "%u,%u", &ra, &rt) == 2 && rt >= (unsigned)k && rt <= 160 && ra > rt && ra <= (unsigned)(RowShape<kRowThreads>::kCap - kRowThreads * kRowU * (int)(16 / kdt::float_dtype_size(logits->dtype)))) {
+                rp.refine_at = ra;
+                rp.retain = rt;
+            }
+        }
         switch (logits->dtype) {
             case KDT_DTYPE_FLOAT32: launch_rows<KDT_DTYPE_FLOAT32>(rp, s); break;
             case KDT_DTYPE_FLOAT16: launch_rows<KDT_DTYPE_FLOAT16>(rp, s); break;
