@@ -45,7 +45,6 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -794,24 +793,27 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // the block's candidate buffer in shared memory only when its key is > tau, where tau is
 // a valid bound at all times (at least k buffered keys are > tau, so an element with a
 // smaller key is not in the row's top k). A vector whose max is below tau's value costs
-// one comparison. tau starts from trip 0's thread maxima: each warp sorts its 32 maxima
+// one comparison; a vector whose max reaches it is staged by its warp, and the warp makes
+// the staged vectors' keys at the start of a later trip, while that trip's loads are in
+// flight, in whole passes of 32 elements (insert_staged). tau starts from trip 0's thread maxima: each warp sorts its 32 maxima
 // (a bitonic network over shuffles) and takes the ceil(k / 4)-th; the smallest of the 4
 // warps' values, t0, has at least k elements >= it (ceil(k / 4) threads in each warp hold
 // one). After each trip, when the buffer holds more than refine_at = max(3k, 192) keys (at
 // most the buffer's size minus a trip), the block radix-selects a cut keeping between k
 // and retain = k + max(k / 4, 8) keys (block_select with a retain bound: usually the value's
 // digits, sometimes an id digit for ties), compacts the buffer and sets tau = cut - 1
-// (both constants measured on the H200, session 9: against 4k / 2k, 138-140 -> 133 us).
-// The trip size and refine_at are such that a trip can never overflow the buffer (a
-// refine that finds more keys than it holds marks the row KDT_ERR_INTERNAL: a tripwire
-// for the tests). At the row's end the block selects the exact k-th
+// (both constants measured on the H200, session 9: against 4k / 2k, 138-140 -> 133 us;
+// unchanged by a sweep in session 10). A trip adds at most one trip of elements to the
+// buffer (a warp makes at most 64 staged vectors' keys a trip) and refine_at leaves room
+// for it, so the buffer never overflows (a refine that finds more keys than it holds marks
+// the row KDT_ERR_INTERNAL: a tripwire for the tests). At the row's end the block selects the exact k-th
 // largest buffered key, gathers the k keys >= it, ranks them and writes them as the
 // finish kernel does. No workspace is used.
 constexpr int kRowMaxK = 128;
 constexpr int kRowU = 2;                                // vectors per thread per trip
 
-// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM, 25.9 KB of
-// shared memory each) are used: on the H200 they beat 256 threads (4 blocks per SM) by
+// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM on sm_90,
+// 27.8 KB of shared memory each) are used: on the H200 they beat 256 threads (4 blocks per SM) by
 // ~6% (docs/perf-notes.md, session 9): twice as many rows stream at once, so a block
 // waiting at its per-trip barrier leaves more of the SM to the others, and the benchmark's
 // 1,024 rows fit in one wave of 1,056 blocks.
@@ -859,6 +861,8 @@ struct RowSmem {
     uint32_t count, kept_n, out_n;
     uint32_t overflow;  // a refine found more keys than buf holds (a bug)
 };
+static_assert(sizeof(RowSmem<kRowThreads>) + 1024 <= 228 * 1024 / 8,
+              "8 blocks a SM on sm_90 / sm_100 (228 KB of shared memory, 1 KB reserved a block)");
 
 // The j-th largest (1 <= j <= 32) of the warp's values x (NaN as -inf), on every lane.
 __device__ __forceinline__ float warp_jth_largest(float x, int j) {
@@ -1047,9 +1051,6 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         auto refine = [&]() {
             const uint32_t n = s.count;
             if (tid == 0 && n > (uint32_t)Shape::kCap) s.overflow = 1;
-#ifdef KDT_TOPK_DEBUG_CAP
-            if (tid == 0 && n == (uint32_t)Shape::kCap) printf("row %lld: the buffer is full (%u keys)\n", (long long)row, n);
-#endif
             const uint64_t cut = block_select<1, NT>(
                 s.sel, nullptr, k,
                 [&](auto&& f) {
@@ -1230,6 +1231,10 @@ uint32_t row_refine_at(int64_t k, size_t esize) {
     return (uint32_t)(r < cap ? r : cap);
 }
 
+// What a refine keeps: k .. k + max(k / 4, 8) keys (at most kRowMaxK + kRowMaxK / 4, the
+// size of RowSmem::kept; measured on the H200, session 9).
+uint32_t row_retain(int64_t k) { return (uint32_t)(k + (k / 4 > 8 ? k / 4 : 8)); }
+
 template <int D>
 void launch_rows(const RowParams& p, cudaStream_t stream) {
     const unsigned grid = (unsigned)(p.rows < (int64_t)INT32_MAX ? p.rows : (int64_t)INT32_MAX);
@@ -1331,14 +1336,7 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
         rp.out_ids = out_ids;
         rp.row_status = row_status;
         rp.refine_at = row_refine_at(k, kdt::float_dtype_size(logits->dtype));
-        rp.retain = (uint32_t)(k + (k / 4 > 8 ? k / 4 : 8));
-        if (const char* e = getenv("KDT_EXP_REFINE")) {  // EXPERIMENT
-            unsigned ra = 0, rt = 0;
-            if (sscanf(e, "%u,%u", &ra, &rt) == 2 && rt >= (unsigned)k && rt <= 160 && ra > rt && ra <= (unsigned)(RowShape<kRowThreads>::kCap - kRowThreads * kRowU * (int)(16 / kdt::float_dtype_size(logits->dtype)))) {
-                rp.refine_at = ra;
-                rp.retain = rt;
-            }
-        }
+        rp.retain = row_retain(k);
         switch (logits->dtype) {
             case KDT_DTYPE_FLOAT32: launch_rows<KDT_DTYPE_FLOAT32>(rp, s); break;
             case KDT_DTYPE_FLOAT16: launch_rows<KDT_DTYPE_FLOAT16>(rp, s); break;
