@@ -569,6 +569,16 @@ int main() {
         CUDA_OK(cudaFree(t.base));
     }
 
+    // More requests than a grid's y dimension holds (65,535): the row kernel's blocks loop
+    // over requests (and the chunk kernels over their 1-D grid).
+    {
+        Shape sh = {KDT_DTYPE_FLOAT32, 70000, 1, 9, 0, 0, 0, false};
+        Tensor t;
+        make_tensor(sh, 0, &t);
+        run_case(&d, t, 3, "many requests");
+        CUDA_OK(cudaFree(t.base));
+    }
+
     // A broadcast row (strides 0), k = 0 (only row_status), the benchmark shape (fewer rows).
     {
         Shape sh = {KDT_DTYPE_BFLOAT16, 2, 3, 5000, 0, 0, 3, true};

@@ -836,6 +836,7 @@ struct RowParams {
     int64_t row_stride;      // elements
     int64_t length;          // L (>= 1)
     int64_t rows;            // B * L
+    int64_t batch;           // B (>= 1)
     int64_t vocab;           // V
     int32_t k;               // 0 .. kRowMaxK
     float* out_logprobs;     // [rows, k]
@@ -863,6 +864,15 @@ struct RowSmem {
 };
 static_assert(sizeof(RowSmem<kRowThreads>) + 1024 <= 228 * 1024 / 8,
               "8 blocks a SM on sm_90 / sm_100 (228 KB of shared memory, 1 KB reserved a block)");
+
+// The row kernel's next row (b, l) in a grid of (x: positions, y: requests) blocks.
+__device__ __forceinline__ void next_row(int64_t& b, int64_t& l, int64_t length) {
+    l += gridDim.x;
+    if (l >= length) {
+        l = blockIdx.x;
+        b += gridDim.y;
+    }
+}
 
 // The j-th largest (1 <= j <= 32) of the warp's values x (NaN as -inf), on every lane.
 __device__ __forceinline__ float warp_jth_largest(float x, int j) {
@@ -980,8 +990,10 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     const uint32_t k = (uint32_t)p.k;
     const uint32_t retain = p.retain;        // k .. kRowMaxK + kRowMaxK / 4 (kept)
     const uint32_t refine_at = p.refine_at;  // > retain, <= kRefineMax
-    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-        const int64_t b = row / p.length, l = row - b * p.length;
+    // Rows (b, l) from a grid of (L, B) blocks (each at most the grid's limit; larger
+    // shapes loop): no division, so the row's values stay in the uniform registers.
+    for (int64_t b = blockIdx.y, l = blockIdx.x; b < p.batch; next_row(b, l, p.length)) {
+        const int64_t row = b * p.length + l;
         const char* rowp = p.data + (b * p.batch_stride + l * p.row_stride) * kEsize;
         const uint32_t a = (uint32_t)(((uintptr_t)rowp & 15u) / kEsize);  // frame: position u is column u - a
         const char* pa = rowp - (size_t)a * kEsize;
@@ -1237,7 +1249,8 @@ uint32_t row_retain(int64_t k) { return (uint32_t)(k + (k / 4 > 8 ? k / 4 : 8));
 
 template <int D>
 void launch_rows(const RowParams& p, cudaStream_t stream) {
-    const unsigned grid = (unsigned)(p.rows < (int64_t)INT32_MAX ? p.rows : (int64_t)INT32_MAX);
+    const dim3 grid((unsigned)(p.length < (int64_t)INT32_MAX ? p.length : (int64_t)INT32_MAX),
+                    (unsigned)(p.batch < 65535 ? p.batch : 65535));
     // 8 blocks of 27 KB a SM want the largest shared-memory carveout: a hint, set once
     // (a failure only costs occupancy, and its error is cleared).
     static const bool carved = cudaFuncSetAttribute(topk_row_kernel<D, kRowThreads>,
@@ -1330,6 +1343,7 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
         rp.row_stride = logits->row_stride;
         rp.length = L;
         rp.rows = rows;
+        rp.batch = B;
         rp.vocab = V;
         rp.k = (int32_t)k;
         rp.out_logprobs = out_logprobs;
