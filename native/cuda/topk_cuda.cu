@@ -48,6 +48,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int kThreads = 256;              // threads per block in both kernels = radix bins
@@ -1082,13 +1084,15 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             set_tau(cut - 1);  // cut > 0: the buffer holds no NaN key (0)
             __syncthreads();
         };
-        auto trip_body = [&](uint32_t t, uint32_t (&cur)[kRowU][kVecWords], uint32_t (&nxt)[kRowU][kVecWords]) {
+        // first: std::true_type for trip 0 only (t0 is set there), so later trips do not test t.
+        auto trip_body = [&](auto first, uint32_t t, uint32_t (&cur)[kRowU][kVecWords],
+                             uint32_t (&nxt)[kRowU][kVecWords]) {
             if (t + 1 < trips) load(t + 1, nxt);
             uint32_t last = 0;  // the buffer's count after this thread's last insertion
             if (ns >= kPassVecs) {
-                // Whole passes only (q <= 64 vectors: at most a trip of elements); the < kPassVecs
-                // vectors left over move to the front of the list and wait for more.
-                const uint32_t q = ns - ns % kPassVecs, r = ns - q;
+                // Whole passes only, q <= 64 vectors (at most a trip of elements); the
+                // < kPassVecs vectors left over move to the front of the list and wait for more.
+                const uint32_t q = min(ns - ns % kPassVecs, 32u * kRowU), r = ns - q;
                 last = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, last);
                 __syncwarp();  // the passes have read the list's front
                 if ((uint32_t)lane < r) {
@@ -1100,7 +1104,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             }
             float vmax[kRowU];
             accumulate_trip<D, kRowU>(cur, m, sum, mx, vmax);
-            if (t == 0 && k > 0) {
+            if (decltype(first)::value && k > 0) {
                 // t0 from the thread maxima of trip 0 (see above): tau = key(t0, id 2^32 - 1)
                 // - 1, so every element whose value is >= t0 passes.
                 float tmax = vmax[0];
@@ -1114,38 +1118,47 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                 if (t0 == 0.0f) t0 = 0.0f;  // +0's key, which both zeros' keys equal (element_key)
                 set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
             }
+            bool want[kRowU], want_any = false;
 #pragma unroll
             for (int j = 0; j < kRowU; j++) {
-                const bool want = vmax[j] >= tv;  // false for NaN
-                const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, want);
-                if (want) {
-                    const uint32_t slot = ns + (uint32_t)__popc(ballot & lt_mask);
-                    stage_vec[slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
-                    stage_vid[slot] = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;  // element 0's column
+                want[j] = vmax[j] >= tv;  // false for NaN
+                want_any |= want[j];
+            }
+            if (__any_sync(0xFFFFFFFFu, want_any)) {  // most trips stage nothing
+#pragma unroll
+                for (int j = 0; j < kRowU; j++) {
+                    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, want[j]);
+                    if (want[j]) {
+                        const uint32_t slot = ns + (uint32_t)__popc(ballot & lt_mask);
+                        stage_vec[slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
+                        stage_vid[slot] = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;  // element 0's column
+                    }
+                    ns += (uint32_t)__popc(ballot);
                 }
-                ns += (uint32_t)__popc(ballot);
             }
             // The largest `last` of the block is the buffer's count (or nobody inserted and
             // the count is what it was, <= refine_at). The barrier also makes the warp's
             // staged vectors visible to its lanes.
             if (__syncthreads_or(last > refine_at)) refine();
-            if (t + 1 == trips) {
-                // The last staged vectors' keys now: whole passes first (at most a trip of
-                // elements: the buffer holds them), a refine if needed, then the < kPassVecs
-                // vectors a warp has left; then the final selection below.
-                const uint32_t q = ns - ns % kPassVecs;
-                uint32_t last2 = 0;
-                if (q != 0) last2 = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, 0);
-                if (__syncthreads_or(last2 > refine_at)) refine();
-                if (ns > q) insert_staged<D>(stage_vec + q, stage_vid + q, ns - q, tau, tv, s.buf, &s.count, 0);
-                __syncthreads();
-            }
         };
         uint32_t wa[kRowU][kVecWords], wb[kRowU][kVecWords];
         load(0, wa);
-        for (uint32_t t = 0; t < trips; t += 2) {
-            trip_body(t, wa, wb);
-            if (t + 1 < trips) trip_body(t + 1, wb, wa);
+        trip_body(std::true_type(), 0, wa, wb);  // trip 0 sets t0
+        for (uint32_t t = 1; t < trips; t += 2) {
+            trip_body(std::false_type(), t, wb, wa);
+            if (t + 1 < trips) trip_body(std::false_type(), t + 1, wa, wb);
+        }
+
+        // The last staged vectors' keys: whole passes first (at most a trip of elements: the
+        // buffer holds them), a refine if needed, then the < kPassVecs vectors a warp has
+        // left; then the final selection.
+        {
+            const uint32_t q = min(ns - ns % kPassVecs, 32u * kRowU);
+            uint32_t last = 0;
+            if (q != 0) last = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, 0);
+            if (__syncthreads_or(last > refine_at)) refine();
+            if (ns > q) insert_staged<D>(stage_vec + q, stage_vid + q, ns - q, tau, tv, s.buf, &s.count, 0);
+            __syncthreads();
         }
 
         finish_row<D, NT>(s, p, row, rowp, m, sum, mx);
