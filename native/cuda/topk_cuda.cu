@@ -795,30 +795,32 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // the block's candidate buffer in shared memory only when its key is > tau, where tau is
 // a valid bound at all times (at least k buffered keys are > tau, so an element with a
 // smaller key is not in the row's top k). A vector whose max is below tau's value costs
-// one comparison; a vector whose max reaches it is staged by its warp, and the warp makes
-// the staged vectors' keys at the start of a later trip, while that trip's loads are in
-// flight, in whole passes of 32 elements (insert_staged). tau starts from trip 0's thread maxima: each warp sorts its 32 maxima
-// (a bitonic network over shuffles) and takes the ceil(k / 4)-th; the smallest of the 4
-// warps' values, t0, has at least k elements >= it (ceil(k / 4) threads in each warp hold
-// one). After each trip, when the buffer holds more than refine_at = max(3k, 192) keys (at
-// most the buffer's size minus a trip), the block radix-selects a cut keeping between k
-// and retain = k + max(k / 4, 8) keys (block_select with a retain bound: usually the value's
-// digits, sometimes an id digit for ties), compacts the buffer and sets tau = cut - 1
-// (both constants measured on the H200, session 9: against 4k / 2k, 138-140 -> 133 us;
-// unchanged by a sweep in session 10). A trip adds at most one trip of elements to the
-// buffer (a warp makes at most 64 staged vectors' keys a trip) and refine_at leaves room
-// for it, so the buffer never overflows (a refine that finds more keys than it holds marks
-// the row KDT_ERR_INTERNAL: a tripwire for the tests). At the row's end the block selects the exact k-th
-// largest buffered key, gathers the k keys >= it, ranks them and writes them as the
-// finish kernel does. No workspace is used.
+// one comparison; a vector whose max reaches it is staged in its warp's list, and the
+// warp makes the staged vectors' keys at the start of a later trip, while that trip's
+// loads are in flight, in whole passes of 32 elements (insert_staged; the < 32 elements
+// left over wait for more, or for the row's end). tau starts from trip 0's thread maxima:
+// each warp sorts its 32 maxima (a bitonic network over shuffles) and takes the
+// ceil(k / 4)-th; the smallest of the 4 warps' values, t0, has at least k elements >= it
+// (ceil(k / 4) threads in each warp hold one). After each trip, when the buffer holds more
+// than refine_at = max(3k, 192) keys (at most the buffer's size minus a trip), the block
+// radix-selects a cut keeping between k and retain = k + max(k / 4, 8) keys (block_select
+// with a retain bound: usually the value's digits, sometimes an id digit for ties),
+// compacts the buffer and sets tau = cut - 1 (both constants measured on the H200, session
+// 9: against 4k / 2k, 138-140 -> 133 us; unchanged by a sweep in session 10). A trip adds
+// at most one trip of elements to the buffer (a warp makes at most 64 staged vectors' keys
+// a trip) and refine_at leaves room for it, so the buffer never overflows (a refine that
+// finds more keys than it holds marks the row KDT_ERR_INTERNAL: a tripwire for the
+// tests). At the row's end the block selects the exact k-th largest buffered key, gathers
+// the k keys >= it, ranks them and writes them as the finish kernel does. No workspace is
+// used.
 constexpr int kRowMaxK = 128;
 constexpr int kRowU = 2;                                // vectors per thread per trip
 
 // The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM on sm_90,
-// 27.8 KB of shared memory each) are used: on the H200 they beat 256 threads (4 blocks per SM) by
-// ~6% (docs/perf-notes.md, session 9): twice as many rows stream at once, so a block
-// waiting at its per-trip barrier leaves more of the SM to the others, and the benchmark's
-// 1,024 rows fit in one wave of 1,056 blocks.
+// 27.8 KB of shared memory each) are used: on the H200 they beat 256 threads (4 blocks per
+// SM) by ~6% (docs/perf-notes.md, session 9): twice as many rows stream at once, so a
+// block waiting at its per-trip barrier leaves more of the SM to the others, and the
+// benchmark's 1,024 rows fit in one wave of 1,056 blocks.
 constexpr int kRowThreads = 128;
 template <int NT>
 struct RowShape {
@@ -827,7 +829,7 @@ struct RowShape {
     static constexpr int kMinBlocks = 8;
     static constexpr int kTripMax = NT * kRowU * 8;     // elements per trip (16-bit)
     static constexpr int kCap = kTripMax + 3 * kRowMaxK;  // buffered keys
-    static constexpr int kStageCap = 32 * kRowU + 8;    // a warp's staged vectors: a trip's plus < 8 left over
+    static constexpr int kStageCap = 32 * kRowU + 8;    // a warp's list: a trip's vectors + < 8 left over
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
     static_assert(kCap - kTripMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
 };
@@ -856,7 +858,7 @@ struct RowSmem {
         uint64_t kept[kRowMaxK + kRowMaxK / 4];  // a refine's survivors (<= retain)
         uint64_t sorted[kRowMaxK];     // finish_row: the k keys (no refine runs then)
     };
-    uint4 stage_vec[NT / 32][RowShape<NT>::kStageCap];  // per warp: vectors waiting for their keys (see the kernel)
+    uint4 stage_vec[NT / 32][RowShape<NT>::kStageCap];  // per warp: vectors waiting for their keys
     uint32_t stage_vid[NT / 32][RowShape<NT>::kStageCap];
     float warp_t0[kWarps];
     float red_max[kWarps], red_sum[kWarps];
@@ -898,8 +900,9 @@ __device__ __forceinline__ float warp_jth_largest(float x, int j) {
 // it inserted nothing). Every lane of the warp calls it with the same ns; the elements are
 // tested against tv (tau's value) before a key is made.
 template <int D>
-__device__ __forceinline__ uint32_t insert_staged(const uint4* vecs, const uint32_t* vids, uint32_t ns, uint64_t tau,
-                                                  float tv, uint64_t* buf, uint32_t* count, uint32_t last) {
+__device__ __forceinline__ uint32_t insert_staged(const uint4* vecs, const uint32_t* vids, uint32_t ns,
+                                                  uint64_t tau, float tv, uint64_t* buf, uint32_t* count,
+                                                  uint32_t last) {
     using E = Elem<D>;
     constexpr uint32_t kPer = E::kPerWord, kVec = kVecWords * kPer;
     const uint32_t n = ns * kVec, lane = threadIdx.x & 31u;
@@ -991,7 +994,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
     const uint32_t retain = p.retain;        // k .. kRowMaxK + kRowMaxK / 4 (kept)
-    const uint32_t refine_at = p.refine_at;  // > retain, <= kRefineMax
+    const uint32_t refine_at = p.refine_at;  // > retain, <= the buffer's size minus a trip
     // Rows (b, l) from a grid of (L, B) blocks (each at most the grid's limit; larger
     // shapes loop): no division, so the row's values stay in the uniform registers.
     for (int64_t b = blockIdx.y, l = blockIdx.x; b < p.batch; next_row(b, l, p.length)) {
@@ -1049,13 +1052,13 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             tv = th <= kNegInfKey ? -INFINITY : kdt::float_from_order_key(th);
         };
         set_tau(tau);
-        // The candidate path. A vector whose max reaches tv is staged by its warp (in the
-        // warp's own list, at the slot the warp's ballot gives it) and its keys are made at
-        // the start of the next trip by the same warp, one lane per element (insert_staged),
-        // while that trip's loads are in flight; the warp's list is empty again before it
-        // stages anew. A warp stages at most its whole trip (kStageCap vectors), so a trip
-        // never adds more than one trip of elements to the buffer, which has room for them.
-        // The trip body runs with the two register sets swapped on odd trips (no copies).
+        // The candidate path. A vector whose max reaches tv is staged in its warp's list (at
+        // the slot the warp's ballot gives it); at the start of a later trip the same warp
+        // makes the keys of its list's whole passes (insert_staged, one lane per element,
+        // at most 64 vectors: one trip of elements, which the buffer has room for) while
+        // that trip's loads are in flight, and moves the < kPassVecs vectors left over to
+        // the list's front. The row's end flushes the lists. The trip body runs with the
+        // two register sets swapped on odd trips (no copies).
         uint4* const stage_vec = s.stage_vec[warp];
         uint32_t* const stage_vid = s.stage_vid[warp];
         uint32_t ns = 0;  // vectors in the warp's list (the same on every lane)
@@ -1131,7 +1134,8 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                     if (want[j]) {
                         const uint32_t slot = ns + (uint32_t)__popc(ballot & lt_mask);
                         stage_vec[slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
-                        stage_vid[slot] = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;  // element 0's column
+                        // Element 0's column.
+                        stage_vid[slot] = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;
                     }
                     ns += (uint32_t)__popc(ballot);
                 }
