@@ -507,6 +507,11 @@ KDT_API kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t*
  *                 visited node and -1 at the others.
  * Other arguments and outputs as kdt_verify_greedy_cuda; request_status also reports
  * KDT_ERR_VALUE for a NaN logit in a visited row (the request then fails as above).
+ * Launch shape (both *_from_logits calls): one block per request, or, on sm_90 and later
+ * when the device has at least 2B SMs, a thread-block cluster of 2, 4 or 8 blocks per
+ * request (at most one block a SM) that splits each visited row; the outputs are the same
+ * either way. Test switch (read once per process): KDTREE_CUDA_VERIFY_CLUSTER=1, 2, 4
+ * or 8 forces that many blocks per request (more than 1 only on sm_90 and later).
  */
 KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                       const int32_t* stop_tokens, int64_t num_stop_tokens,

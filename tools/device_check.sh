@@ -31,6 +31,9 @@ for step in "${steps[@]}"; do
     KDTREE_CUDA_TREES_DFS=1 KDT_CUDA_TREES=10000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_NO_WALK=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
     KDTREE_CUDA_TREES_PARALLEL=1 KDTREE_CUDA_TREES_NO_COUNTING=1 KDT_CUDA_TREES=20000 timeout 300 build-gpu/test_trees_cuda 2>&1 | tail -1
+    echo "-- verify from logits: one block per request, and clusters of 2 (the automatic choice covers 4 and 8)"
+    KDTREE_CUDA_VERIFY_CLUSTER=1 timeout 300 build-gpu/test_verify_cuda 2>&1 | tail -1
+    KDTREE_CUDA_VERIFY_CLUSTER=2 timeout 300 build-gpu/test_verify_cuda 2>&1 | tail -1
     echo "-- top-k: the chunk kernels for every k"
     KDTREE_CUDA_TOPK_CHUNKED=1 timeout 300 build-gpu/test_topk_cuda 2>&1 | tail -1 ;;
   sanitize)

@@ -7,7 +7,12 @@
 // so; then warp 0 walks (lane 0 follows the child list, the warp checks stop tokens).
 // From logits, each step first reduces the current node's row with the whole block
 // (16-byte loads when the row is 16-byte aligned, groups of four scalar loads otherwise),
-// so only the rows the walk visits are read. Statuses and their order per request are
+// so only the rows the walk visits are read. On sm_90 and later, when the batch leaves SMs
+// idle, the logits calls give each request a thread-block cluster of csize blocks
+// (cluster_size): each block reduces 1/csize of every visited row, the blocks exchange
+// their maxima through distributed shared memory, and every block then takes the same
+// walk step (only rank 0 writes outputs). Each row's result is a maximum over (value,
+// ~token) keys, so it is the same however the row is split. Statuses and their order per request are
 // verify.c's: links (KDT_ERR_VALUE), then the cap (KDT_ERR_INVALID_ARGUMENT), then the
 // walk (negative or NaN target: KDT_ERR_VALUE; path too long: KDT_ERR_SHAPE).
 //
@@ -23,8 +28,11 @@
 // -log1pf(-(2^25 - 2k - 1) * 2^-25). The division and the sum are IEEE round-to-nearest.
 #include "common.cuh"
 
+#include <cooperative_groups.h>
 #include <math.h>
 #include <string.h>
+
+#include <atomic>
 
 namespace {
 
@@ -39,6 +47,8 @@ constexpr float kTwoPowM25 = 2.98023223876953125e-8f;  // 2^-25, exact
 // Above every Gumbel value the generator can give: u <= 1 - 2^-25, so -log(u) >= ~2^-25
 // and -log(-log(u)) <= 25 log 2 = 17.33 (plus rounding).
 constexpr float kGumbelMax = 18.0f;
+constexpr int kMaxCluster = 8;       // the portable cluster size limit
+constexpr int kMaxDevices = 64;
 
 enum Mode { kGiven = 0, kArgmax = 1, kSample = 2 };
 
@@ -62,6 +72,7 @@ struct Params {
     int32_t* target_out;      // kArgmax, kSample: [B, N+1] or NULL
     int32_t* status;          // [B]
     int stage;                // 1: the tree arrays are copied to shared memory
+    int csize;                // blocks per request: 1, or a cluster of 2 .. kMaxCluster (sm_90+)
 };
 
 // One request's tree as the walk reads it (shared or device memory).
@@ -83,7 +94,8 @@ struct Walk {
 
 // One step of verify.c's walk from w.cur, given the target's token `want` (>= 0) there.
 // Called by all 32 lanes of warp 0 with the same arguments; returns true when the walk
-// ends (w.status, w.bonus say how). Writes path[len] (lane 0) for an accepted node.
+// ends (w.status, w.bonus say how). Writes path[len] (lane 0) for an accepted node unless
+// path is NULL (the cluster blocks other than rank 0).
 __device__ bool walk_step(Walk& w, int32_t want, const TreeView& t, const Params& p, int64_t cap, int32_t* path) {
     const int lane = threadIdx.x & 31;
     int32_t next = -1, cycle = 0;
@@ -127,7 +139,7 @@ __device__ bool walk_step(Walk& w, int32_t want, const TreeView& t, const Params
     }
     w.cur = next;
     w.len++;
-    if (lane == 0) path[w.len] = next;
+    if (lane == 0 && path != nullptr) path[w.len] = next;
     return stop != 0;  // an accepted stop token ends the walk without a bonus
 }
 
@@ -216,6 +228,50 @@ __device__ __forceinline__ void unpack_chunk(const uint4& q, float* x) {
     }
 }
 
+// The larger of two pairs of 16-bit logits, lane by lane, NaN if either is NaN.
+template <int Dtype>
+__device__ __forceinline__ uint32_t max2_nan(uint32_t a, uint32_t b) {
+    uint32_t r;
+    if constexpr (Dtype == KDT_DTYPE_BFLOAT16) {
+        const __nv_bfloat162 m = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                             *reinterpret_cast<const __nv_bfloat162*>(&b));
+        r = *reinterpret_cast<const uint32_t*>(&m);
+    } else {
+        const __half2 m = __hmax2_nan(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+        r = *reinterpret_cast<const uint32_t*>(&m);
+    }
+    return r;
+}
+
+// Argmax of one 16-byte chunk of 8 16-bit logits of tokens v0 .. v0 + 7 into best, with
+// take_group's result: the chunk's max by three packed NaN-propagating max operations; only
+// when it beats the thread's best (or the thread has none) is the chunk unpacked to find
+// the first token holding it (so ties keep the lower id, -0 and +0 alike). A NaN anywhere
+// in the chunk sets best.bad (the row is then reported as bad whatever best holds).
+template <int Dtype>
+__device__ __forceinline__ void take_chunk_max(Best& best, const uint4& q, int64_t v0) {
+    const uint32_t m2 = max2_nan<Dtype>(max2_nan<Dtype>(q.x, q.y), max2_nan<Dtype>(q.z, q.w));
+    float lo, hi;
+    if constexpr (Dtype == KDT_DTYPE_BFLOAT16) {
+        lo = __uint_as_float(m2 << 16);
+        hi = __uint_as_float(m2 & 0xFFFF0000u);
+    } else {
+        lo = __half2float(__ushort_as_half((unsigned short)(m2 & 0xFFFFu)));
+        hi = __half2float(__ushort_as_half((unsigned short)(m2 >> 16)));
+    }
+    best.bad |= isnan(lo) | isnan(hi);
+    const float m = fmaxf(lo, hi);
+    if (best.v < 0 || m > best.x) {  // false for NaN (best.bad is set then)
+        float x[8];
+        unpack_chunk<Dtype>(q, x);
+        int k = 7;
+#pragma unroll
+        for (int j = 6; j >= 0; j--) k = x[j] == m ? j : k;
+        best.x = m;
+        best.v = (int32_t)(v0 + k);
+    }
+}
+
 // Max over the block of one uint64 per thread; every thread gets the result. Contains one
 // barrier; the caller must pass another barrier before the next call (s_warp is reused).
 __device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* s_warp) {
@@ -231,12 +287,14 @@ __device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* s_warp) 
     return r;
 }
 
-// The target's token at one node from its logits row (argmax, or the Gumbel-max draw),
-// computed by the whole block. Returns (order_key(value) << 32) | ~token; kRowBad for a
-// NaN (sampling: also +inf) logit; 0 when no token has a score above -inf (sampling).
+// The target's token at one node from part `part` of `parts` of its logits row (argmax,
+// or the Gumbel-max draw), computed by the whole block: the 16-byte chunks and the scalar
+// groups after them are each split into `parts` contiguous slices. Returns
+// (order_key(value) << 32) | ~token of the slice's best; kRowBad for a NaN (sampling: also
+// +inf) logit; 0 when no token has a score above -inf (sampling) or the slice is empty.
 template <int M, int Dtype>
 __device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint32_t node, uint32_t req,
-                               uint64_t* s_warp) {
+                               int part, int parts, uint64_t* s_warp) {
     constexpr int kEsize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
     constexpr int kChunk = 16 / kEsize;  // logits per 16-byte load: 4 or 8 (1 or 2 groups)
     const int64_t nthreads = blockDim.x;
@@ -245,19 +303,25 @@ __device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint
     if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
         const uint4* vec = reinterpret_cast<const uint4*>(row);
         const int64_t chunks = V / kChunk;
-        // Thread t takes chunks t, t + T, t + 2T, ... (T threads): each warp load is 512
-        // contiguous bytes; kUnroll loads are issued before any is used.
-        for (int64_t c0 = threadIdx.x; c0 < chunks; c0 += kUnroll * nthreads) {
-            uint4 q[kUnroll];
+        const int64_t c_lo = chunks * part / parts, c_hi = chunks * (part + 1) / parts;
+        // Thread t takes chunks c_lo + t, c_lo + t + T, ... (T threads): each warp load is
+        // 512 contiguous bytes; kU loads are issued before any is used (8 for the light
+        // 16-bit argmax, whose scan waits on memory; kUnroll otherwise).
+        constexpr int kU = M == kArgmax && Dtype != KDT_DTYPE_FLOAT32 ? 2 * kUnroll : kUnroll;
+        for (int64_t c0 = c_lo + threadIdx.x; c0 < c_hi; c0 += kU * nthreads) {
+            uint4 q[kU];
 #pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
+            for (int u = 0; u < kU; u++) {
                 const int64_t c = c0 + u * nthreads;
-                q[u] = c < chunks ? __ldg(vec + c) : make_uint4(0u, 0u, 0u, 0u);
+                q[u] = c < c_hi ? __ldg(vec + c) : make_uint4(0u, 0u, 0u, 0u);
             }
 #pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
+            for (int u = 0; u < kU; u++) {
                 const int64_t c = c0 + u * nthreads;
-                if (c < chunks) {
+                if (c >= c_hi) continue;
+                if constexpr (M == kArgmax && Dtype != KDT_DTYPE_FLOAT32) {
+                    take_chunk_max<Dtype>(best, q[u], c * kChunk);
+                } else {
                     float x[kChunk];
                     unpack_chunk<Dtype>(q[u], x);
 #pragma unroll
@@ -271,8 +335,9 @@ __device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint
     }
     // The tail of an aligned row, or all of an unaligned one: groups of four tokens (one
     // Philox call each when sampling), scalar loads.
-    const int64_t groups = (V + 3) / 4;
-    for (int64_t g = v_scalar / 4 + threadIdx.x; g < groups; g += nthreads) {
+    const int64_t groups = (V + 3) / 4, g0 = v_scalar / 4;
+    const int64_t g_lo = g0 + (groups - g0) * part / parts, g_hi = g0 + (groups - g0) * (part + 1) / parts;
+    for (int64_t g = g_lo + threadIdx.x; g < g_hi; g += nthreads) {
         const int64_t v0 = 4 * g;
         const int cnt = V - v0 < 4 ? (int)(V - v0) : 4;
         float x[4];
@@ -290,14 +355,43 @@ __device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint
     return block_max_u64(mine, s_warp);
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The maximum of the cluster's csize block results r (each block passes its own; every
+// thread gets the maximum). Each block writes r into slot `rank` of every block's
+// `slots`, then the cluster barrier (release / acquire) makes them visible. Callers
+// alternate between two slot arrays: a block that is one step ahead writes into the
+// other array, and cannot get two steps ahead of a block still reading (the barrier).
+__device__ uint64_t cluster_max(uint64_t r, uint64_t* slots, int csize) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    const unsigned rank = cl.block_rank();
+    if ((int)threadIdx.x < csize) *cl.map_shared_rank(slots + rank, threadIdx.x) = r;
+    cl.sync();
+    uint64_t m = 0;
+    for (int i = 0; i < csize; i++) m = slots[i] > m ? slots[i] : m;
+    return m;
+}
+#endif
+
 template <int M, int Dtype>
 __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) verify_kernel(Params p) {
     extern __shared__ int32_t s_tree[];  // staged tok, fc, ns (and, kGiven, targets): rows each
     __shared__ uint64_t s_warp[32];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ uint64_t s_part[2][kMaxCluster];  // the cluster's row results (cluster_max)
+#endif
     __shared__ int64_t s_len;
     __shared__ int32_t s_cur, s_done, s_status, s_bonus;
 
-    const int64_t b = blockIdx.x;
+    // Request b; this block's rank in the request's cluster (0 when csize is 1).
+    const int csize = p.csize;
+    const int64_t b = blockIdx.x / csize;
+    const int rank = (int)(blockIdx.x % csize);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // A block may write into another block's shared memory only once that block has
+    // started: every thread arrives here and waits below, after the link check.
+    if (csize > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
     const int64_t rows = p.budget + 1;
     const int64_t base = b * rows;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -335,10 +429,13 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
             }
         }
     }
-    if (M != kGiven && p.target_out != nullptr) {
+    if (M != kGiven && p.target_out != nullptr && rank == 0) {
         for (int64_t i = tid; i < rows; i += nthreads) p.target_out[base + i] = -1;
     }
     bad = __syncthreads_or(bad);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (csize > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
     const int64_t cap = p.max_commit != nullptr ? p.max_commit[b] : INT64_MAX;
     const int32_t status0 = bad ? KDT_ERR_VALUE : cap < 0 ? KDT_ERR_INVALID_ARGUMENT : KDT_OK;
     if (tid == 0) {
@@ -351,7 +448,7 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     __syncthreads();
 
     // 2. The walk (cap 0: nothing is committed and no row is read).
-    int32_t* path = p.accepted_nodes + b * p.path_capacity;
+    int32_t* path = rank == 0 ? p.accepted_nodes + b * p.path_capacity : nullptr;
     if constexpr (M == kGiven) {
         if (warp == 0 && status0 == KDT_OK && cap > 0) {
             Walk w = {0, -1, KDT_OK, 0};
@@ -373,12 +470,21 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
         const size_t esize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
         const char* logits = static_cast<const char*>(p.logits.data);
         Walk w = {0, -1, KDT_OK, 0};  // meaningful in warp 0 only
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        int parity = 0;  // which s_part array this step's cluster_max uses
+#endif
         for (;;) {
             // Everyone reads s_cur here; warp 0 writes it only after reduce_row's barrier.
             const int32_t cur = s_cur;
             const int64_t at = b * p.logits.batch_stride + (int64_t)cur * p.logits.row_stride;
             const char* row = logits + at * (int64_t)esize;
-            const uint64_t r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b, s_warp);
+            uint64_t r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b, rank, csize, s_warp);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if (csize > 1) {  // every block of the cluster takes the same steps
+                r = cluster_max(r, s_part[parity], csize);
+                parity ^= 1;
+            }
+#endif
             if (warp == 0) {
                 bool done;
                 if (r == kRowBad || r == 0) {  // NaN, or (sampling) +inf or nothing above -inf
@@ -386,7 +492,7 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
                     done = true;
                 } else {
                     const int32_t want = (int32_t)~(uint32_t)r;
-                    if (lane == 0 && p.target_out != nullptr) p.target_out[base + cur] = want;
+                    if (lane == 0 && p.target_out != nullptr && rank == 0) p.target_out[base + cur] = want;
                     done = walk_step(w, want, t, p, cap, path);
                 }
                 if (lane == 0) {
@@ -406,6 +512,9 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     __syncthreads();
 
     // 3. Outputs: the rest of the path row (a failed request: all of it), length, bonus.
+    // Rank 0 writes them; the other blocks of a cluster are done (no block writes into
+    // another's shared memory after the last cluster barrier).
+    if (rank != 0) return;
     const int32_t status = s_status;
     const int64_t len = status == KDT_OK ? s_len : 0;
     for (int64_t j = tid; j < p.path_capacity; j += nthreads) {
@@ -525,13 +634,88 @@ kdt_status prepare_from_logits(const kdt_trees* trees, const kdt_logits* target_
     return KDT_OK;
 }
 
+std::atomic<int> g_sm_count[kMaxDevices];  // the device's SMs when its major version is >= 9, -1 below; 0: unknown
+
+// The test switch KDTREE_CUDA_VERIFY_CLUSTER: 1, 2, 4 or 8 forces that many blocks per
+// request (more than 1 only on sm_90 and later); unset or anything else: 0, automatic.
+int forced_cluster_size() {
+    const char* v = getenv("KDTREE_CUDA_VERIFY_CLUSTER");
+    if (v == NULL || v[0] == '\0' || v[1] != '\0') return 0;
+    return v[0] == '1' ? 1 : v[0] == '2' ? 2 : v[0] == '4' ? 4 : v[0] == '8' ? 8 : 0;
+}
+
+// Blocks per request for the logits calls: the largest power of two up to kMaxCluster
+// with batch x csize <= the SMs, on sm_90 and later (thread-block clusters); 1 before
+// sm_90 or when the batch fills the SMs. One block a SM: two blocks of a cluster on one SM
+// share its issue slots, and a row's scan is bound by them (measured on an H200, B = 64:
+// clusters of 4, two blocks a SM, were no faster than one block a request; clusters of 2
+// were 35% faster on 17-row walks; docs/perf-notes.md). Sets *out or returns a status.
+kdt_status cluster_size(int64_t batch, int* out) {
+    static const int forced = forced_cluster_size();
+    *out = 1;
+    if (forced == 1) return KDT_OK;
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return kdt_fail(err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ? KDT_ERR_NO_DEVICE
+                                                                                        : KDT_ERR_CUDA,
+                        "device query failed: %s", cudaGetErrorString(err));
+    }
+    const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
+    int sms = g_sm_count[slot].load(std::memory_order_relaxed);
+    if (sms == 0) {  // cached: the queries cost more than a small launch
+        int major = 0;
+        err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+        if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
+        if (major < 9 || sms < 1) sms = -1;
+        g_sm_count[slot].store(sms, std::memory_order_relaxed);
+    }
+    if (sms < 0) return KDT_OK;
+    if (forced > 1) {
+        *out = batch * forced <= (int64_t)INT32_MAX ? forced : 1;
+        return KDT_OK;
+    }
+    int c = 1;
+    while (c < kMaxCluster && batch * 2 * c <= (int64_t)sms) c *= 2;
+    *out = c;
+    return KDT_OK;
+}
+
 template <int M, int Dtype>
 kdt_status launch(Params p, void* stream, const char* what) {
     const int64_t rows = p.budget + 1;
     p.stage = rows <= kStageMax;
     const size_t smem = p.stage ? (size_t)(M == kGiven ? 4 : 3) * (size_t)rows * sizeof(int32_t) : 0;
-    verify_kernel<M, Dtype><<<(unsigned)p.batch, M == kGiven ? kWalkThreads : kRowThreads, smem,
-                              kdt::as_stream(stream)>>>(p);
+    p.csize = 1;
+    if (M != kGiven) {
+        const kdt_status st = cluster_size(p.batch, &p.csize);
+        if (st != KDT_OK) return st;
+    }
+    if (p.csize > 1) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)(p.batch * p.csize));
+        cfg.blockDim = dim3(kRowThreads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = kdt::as_stream(stream);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = (unsigned)p.csize;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        const cudaError_t err = cudaLaunchKernelEx(&cfg, verify_kernel<M, Dtype>, p);
+        if (err != cudaSuccess) {
+            cudaGetLastError();
+            return kdt_fail(KDT_ERR_CUDA, "%s launch (clusters of %d blocks) failed: %s", what, p.csize,
+                            cudaGetErrorString(err));
+        }
+    } else {
+        verify_kernel<M, Dtype><<<(unsigned)p.batch, M == kGiven ? kWalkThreads : kRowThreads, smem,
+                                  kdt::as_stream(stream)>>>(p);
+    }
     const kdt_status st = kdt::launch_status(what);
     return st != KDT_OK ? st : kdt_ok();
 }
