@@ -284,10 +284,12 @@ def test_logprobs_ids_shape_mismatch():
         kdtree.build_trees(lp, ids[:, :, :4], 8)
     with raises(ValueError, "same shape"):
         kdtree.build_trees(lp, ids[0], 8)
-    with raises(ValueError, "same shape"):
+    with raises(ValueError, "logprobs must be [B, L, K] or [L, K]", "got shape (5,)"):
         kdtree.build_trees(lp[0, 0], ids[0, 0], 8)  # 1-D
-    with raises(ValueError, "same shape"):
+    with raises(ValueError, "logprobs must be [B, L, K] or [L, K]", "got shape (1, 3, 4, 5)"):
         kdtree.build_trees(lp[None], ids[None], 8)  # 4-D
+    with raises(ValueError, "token_ids must be [B, L, K] or [L, K]", "got shape (5,)"):
+        kdtree.build_trees(lp[0], ids[0, 0], 8)
 
 
 def test_root_arrays_length():
@@ -296,6 +298,11 @@ def test_root_arrays_length():
         kdtree.build_trees(lp, ids, 8, root_tokens=[1, 2])
     with raises(ValueError, "root_positions", "(3,)"):
         kdtree.build_trees(lp, ids, 8, root_positions=[1, 2, 3, 4])
+    # the right number of values in the wrong shape is not flattened silently
+    with raises(ValueError, "root_tokens must have shape (3,)", "got (1, 3)"):
+        kdtree.build_trees(lp, ids, 8, root_tokens=[[1, 2, 3]])
+    with raises(ValueError, "root_positions must have shape (3,)", "got (3, 1)"):
+        kdtree.build_trees(lp, ids, 8, root_positions=[[1], [2], [3]])
 
 
 # ---- Dtypes -------------------------------------------------------------------------------
@@ -423,11 +430,20 @@ def test_target_tokens_shape():
         kdtree.verify_greedy(t, np.zeros((3, 11)))
 
 
-@pytest.mark.parametrize("cap", [-1, [0, -2, 1]])
-def test_negative_max_commit(cap):
+@pytest.mark.parametrize(("cap", "message"), [(-1, "max_commit must be >= 0, got -1"),
+                                              ([0, -2, 1], "max_commit must be >= 0, got -2 for request 1")])
+def test_negative_max_commit(cap, message):
     t = _tree()
-    with raises(ValueError, "max_commit"):
+    with raises(ValueError, message):
         kdtree.verify_greedy(t, np.zeros((3, 11), np.int32), max_commit=cap)
+
+
+def test_committed_request_out_of_range():
+    t = _tree()
+    acc = kdtree.verify_greedy(t, np.zeros((3, 11), np.int32))
+    for b in (3, -1):
+        with raises(IndexError, f"request {b} is out of range", "3 requests"):
+            acc.committed(t, b)
 
 
 def test_max_commit_wrong_length_or_dtype():

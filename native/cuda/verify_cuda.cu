@@ -388,6 +388,14 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     const int64_t b = blockIdx.x / csize;
     const int rank = (int)(blockIdx.x % csize);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int parts = csize;  // this block reduces slice `rank` of every visited row
+#else
+    // No cluster exchange in this code (compiled below sm_90, e.g. compute_80 PTX that the
+    // driver compiled for an sm_90 device while the host chose clusters): every block
+    // reduces whole rows, so each one still takes the right steps (rank 0 writes).
+    const int parts = 1;
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // A block may write into another block's shared memory only once that block has
     // started: every thread arrives here and waits below, after the link check.
     if (csize > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -478,7 +486,8 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
             const int32_t cur = s_cur;
             const int64_t at = b * p.logits.batch_stride + (int64_t)cur * p.logits.row_stride;
             const char* row = logits + at * (int64_t)esize;
-            uint64_t r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b, rank, csize, s_warp);
+            uint64_t r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b,
+                                              parts == 1 ? 0 : rank, parts, s_warp);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             if (csize > 1) {  // every block of the cluster takes the same steps
                 r = cluster_max(r, s_part[parity], csize);
@@ -662,15 +671,15 @@ kdt_status cluster_size(int64_t batch, int* out) {
                                                                                         : KDT_ERR_CUDA,
                         "device query failed: %s", cudaGetErrorString(err));
     }
-    const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
-    int sms = g_sm_count[slot].load(std::memory_order_relaxed);
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    int sms = cached ? g_sm_count[dev].load(std::memory_order_relaxed) : 0;
     if (sms == 0) {  // cached: the queries cost more than a small launch
         int major = 0;
         err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
         if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "device query failed: %s", cudaGetErrorString(err));
         if (major < 9 || sms < 1) sms = -1;
-        g_sm_count[slot].store(sms, std::memory_order_relaxed);
+        if (cached) g_sm_count[dev].store(sms, std::memory_order_relaxed);
     }
     if (sms < 0) return KDT_OK;
     if (forced > 1) {
@@ -683,6 +692,49 @@ kdt_status cluster_size(int64_t batch, int* out) {
     return KDT_OK;
 }
 
+// The largest cluster size <= csize (powers of two) of which the device can schedule at
+// least one cluster of `kernel` (512 threads, the largest staged tree's shared memory):
+// MPS or a partitioned device may not. Asked once per kernel and device (per device
+// ordinal below kMaxDevices; above, every time); 1 when the query fails.
+template <class Kernel>
+int schedulable_cluster_size(Kernel* kernel, int csize) {
+    static std::atomic<int> fits[kMaxDevices];  // per device: 1 + the largest size that fits, 0: unknown
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 1;
+    }
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    int best = cached ? fits[dev].load(std::memory_order_relaxed) - 1 : -1;
+    if (best < 0) {
+        best = 1;
+        for (int c = kMaxCluster; c > 1; c /= 2) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3((unsigned)c);
+            cfg.blockDim = dim3(kRowThreads);
+            cfg.dynamicSmemBytes = (size_t)3 * kStageMax * sizeof(int32_t);
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeClusterDimension;
+            attr[0].val.clusterDim.x = (unsigned)c;
+            attr[0].val.clusterDim.y = 1;
+            attr[0].val.clusterDim.z = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            int n = 0;
+            if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+                cudaGetLastError();
+                n = 0;
+            }
+            if (n > 0) {
+                best = c;
+                break;
+            }
+        }
+        if (cached) fits[dev].store(best + 1, std::memory_order_relaxed);
+    }
+    return csize < best ? csize : best;
+}
+
 template <int M, int Dtype>
 kdt_status launch(Params p, void* stream, const char* what) {
     const int64_t rows = p.budget + 1;
@@ -693,6 +745,7 @@ kdt_status launch(Params p, void* stream, const char* what) {
         const kdt_status st = cluster_size(p.batch, &p.csize);
         if (st != KDT_OK) return st;
     }
+    if (p.csize > 1) p.csize = schedulable_cluster_size(verify_kernel<M, Dtype>, p.csize);
     if (p.csize > 1) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3((unsigned)(p.batch * p.csize));

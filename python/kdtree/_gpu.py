@@ -20,6 +20,7 @@ from . import _device as dev
 from . import _lib
 from ._lib import KdtreeError
 from ._types import Acceptance, TreeBatch
+from .api import _check_caps
 
 _DTYPE_CODES = {"float32": 12, "float16": 10, "bfloat16": 11}  # kdt_dtype
 MASK_KINDS = {"bool": 0, "bits": 1, "additive": None, "flashinfer": 5}
@@ -358,8 +359,7 @@ def _verify_common(trees, stop_tokens, max_commit, s):
             caps, cv = _optional(max_commit, "max_commit", "int64", (batch,), like, s)
         else:
             host = np.broadcast_to(np.asarray(max_commit, dtype=np.int64), (batch,))
-            if (host < 0).any():
-                raise ValueError(f"max_commit must be >= 0, got {host.tolist()}")
+            _check_caps(max_commit, host)
             caps, cv = _optional(np.ascontiguousarray(host), "max_commit", "int64", (batch,), like, s)
     width = trees.depth + 1
     accepted = dev.empty(like, (batch, width), "int32")

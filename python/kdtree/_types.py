@@ -95,7 +95,12 @@ class Acceptance:
 
     def committed(self, trees: TreeBatch, b: int = 0) -> list[int]:
         """The tokens request ``b`` commits this round (accepted draft tokens, then bonus).
-        GPU arrays are copied to the host (this synchronises)."""
+        GPU arrays are copied to the host (this synchronises). IndexError when b is not a
+        request of the batch (0 <= b < B)."""
+        batch = int(self.accept_length.shape[0])
+        if not 0 <= b < batch:
+            raise IndexError(f"request {b} is out of range: this batch has {batch} requests (0 .. {batch - 1})")
+
         def host(a):
             if isinstance(a, np.ndarray):
                 return a[b]

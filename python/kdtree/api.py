@@ -314,25 +314,30 @@ def build_trees(
     _cpu_only(stream, errors, "build_trees")
     lp = _float_array(logprobs, "logprobs")
     ids = _int_array(token_ids, "token_ids")
-    if lp.ndim == 2 and ids.ndim == 2:
-        lp, ids = lp[None], ids[None]
-    if lp.ndim != 3 or ids.shape != lp.shape:
+    for name, a, given in (("logprobs", lp, logprobs), ("token_ids", ids, token_ids)):
+        if a.ndim not in (2, 3):
+            raise ValueError(f"{name} must be [B, L, K] or [L, K] (2 or 3 dimensions), got shape {np.shape(given)}")
+    if ids.shape != lp.shape:
         raise ValueError(
             f"logprobs {np.shape(logprobs)} and token_ids {np.shape(token_ids)} must have the "
             "same shape, [B, L, K] or [L, K]"
         )
+    if lp.ndim == 2:
+        lp, ids = lp[None], ids[None]
     budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
     batch, depth, width = lp.shape
     roots = None
     if root_tokens is not None:
-        roots = _int_array(root_tokens, "root_tokens").reshape(-1)
-        if roots.shape != (batch,):
+        roots = _int_array(root_tokens, "root_tokens")
+        if roots.ndim > 1 or roots.reshape(-1).shape != (batch,):
             raise ValueError(f"root_tokens must have shape ({batch},), got {np.shape(root_tokens)}")
+        roots = roots.reshape(-1)
     pos = None
     if root_positions is not None:
-        pos = _int_array(root_positions, "root_positions", np.int64).reshape(-1)
-        if pos.shape != (batch,):
+        pos = _int_array(root_positions, "root_positions", np.int64)
+        if pos.ndim > 1 or pos.reshape(-1).shape != (batch,):
             raise ValueError(f"root_positions must have shape ({batch},), got {np.shape(root_positions)}")
+        pos = pos.reshape(-1)
     vocab = 0 if vocab_size is None else _int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
     pad = _int_scalar(pad_token, "pad_token", _INT32_MIN, _INT32_MAX)
     lib = _lib.load()
@@ -405,8 +410,7 @@ def verify_greedy(
     caps = None
     if max_commit is not None:
         caps = _int_array(np.broadcast_to(np.asarray(max_commit), (batch,)), "max_commit", np.int64)
-        if (caps < 0).any():
-            raise ValueError(f"max_commit must be >= 0, got {caps.tolist()}")
+        _check_caps(max_commit, caps)
     width = trees.depth + 1
     accepted = np.empty((batch, width), np.int32)
     length = np.empty(batch, np.int32)
@@ -646,6 +650,14 @@ def _target_logits(trees: TreeBatch, target_logits, name: str) -> np.ndarray:
         raise ValueError(f"{name} must have shape [{want[0]}, {want[1]}, V >= 1] (or [{want[1]}, V] for one "
                          f"request), got {np.shape(target_logits)}")
     return x
+
+
+def _check_caps(given, caps: np.ndarray) -> None:
+    """ValueError naming the first negative commit cap (and its request, for an array)."""
+    if (caps < 0).any():
+        b = int(np.flatnonzero(caps < 0)[0])
+        where = "" if np.ndim(given) == 0 else f" for request {b}"
+        raise ValueError(f"max_commit must be >= 0, got {int(caps[b])}{where}")
 
 
 def _argmax_rows(x: np.ndarray) -> np.ndarray:
