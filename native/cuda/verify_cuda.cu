@@ -695,7 +695,8 @@ kdt_status cluster_size(int64_t batch, int* out) {
 // The largest cluster size <= csize (powers of two) of which the device can schedule at
 // least one cluster of `kernel` (512 threads, the largest staged tree's shared memory):
 // MPS or a partitioned device may not. Asked once per kernel and device (per device
-// ordinal below kMaxDevices; above, every time); 1 when the query fails.
+// ordinal below kMaxDevices; above, every time); 1 when the query fails (not cached: the
+// query may also return an earlier launch's error).
 template <class Kernel>
 int schedulable_cluster_size(Kernel* kernel, int csize) {
     static std::atomic<int> fits[kMaxDevices];  // per device: 1 + the largest size that fits, 0: unknown
@@ -708,7 +709,8 @@ int schedulable_cluster_size(Kernel* kernel, int csize) {
     int best = cached ? fits[dev].load(std::memory_order_relaxed) - 1 : -1;
     if (best < 0) {
         best = 1;
-        for (int c = kMaxCluster; c > 1; c /= 2) {
+        bool failed = false;
+        for (int c = kMaxCluster; c > 1 && !failed; c /= 2) {
             cudaLaunchConfig_t cfg = {};
             cfg.gridDim = dim3((unsigned)c);
             cfg.blockDim = dim3(kRowThreads);
@@ -723,6 +725,7 @@ int schedulable_cluster_size(Kernel* kernel, int csize) {
             int n = 0;
             if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
                 cudaGetLastError();
+                failed = true;
                 n = 0;
             }
             if (n > 0) {
@@ -730,7 +733,7 @@ int schedulable_cluster_size(Kernel* kernel, int csize) {
                 break;
             }
         }
-        if (cached) fits[dev].store(best + 1, std::memory_order_relaxed);
+        if (cached && !failed) fits[dev].store(best + 1, std::memory_order_relaxed);
     }
     return csize < best ? csize : best;
 }
