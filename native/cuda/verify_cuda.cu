@@ -12,9 +12,9 @@
 // (cluster_size): each block reduces 1/csize of every visited row, the blocks exchange
 // their maxima through distributed shared memory, and every block then takes the same
 // walk step (only rank 0 writes outputs). Each row's result is a maximum over (value,
-// ~token) keys, so it is the same however the row is split. Statuses and their order per request are
-// verify.c's: links (KDT_ERR_VALUE), then the cap (KDT_ERR_INVALID_ARGUMENT), then the
-// walk (negative or NaN target: KDT_ERR_VALUE; path too long: KDT_ERR_SHAPE).
+// ~token) keys, so it is the same however the row is split. Statuses and their order per
+// request are verify.c's: links (KDT_ERR_VALUE), then the cap (KDT_ERR_INVALID_ARGUMENT),
+// then the walk (negative or NaN target: KDT_ERR_VALUE; path too long: KDT_ERR_SHAPE).
 //
 // Sampling draws, for request b, node i, token v (documented in include/kdtree.h):
 //   key     = (seed & 0xFFFFFFFF, (seed >> 32) ^ (offset >> 32))
@@ -237,7 +237,8 @@ __device__ __forceinline__ uint32_t max2_nan(uint32_t a, uint32_t b) {
                                              *reinterpret_cast<const __nv_bfloat162*>(&b));
         r = *reinterpret_cast<const uint32_t*>(&m);
     } else {
-        const __half2 m = __hmax2_nan(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+        const __half2 m =
+            __hmax2_nan(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
         r = *reinterpret_cast<const uint32_t*>(&m);
     }
     return r;
