@@ -326,18 +326,8 @@ def build_trees(
         lp, ids = lp[None], ids[None]
     budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
     batch, depth, width = lp.shape
-    roots = None
-    if root_tokens is not None:
-        roots = _int_array(root_tokens, "root_tokens")
-        if roots.ndim > 1 or roots.reshape(-1).shape != (batch,):
-            raise ValueError(f"root_tokens must have shape ({batch},), got {np.shape(root_tokens)}")
-        roots = roots.reshape(-1)
-    pos = None
-    if root_positions is not None:
-        pos = _int_array(root_positions, "root_positions", np.int64)
-        if pos.ndim > 1 or pos.reshape(-1).shape != (batch,):
-            raise ValueError(f"root_positions must have shape ({batch},), got {np.shape(root_positions)}")
-        pos = pos.reshape(-1)
+    roots = None if root_tokens is None else _per_request(root_tokens, "root_tokens", batch)
+    pos = None if root_positions is None else _per_request(root_positions, "root_positions", batch, np.int64)
     vocab = 0 if vocab_size is None else _int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
     pad = _int_scalar(pad_token, "pad_token", _INT32_MIN, _INT32_MAX)
     lib = _lib.load()
@@ -650,6 +640,14 @@ def _target_logits(trees: TreeBatch, target_logits, name: str) -> np.ndarray:
         raise ValueError(f"{name} must have shape [{want[0]}, {want[1]}, V >= 1] (or [{want[1]}, V] for one "
                          f"request), got {np.shape(target_logits)}")
     return x
+
+
+def _per_request(values, name: str, batch: int, dtype=np.int32) -> np.ndarray:
+    """[B] integers (a scalar when B = 1), or ValueError naming the expected shape."""
+    a = _int_array(values, name, dtype)
+    if a.ndim > 1 or a.size != batch:
+        raise ValueError(f"{name} must have shape ({batch},), got {np.shape(values)}")
+    return a.reshape(-1)
 
 
 def _check_caps(given, caps: np.ndarray) -> None:
