@@ -131,22 +131,20 @@ static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "
                                    "full-buffer"};
 
 // kFullBuffer fills the row kernel's candidate buffer to its capacity exactly, for a 16-bit
-// dtype, a row on a 16-byte boundary and k = 128. The kernel (128 threads, 4 warps) holds
-// 2,048 + 3 x 128 = 2,432 keys and refines when a trip ends with more than refine_at = 384;
-// a warp stages the vectors whose max reaches tau's value and makes their keys at the start
-// of the next trip, in whole passes of 4 vectors (at most 64 vectors a warp); trip t holds
-// columns ((2t + j) * 128 + thread) * 8 + e.
-//   trip 0: every thread's vector j = 0 has one 1.0, so t0 = 1.0; those 128 vectors stage
-//           (32 a warp);
-//   trip 1: their 128 keys; vectors j = 0 of threads 0..31 (warp 0) are all 1.0 and stage;
-//   trip 2: their 256 keys (384: not above refine_at); every logit is 2.0: all 256
-//           vectors stage (64 a warp);
-//   trip 3: their 2,048 keys: 2,432, the buffer's size, at the trip's end, where the
-//           refine runs.
+// dtype, a row on a 16-byte boundary and k = 128. The kernel (128 threads) buffers vector
+// keys (a vector: 8 logits), 3 x 128 + 256 = 640 of them, and refines when a trip ends
+// with more than refine_at = 384; a trip appends the keys of its vectors whose key is
+// above tau; trip t holds vectors (2t + j) * 128 + thread, columns vector * 8 + e.
+//   trip 0: every thread's vector j = 0 has one 1.0, so t0 = 1.0; those 128 vectors'
+//           keys are appended;
+//   trip 1: every vector has a 1.0 at e = 0 and ranks above tau = key(1.0, 2^32 - 1) - 1:
+//           256 keys, 384 in all (not above refine_at);
+//   trip 2: every logit is 2.0: 256 keys, 640, the buffer's size, at the trip's end, where
+//           the refine runs.
 static double full_buffer_logit(int64_t col) {
-    const int64_t e = col % 8, vec = col / 8, trip = vec / 256, j = (vec / 128) % 2, thread = vec % 128;
+    const int64_t e = col % 8, vec = col / 8, trip = vec / 256, j = (vec / 128) % 2;
     if (trip == 0) return j == 0 && e == 0 ? 1.0 : -1.0;
-    if (trip == 1) return j == 0 && thread < 32 ? 1.0 : -1.0;
+    if (trip == 1) return e == 0 ? 1.0 : -1.0;
     return trip == 2 ? 2.0 : -1.0;
 }
 

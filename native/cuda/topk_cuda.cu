@@ -791,47 +791,51 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // loads in flight.
 // Per thread: a running max m and a sum of 2^((x - m) log2 e) (rescaled when m grows,
 // tested once per trip; a trip's terms are summed as a tree first, so the thread's chain
-// is ~V / 2,048 trip sums long), the NaN / +inf flags, and a filter: an element goes to
-// the block's candidate buffer in shared memory only when its key is > tau, where tau is
-// a valid bound at all times (at least k buffered keys are > tau, so an element with a
-// smaller key is not in the row's top k). A vector whose max is below tau's value costs
-// one comparison; a vector whose max reaches it is staged in its warp's list, and the
-// warp makes the staged vectors' keys at the start of a later trip, while that trip's
-// loads are in flight, in whole passes of 32 elements (insert_staged; the < 32 elements
-// left over wait for more, or for the row's end). tau starts from trip 0's thread maxima:
-// each warp sorts its 32 maxima (a bitonic network over shuffles) and takes the
-// ceil(k / 4)-th; the smallest of the 4 warps' values, t0, has at least k elements >= it
-// (ceil(k / 4) threads in each warp hold one). After each trip, when the buffer holds more
-// than refine_at = max(3k, 192) keys (at most the buffer's size minus a trip), the block
-// radix-selects a cut keeping between k and retain = k + max(k / 4, 8) keys (block_select
-// with a retain bound: usually the value's digits, sometimes an id digit for ties),
-// compacts the buffer and sets tau = cut - 1 (both constants measured on the H200, session
-// 9: against 4k / 2k, 138-140 -> 133 us; unchanged by a sweep in session 10). A trip adds
-// at most one trip of elements to the buffer (a warp makes at most 64 staged vectors' keys
-// a trip) and refine_at leaves room for it, so the buffer never overflows (a refine that
+// is ~V / 2,048 trip sums long) and the NaN / +inf flags.
+// The selection works on vectors, not elements. A vector's key is
+//     (float_order_key(vector max) << 32) | ~(vector index)
+// which orders the vectors as their largest elements' keys are ordered (the vectors are
+// disjoint runs of columns, so between two vectors with the same max the lower index
+// holds the lower column). So the row's k largest elements lie in its k largest vectors:
+// an element outside them sits in a vector that k vectors beat, and each of those
+// vectors' largest element beats it. The block keeps a buffer of vector keys in shared
+// memory and a bound tau, valid at all times (at least k buffered keys are > tau, so a
+// vector with a smaller key is not among the k largest); a thread appends the keys > tau
+// of its trip's two vectors at once (one ballot a vector, one shared atomic a warp).
+// tau starts from trip 0's thread maxima: each warp sorts its 32 maxima (a bitonic
+// network over shuffles) and takes the ceil(k / 4)-th; the smallest of the 4 warps'
+// values, t0, has at least k vectors >= it (ceil(k / 4) threads in each warp hold one).
+// After each trip, when the buffer holds more than refine_at = max(3k, 192) keys, the
+// block radix-selects a cut keeping between k and retain = k + max(k / 4, 8) keys
+// (block_select with a retain bound), compacts the buffer and sets tau = cut - 1 (both
+// constants measured on the H200, session 9, for element keys). A trip adds at most 256
+// keys and refine_at leaves room for them, so the buffer never overflows (a refine that
 // finds more keys than it holds marks the row KDT_ERR_INTERNAL: a tripwire for the
-// tests). At the row's end the block selects the exact k-th largest buffered key, gathers
-// the k keys >= it, ranks them and writes them as the finish kernel does. No workspace is
-// used.
+// tests). At the row's end the block selects the k largest buffered vector keys (all of
+// them when fewer than k are buffered: then tau never rose and every vector is there),
+// reads those k vectors again (k x 16 bytes a row), selects the exact k-th largest of
+// their element keys, ranks the k keys >= it and writes them as the finish kernel does.
+// No workspace is used.
 constexpr int kRowMaxK = 128;
 constexpr int kRowU = 2;                                // vectors per thread per trip
 
-// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM on sm_90,
-// 27.8 KB of shared memory each) are used: on the H200 they beat 256 threads (4 blocks per
-// SM) by ~6% (docs/perf-notes.md, session 9): twice as many rows stream at once, so a
-// block waiting at its per-trip barrier leaves more of the SM to the others, and the
-// benchmark's 1,024 rows fit in one wave of 1,056 blocks.
+// The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM on sm_90)
+// are used: on the H200 they beat 256 threads (4 blocks per SM) by ~6% (docs/perf-notes.md,
+// session 9): twice as many rows stream at once, so a block waiting at its per-trip
+// barrier leaves more of the SM to the others, and the benchmark's 1,024 rows fit in one
+// wave of 1,056 blocks.
 constexpr int kRowThreads = 128;
 template <int NT>
 struct RowShape {
-    static_assert(NT == 128, "the sizes below are for 128 threads (256: 4 blocks, 4k margin, 128 slots)");
+    static_assert(NT == 128, "the sizes below are for 128 threads");
     static constexpr int kWarps = NT / 32;
     static constexpr int kMinBlocks = 8;
-    static constexpr int kTripMax = NT * kRowU * 8;     // elements per trip (16-bit)
-    static constexpr int kCap = kTripMax + 3 * kRowMaxK;  // buffered keys
-    static constexpr int kStageCap = 32 * kRowU + 8;    // a warp's list: a trip's vectors + < 8 left over
+    static constexpr int kTripVecs = NT * kRowU;           // vectors (keys) per trip
+    static constexpr int kRefineMax = 3 * kRowMaxK;       // the largest refine_at
+    static constexpr int kCap = kRefineMax + kTripVecs;   // buffered keys
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
-    static_assert(kCap - kTripMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
+    static_assert(kRowMaxK <= NT, "the final step reads one vector a thread");
+    static_assert(kRefineMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
 };
 
 struct RowParams {
@@ -853,17 +857,19 @@ struct RowParams {
 template <int NT>
 struct RowSmem {
     SelectSmem sel;
-    uint64_t buf[RowShape<NT>::kCap];  // candidate keys
+    union {
+        uint64_t buf[RowShape<NT>::kCap];  // candidate vector keys
+        uint64_t ekeys[kRowMaxK * 8];      // finish_row: the k vectors' element keys
+    };
     union {
         uint64_t kept[kRowMaxK + kRowMaxK / 4];  // a refine's survivors (<= retain)
-        uint64_t sorted[kRowMaxK];     // finish_row: the k keys (no refine runs then)
+        uint64_t vsel[kRowMaxK];       // finish_row: the k largest vector keys, then
+        uint64_t sorted[kRowMaxK];     // the k largest element keys (no refine runs then)
     };
-    uint4 stage_vec[NT / 32][RowShape<NT>::kStageCap];  // per warp: vectors waiting for their keys
-    uint32_t stage_vid[NT / 32][RowShape<NT>::kStageCap];
     float warp_t0[kWarps];
     float red_max[kWarps], red_sum[kWarps];
     uint32_t red_flags[kWarps];
-    uint32_t count, kept_n, out_n;
+    uint32_t count, kept_n, out_n, vsel_n;
     uint32_t overflow;  // a refine found more keys than buf holds (a bug)
 };
 static_assert(sizeof(RowSmem<kRowThreads>) + 1024 <= 228 * 1024 / 8,
@@ -891,40 +897,6 @@ __device__ __forceinline__ float warp_jth_largest(float x, int j) {
         }
     }
     return __shfl_sync(0xFFFFFFFFu, x, j - 1);
-}
-
-// Appends the keys > tau of the calling warp's ns staged vectors (vecs[i], element 0 at
-// column vids[i]) to the buffer, one element per lane: element e (vector e / kVec) goes to
-// lane e % 32, in passes of 32 elements, and each pass claims its slots with one atomic.
-// Returns, on each lane, the buffer's count after that lane's last insertion (`last` when
-// it inserted nothing). Every lane of the warp calls it with the same ns; the elements are
-// tested against tv (tau's value) before a key is made.
-template <int D>
-__device__ __forceinline__ uint32_t insert_staged(const uint4* vecs, const uint32_t* vids, uint32_t ns,
-                                                  uint64_t tau, float tv, uint64_t* buf, uint32_t* count,
-                                                  uint32_t last) {
-    using E = Elem<D>;
-    constexpr uint32_t kPer = E::kPerWord, kVec = kVecWords * kPer;
-    const uint32_t n = ns * kVec, lane = threadIdx.x & 31u;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(vecs);
-    for (uint32_t e = lane; e - lane < n; e += 32u) {  // e - lane: the pass's first element
-        bool pass = false;
-        uint64_t key = 0;
-        if (e < n) {
-            // Word e / kPer of the list (kVec / kPer = 4 words a vector); x >= tv > NaN.
-            const float x = E::get(words[e / kPer], (int)(e % kPer));
-            if (x >= tv) {
-                key = ((uint64_t)kdt::float_order_key(x == 0.0f ? 0.0f : x) << 32) | (uint32_t)~(vids[e / kVec] + e % kVec);
-                pass = key > tau;
-            }
-        }
-        if (pass) {  // the compiler aggregates the warp's atomics into one
-            const uint32_t at = atomicAdd(count, 1u);
-            buf[at] = key;
-            last = max(last, at + 1u);
-        }
-    }
-    return last;
 }
 
 // The sum of n (a power of two) floats as a balanced tree: log2 n dependent adds.
@@ -976,7 +948,8 @@ __device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords
 }
 
 template <int D, int NT, class Smem>
-__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx);
+__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa, uint32_t a,
+                           uint32_t nvec, float m, float sum, float mx);
 
 template <int D, int NT>
 __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(RowParams p) {
@@ -1012,6 +985,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         if (tid == 0) {
             s.count = 0;
             s.out_n = 0;
+            s.vsel_n = 0;
             s.overflow = 0;
         }
         __syncthreads();  // the previous row is done with the shared state
@@ -1052,17 +1026,6 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             tv = th <= kNegInfKey ? -INFINITY : kdt::float_from_order_key(th);
         };
         set_tau(tau);
-        // The candidate path. A vector whose max reaches tv is staged in its warp's list (at
-        // the slot the warp's ballot gives it); at the start of a later trip the same warp
-        // makes the keys of its list's whole passes (insert_staged, one lane per element,
-        // at most 64 vectors: one trip of elements, which the buffer has room for) while
-        // that trip's loads are in flight, and moves the < kPassVecs vectors left over to
-        // the list's front. The row's end flushes the lists. The trip body runs with the
-        // two register sets swapped on odd trips (no copies).
-        uint4* const stage_vec = s.stage_vec[warp];
-        uint32_t* const stage_vid = s.stage_vid[warp];
-        uint32_t ns = 0;  // vectors in the warp's list (the same on every lane)
-        constexpr uint32_t kPassVecs = 32 / kVec;  // vectors in one pass of insert_staged
         const uint32_t lt_mask = (1u << lane) - 1u;
         // A refine (see above): keeps between k and retain keys and raises tau. Whole block.
         auto refine = [&]() {
@@ -1091,25 +1054,11 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         auto trip_body = [&](auto first, uint32_t t, uint32_t (&cur)[kRowU][kVecWords],
                              uint32_t (&nxt)[kRowU][kVecWords]) {
             if (t + 1 < trips) load(t + 1, nxt);
-            uint32_t last = 0;  // the buffer's count after this thread's last insertion
-            if (ns >= kPassVecs) {
-                // Whole passes only, q <= 64 vectors (at most a trip of elements); the
-                // < kPassVecs vectors left over move to the front of the list and wait for more.
-                const uint32_t q = min(ns - ns % kPassVecs, 32u * kRowU), r = ns - q;
-                last = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, last);
-                __syncwarp();  // the passes have read the list's front
-                if ((uint32_t)lane < r) {
-                    stage_vec[lane] = stage_vec[q + lane];  // q >= kPassVecs > r: no overlap
-                    stage_vid[lane] = stage_vid[q + lane];
-                }
-                ns = r;
-                __syncwarp();
-            }
             float vmax[kRowU];
             accumulate_trip<D, kRowU>(cur, m, sum, mx, vmax);
             if (decltype(first)::value && k > 0) {
-                // t0 from the thread maxima of trip 0 (see above): tau = key(t0, id 2^32 - 1)
-                // - 1, so every element whose value is >= t0 passes.
+                // t0 from the thread maxima of trip 0 (see above): tau = key(t0, index
+                // 2^32 - 1) - 1, so every vector whose max is >= t0 passes.
                 float tmax = vmax[0];
 #pragma unroll
                 for (int j = 1; j < kRowU; j++) tmax = fmax_nan(tmax, vmax[j]);
@@ -1121,28 +1070,38 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                 if (t0 == 0.0f) t0 = 0.0f;  // +0's key, which both zeros' keys equal (element_key)
                 set_tau(((uint64_t)kdt::float_order_key(t0) << 32) - 1u);
             }
+            // Vector j of this thread is v0 + j * NT; vectors past the frame hold no column.
+            const uint32_t v0 = t * kTrip + (uint32_t)tid;
             bool want[kRowU], want_any = false;
 #pragma unroll
             for (int j = 0; j < kRowU; j++) {
-                want[j] = vmax[j] >= tv;  // false for NaN
+                want[j] = vmax[j] >= tv && v0 + (uint32_t)(j * NT) < nvec;  // false for NaN
                 want_any |= want[j];
             }
-            if (__any_sync(0xFFFFFFFFu, want_any)) {  // most trips stage nothing
+            uint32_t last = 0;  // the buffer's count after this warp's insertion
+            if (__any_sync(0xFFFFFFFFu, want_any)) {  // most trips insert nothing
+                uint64_t key[kRowU];
+                uint32_t ballot[kRowU], total = 0;
 #pragma unroll
                 for (int j = 0; j < kRowU; j++) {
-                    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, want[j]);
-                    if (want[j]) {
-                        const uint32_t slot = ns + (uint32_t)__popc(ballot & lt_mask);
-                        stage_vec[slot] = make_uint4(cur[j][0], cur[j][1], cur[j][2], cur[j][3]);
-                        // Element 0's column.
-                        stage_vid[slot] = (t * kTrip + (uint32_t)(j * NT + tid)) * kVec - a;
-                    }
-                    ns += (uint32_t)__popc(ballot);
+                    const float x = vmax[j] == 0.0f ? 0.0f : vmax[j];  // -0: +0's key
+                    key[j] = ((uint64_t)kdt::float_order_key(x) << 32) | (uint32_t)~(v0 + (uint32_t)(j * NT));
+                    want[j] = want[j] && key[j] > tau;
+                    ballot[j] = __ballot_sync(0xFFFFFFFFu, want[j]);
+                    total += (uint32_t)__popc(ballot[j]);
                 }
+                uint32_t base = 0;
+                if (lane == 0 && total != 0) base = atomicAdd(&s.count, total);
+                base = __shfl_sync(0xFFFFFFFFu, base, 0);
+#pragma unroll
+                for (int j = 0; j < kRowU; j++) {
+                    if (want[j]) s.buf[base + (uint32_t)__popc(ballot[j] & lt_mask)] = key[j];
+                    base += (uint32_t)__popc(ballot[j]);
+                }
+                if (total != 0) last = base;
             }
             // The largest `last` of the block is the buffer's count (or nobody inserted and
-            // the count is what it was, <= refine_at). The barrier also makes the warp's
-            // staged vectors visible to its lanes.
+            // the count is what it was, <= refine_at).
             if (__syncthreads_or(last > refine_at)) refine();
         };
         uint32_t wa[kRowU][kVecWords], wb[kRowU][kVecWords];
@@ -1153,28 +1112,21 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             if (t + 1 < trips) trip_body(std::false_type(), t + 1, wa, wb);
         }
 
-        // The last staged vectors' keys: whole passes first (at most a trip of elements: the
-        // buffer holds them), a refine if needed, then the < kPassVecs vectors a warp has
-        // left; then the final selection.
-        {
-            const uint32_t q = min(ns - ns % kPassVecs, 32u * kRowU);
-            uint32_t last = 0;
-            if (q != 0) last = insert_staged<D>(stage_vec, stage_vid, q, tau, tv, s.buf, &s.count, 0);
-            if (__syncthreads_or(last > refine_at)) refine();
-            if (ns > q) insert_staged<D>(stage_vec + q, stage_vid + q, ns - q, tau, tv, s.buf, &s.count, 0);
-            __syncthreads();
-        }
-
-        finish_row<D, NT>(s, p, row, rowp, m, sum, mx);
+        finish_row<D, NT>(s, p, row, rowp, pa, a, nvec, m, sum, mx);
     }
 }
 
 // The end of a row, for every thread of the block (after a barrier): the row's max, flags
 // and log-sum-exp from the threads' statistics (m, sum, mx: accumulate_trip), its status,
-// and for k > 0 the k largest of the s.count buffered keys, sorted, as log-probs and ids.
-// Smem is the kernel's shared state (sel, buf, sorted, red_*, count, out_n, overflow).
+// and for k > 0 the row's k largest elements, sorted, as log-probs and ids: they lie in the
+// k largest of the s.count buffered vector keys (see the kernel's comment), whose vectors
+// are read again from the row's frame (pa, a, nvec as in the kernel). Smem is the
+// kernel's shared state (sel, buf, vsel, sorted, red_*, count, out_n, vsel_n, overflow).
 template <int D, int NT, class Smem>
-__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, float m, float sum, float mx) {
+__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa, uint32_t a,
+                           uint32_t nvec, float m, float sum, float mx) {
+    using E = Elem<D>;
+    constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
     constexpr int kW = NT / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t V = (uint32_t)p.vocab;
@@ -1222,16 +1174,60 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
         }
         return;
     }
-    // The k largest buffered keys (at least k are > tau; the rest are not needed).
+    // The k largest buffered vector keys (at least k are > tau; the rest are not needed),
+    // or all of them when fewer than k are buffered: tau never rose then, so every vector
+    // of the row is there (a NaN, which no vector key holds, made the row bad above).
     const uint32_t n = s.count;
+    const uint64_t* vk = s.buf;
+    if (n > k) {
+        const uint64_t Tv = block_select<1, NT>(s.sel, nullptr, k, [&](auto&& f) {
+            for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
+        });
+        for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
+            const uint64_t key = s.buf[i];
+            if (key >= Tv) {
+                const uint32_t at = atomicAdd(&s.vsel_n, 1u);
+                if (at < k) s.vsel[at] = key;
+            }
+        }
+        __syncthreads();
+        vk = s.vsel;
+    }
+    // Thread i < min(n, k) reads vector i's elements again; a position outside the row
+    // gets key 0, below every column's key. At least k columns are read (k <= V), so the
+    // k-th largest key T is a column's and exactly k keys are >= T.
+    // Their element keys go to ekeys (thread i's at i * kVec), which shares buf's storage.
+    const bool has = (uint32_t)tid < min(n, k);
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    uint32_t v = 0;
+    if (has) {
+        v = ~(uint32_t)vk[tid];
+        x = load_vector_checked<D>(pa, v, nvec, a, V);
+    }
+    __syncthreads();  // every thread has read vk (buf or vsel)
+    uint64_t* const ek = s.ekeys + (uint32_t)tid * kVec;
+    if (has) {
+        const uint32_t w[kVecWords] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int q = 0; q < kVec; q++) {
+            const uint32_t id = v * kVec + (uint32_t)q - a;  // wraps below column 0
+            ek[q] = (uint64_t)v * kVec + (uint32_t)q >= a && id < V ? element_key(E::get(w[q / kPer], q % kPer), id) : 0;
+        }
+    }
+    // block_select reads each thread's own keys only; its first barrier comes before
+    // sorted (which shares vsel's storage) is written below.
     const uint64_t T = block_select<1, NT>(s.sel, nullptr, k, [&](auto&& f) {
-        for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
+        if (has) {
+            for (int q = 0; q < kVec; q++) f(ek[q]);
+        }
     });
-    for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
-        const uint64_t key = s.buf[i];
-        if (key >= T) {
-            const uint32_t at = atomicAdd(&s.out_n, 1u);
-            if (at < k) s.sorted[at] = key;
+    if (has) {
+        for (int q = 0; q < kVec; q++) {
+            const uint64_t key = ek[q];
+            if (key >= T) {
+                const uint32_t at = atomicAdd(&s.out_n, 1u);
+                if (at < k) s.sorted[at] = key;
+            }
         }
     }
     __syncthreads();
@@ -1252,12 +1248,11 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     }
 }
 
-// The row kernel's refine threshold: max(3k, 192) buffered keys, at most the buffer's size
-// minus one trip of elements of esize bytes (constants measured on the H200, session 9).
-uint32_t row_refine_at(int64_t k, size_t esize) {
-    const int64_t cap = RowShape<kRowThreads>::kCap - (int64_t)kRowThreads * kRowU * (int64_t)(16 / esize);
+// The row kernel's refine threshold: max(3k, 192) buffered keys, at most kRefineMax, so a
+// trip's keys always fit behind it (constants measured on the H200, session 9).
+uint32_t row_refine_at(int64_t k) {
     const int64_t r = 3 * k > 192 ? 3 * k : 192;
-    return (uint32_t)(r < cap ? r : cap);
+    return (uint32_t)(r < RowShape<kRowThreads>::kRefineMax ? r : RowShape<kRowThreads>::kRefineMax);
 }
 
 // What a refine keeps: k .. k + max(k / 4, 8) keys (at most kRowMaxK + kRowMaxK / 4, the
@@ -1366,7 +1361,7 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
         rp.out_logprobs = out_logprobs;
         rp.out_ids = out_ids;
         rp.row_status = row_status;
-        rp.refine_at = row_refine_at(k, kdt::float_dtype_size(logits->dtype));
+        rp.refine_at = row_refine_at(k);
         rp.retain = row_retain(k);
         switch (logits->dtype) {
             case KDT_DTYPE_FLOAT32: launch_rows<KDT_DTYPE_FLOAT32>(rp, s); break;
