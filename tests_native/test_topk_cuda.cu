@@ -132,20 +132,23 @@ static const char* kKindNames[] = {"normal", "peaked", "ties",    "all-equal", "
 
 // kFullBuffer fills the row kernel's candidate buffer to its capacity exactly, for a 16-bit
 // dtype, a row on a 16-byte boundary and k = 128. The kernel (128 threads) buffers vector
-// keys (a vector: 8 logits), 3 x 128 + 256 = 640 of them, and refines when a trip ends
-// with more than refine_at = 384; a trip appends the keys of its vectors whose key is
-// above tau; trip t holds vectors (2t + j) * 128 + thread, columns vector * 8 + e.
+// keys (a vector: 8 logits), 3 x 128 + 4 x 256 = 1,408 of them; a trip appends the keys of
+// its vectors whose key is above tau, and after trips 0, 4, 8, ... a refine runs when the
+// buffer holds more than refine_at = 384 keys. Trip t holds vectors (2t + j) * 128 +
+// thread, columns vector * 8 + e; the row has 9 trips.
 //   trip 0: every thread's vector j = 0 has one 1.0, so t0 = 1.0; those 128 vectors'
 //           keys are appended;
 //   trip 1: every vector has a 1.0 at e = 0 and ranks above tau = key(1.0, 2^32 - 1) - 1:
-//           256 keys, 384 in all (not above refine_at);
-//   trip 2: every logit is 2.0: 256 keys, 640, the buffer's size, at the trip's end, where
-//           the refine runs.
+//           256 keys, 384 in all;
+//   trips 2-4: nothing (-1.0); 384 keys at the check after trip 4, not above refine_at;
+//   trips 5-8: every logit is 2.0: 1,024 keys, 1,408, the buffer's size, at the check after
+//           trip 8, where the refine runs.
+static const int64_t kFullBufferTrips = 9;
 static double full_buffer_logit(int64_t col) {
     const int64_t e = col % 8, vec = col / 8, trip = vec / 256, j = (vec / 128) % 2;
     if (trip == 0) return j == 0 && e == 0 ? 1.0 : -1.0;
     if (trip == 1) return e == 0 ? 1.0 : -1.0;
-    return trip == 2 ? 2.0 : -1.0;
+    return trip >= 5 ? 2.0 : -1.0;
 }
 
 static void make_row(float* x, int64_t V, int64_t K, int kind) {
@@ -560,7 +563,7 @@ int main() {
 
     // The row that fills the row kernel's buffer exactly (k = 128, 16-bit dtypes).
     for (int32_t dtype : {KDT_DTYPE_BFLOAT16, KDT_DTYPE_FLOAT16}) {
-        Shape sh = {dtype, 1, 1, 5 * 2048, 0, 0, 0, false};
+        Shape sh = {dtype, 1, 1, kFullBufferTrips * 2048, 0, 0, 0, false};
         Tensor t;
         make_tensor(sh, kFullBuffer, &t);
         run_case(&d, t, 128, "full buffer");

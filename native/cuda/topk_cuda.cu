@@ -817,7 +817,16 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // their element keys, ranks the k keys >= it and writes them as the finish kernel does.
 // No workspace is used.
 constexpr int kRowMaxK = 128;
-constexpr int kRowU = 2;                                // vectors per thread per trip
+#ifndef KDT_TOPK_ROW_U
+#define KDT_TOPK_ROW_U 2
+#endif
+constexpr int kRowU = KDT_TOPK_ROW_U;                   // vectors per thread per trip
+#ifndef KDT_TOPK_CHECK_EVERY
+#define KDT_TOPK_CHECK_EVERY 4
+#endif
+constexpr uint32_t kRowCheckEvery = KDT_TOPK_CHECK_EVERY;  // trips between refine checks (a power of two)
+static_assert((kRowCheckEvery & (kRowCheckEvery - 1)) == 0, "a power of two");
+constexpr uint32_t kRowRankMax = 256;  // final candidates ranked by counting, without a select
 
 // The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM on sm_90)
 // are used: on the H200 they beat 256 threads (4 blocks per SM) by ~6% (docs/perf-notes.md,
@@ -832,7 +841,7 @@ struct RowShape {
     static constexpr int kMinBlocks = 8;
     static constexpr int kTripVecs = NT * kRowU;           // vectors (keys) per trip
     static constexpr int kRefineMax = 3 * kRowMaxK;       // the largest refine_at
-    static constexpr int kCap = kRefineMax + kTripVecs;   // buffered keys
+    static constexpr int kCap = kRefineMax + kTripVecs * kRowCheckEvery;  // buffered keys
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
     static_assert(kRowMaxK <= NT, "the final step reads one vector a thread");
     static_assert(kRefineMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
@@ -863,17 +872,28 @@ struct RowSmem {
     };
     union {
         uint64_t kept[kRowMaxK + kRowMaxK / 4];  // a refine's survivors (<= retain)
-        uint64_t vsel[kRowMaxK];       // finish_row: the k largest vector keys, then
+        uint32_t vsel[NT];             // finish_row: the chosen vectors' indices, then
         uint64_t sorted[kRowMaxK];     // the k largest element keys (no refine runs then)
     };
     float warp_t0[kWarps];
     float red_max[kWarps], red_sum[kWarps];
     uint32_t red_flags[kWarps];
-    uint32_t count, kept_n, out_n, vsel_n;
+    uint32_t count, kept_n, out_n, vsel_n, cand_n;
     uint32_t overflow;  // a refine found more keys than buf holds (a bug)
 };
 static_assert(sizeof(RowSmem<kRowThreads>) + 1024 <= 228 * 1024 / 8,
               "8 blocks a SM on sm_90 / sm_100 (228 KB of shared memory, 1 KB reserved a block)");
+
+// atomicAdd on shared memory as one instruction: the compiler wraps atomicAdd in its own
+// warp aggregation even when one lane calls it.
+__device__ __forceinline__ uint32_t shared_add(uint32_t* p, uint32_t v) {
+    uint32_t r;
+    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
+                 : "=r"(r)
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(v)
+                 : "memory");
+    return r;
+}
 
 // The row kernel's next row (b, l) in a grid of (x: positions, y: requests) blocks.
 __device__ __forceinline__ void next_row(int64_t& b, int64_t& l, int64_t length) {
@@ -936,20 +956,26 @@ __device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords
     const float c = m_new == -FLT_MAX ? -FLT_MAX : __fmul_rn(m_new, kLog2e);
     sum *= m_new > m ? hw_exp2(__fsub_rn(c_old, c)) : 1.0f;
     m = m_new;
-    float e[U * kVec];
+    constexpr int kHalf = U > 2 ? 2 : U;
+    float part[U / kHalf];
 #pragma unroll
-    for (int j = 0; j < U; j++) {
+    for (int h = 0; h < U / kHalf; h++) {
+        float e[kHalf * kVec];
 #pragma unroll
-        for (int q = 0; q < kVec; q++) {
-            e[j * kVec + q] = hw_exp2(__fmaf_rn(E::get(w[j][q / kPer], q % kPer), kLog2e, -c));
+        for (int j = 0; j < kHalf; j++) {
+#pragma unroll
+            for (int q = 0; q < kVec; q++) {
+                e[j * kVec + q] = hw_exp2(__fmaf_rn(E::get(w[h * kHalf + j][q / kPer], q % kPer), kLog2e, -c));
+            }
         }
+        part[h] = tree_sum<kHalf * kVec>(e);
     }
-    sum += tree_sum<U * kVec>(e);
+    sum += tree_sum<U / kHalf>(part);
 }
 
 template <int D, int NT, class Smem>
 __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa, uint32_t a,
-                           uint32_t nvec, float m, float sum, float mx);
+                           uint32_t nvec, uint64_t tau, float m, float sum, float mx);
 
 template <int D, int NT>
 __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(RowParams p) {
@@ -984,11 +1010,14 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         const uint32_t in_n = in_hi > in_lo ? in_hi - in_lo : 0u;
         if (tid == 0) {
             s.count = 0;
-            s.out_n = 0;
-            s.vsel_n = 0;
             s.overflow = 0;
         }
         __syncthreads();  // the previous row is done with the shared state
+        if (tid == 0) {  // after the barrier: the previous row's last step reads cand_n without one
+            s.out_n = 0;
+            s.vsel_n = 0;
+            s.cand_n = 0;
+        }
 
         const uint4* row_vecs = reinterpret_cast<const uint4*>(pa) + tid;  // this thread's vector of trip 0
         auto load = [&](uint32_t trip, uint32_t (&w)[kRowU][kVecWords]) {
@@ -1051,6 +1080,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             __syncthreads();
         };
         // first: std::true_type for trip 0 only (t0 is set there), so later trips do not test t.
+        uint32_t last_acc = 0;  // the buffer's count after this warp's insertions since the last check
         auto trip_body = [&](auto first, uint32_t t, uint32_t (&cur)[kRowU][kVecWords],
                              uint32_t (&nxt)[kRowU][kVecWords]) {
             if (t + 1 < trips) load(t + 1, nxt);
@@ -1091,7 +1121,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                     total += (uint32_t)__popc(ballot[j]);
                 }
                 uint32_t base = 0;
-                if (lane == 0 && total != 0) base = atomicAdd(&s.count, total);
+                if (lane == 0 && total != 0) base = shared_add(&s.count, total);
                 base = __shfl_sync(0xFFFFFFFFu, base, 0);
 #pragma unroll
                 for (int j = 0; j < kRowU; j++) {
@@ -1100,9 +1130,13 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
                 }
                 if (total != 0) last = base;
             }
-            // The largest `last` of the block is the buffer's count (or nobody inserted and
-            // the count is what it was, <= refine_at).
-            if (__syncthreads_or(last > refine_at)) refine();
+            // Every kRowCheckEvery trips: the largest `last` of the block is the buffer's
+            // count (or nobody inserted and the count is what it was, <= refine_at).
+            last_acc = max(last_acc, last);
+            if ((t & (kRowCheckEvery - 1)) == 0) {
+                if (__syncthreads_or(last_acc > refine_at)) refine();
+                last_acc = 0;
+            }
         };
         uint32_t wa[kRowU][kVecWords], wb[kRowU][kVecWords];
         load(0, wa);
@@ -1112,7 +1146,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
             if (t + 1 < trips) trip_body(std::false_type(), t + 1, wa, wb);
         }
 
-        finish_row<D, NT>(s, p, row, rowp, pa, a, nvec, m, sum, mx);
+        finish_row<D, NT>(s, p, row, rowp, pa, a, nvec, tau, m, sum, mx);
     }
 }
 
@@ -1124,7 +1158,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
 // kernel's shared state (sel, buf, vsel, sorted, red_*, count, out_n, vsel_n, overflow).
 template <int D, int NT, class Smem>
 __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa, uint32_t a,
-                           uint32_t nvec, float m, float sum, float mx) {
+                           uint32_t nvec, uint64_t tau, float m, float sum, float mx) {
     using E = Elem<D>;
     constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
     constexpr int kW = NT / 32;
@@ -1174,76 +1208,87 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
         }
         return;
     }
-    // The k largest buffered vector keys (at least k are > tau; the rest are not needed),
-    // or all of them when fewer than k are buffered: tau never rose then, so every vector
-    // of the row is there (a NaN, which no vector key holds, made the row bad above).
+    // The buffered vector keys are all > tau and hold the k largest (every vector with a
+    // larger key is there; when fewer than k are buffered tau never rose, so every vector of
+    // the row is there; a NaN, which no vector key holds, made the row bad above). At most
+    // NT of them are read again, one a thread: all when they fit, else the k .. NT keys
+    // >= a cut (block_select's retain bound), which again hold the k largest.
     const uint32_t n = s.count;
-    const uint64_t* vk = s.buf;
-    if (n > k) {
-        const uint64_t Tv = block_select<1, NT>(s.sel, nullptr, k, [&](auto&& f) {
-            for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
-        });
+    uint64_t bound = tau + 1;  // every chosen vector key is >= bound, and at least k are
+    if (n > (uint32_t)NT) {
+        bound = block_select<1, NT>(
+            s.sel, nullptr, k,
+            [&](auto&& f) {
+                for (uint32_t i = (uint32_t)tid; i < n; i += NT) f(s.buf[i]);
+            },
+            (uint32_t)NT);
         for (uint32_t i = (uint32_t)tid; i < n; i += NT) {
             const uint64_t key = s.buf[i];
-            if (key >= Tv) {
+            if (key >= bound) {
                 const uint32_t at = atomicAdd(&s.vsel_n, 1u);
-                if (at < k) s.vsel[at] = key;
+                if (at < (uint32_t)NT) s.vsel[at] = ~(uint32_t)key;
             }
         }
         __syncthreads();
-        vk = s.vsel;
     }
-    // Thread i < min(n, k) reads vector i's elements again; a position outside the row
-    // gets key 0, below every column's key. At least k columns are read (k <= V), so the
-    // k-th largest key T is a column's and exactly k keys are >= T.
-    // Their element keys go to ekeys (thread i's at i * kVec), which shares buf's storage.
-    const bool has = (uint32_t)tid < min(n, k);
+    const uint32_t nv = n > (uint32_t)NT ? min(s.vsel_n, (uint32_t)NT) : n;
+    const bool has = (uint32_t)tid < nv;
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
     uint32_t v = 0;
     if (has) {
-        v = ~(uint32_t)vk[tid];
+        v = n > (uint32_t)NT ? s.vsel[tid] : ~(uint32_t)s.buf[tid];
         x = load_vector_checked<D>(pa, v, nvec, a, V);
     }
-    __syncthreads();  // every thread has read vk (buf or vsel)
-    uint64_t* const ek = s.ekeys + (uint32_t)tid * kVec;
+    // Candidates: the chosen vectors' elements whose value reaches the bound's (at least k
+    // do: the largest element of each of the >= k vectors at or above it), which hold the
+    // row's k largest. They go to ekeys, which shares buf's storage.
+    __syncthreads();  // every thread has read buf and vsel
+    const uint64_t lo = bound >> 32 << 32;
     if (has) {
         const uint32_t w[kVecWords] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int q = 0; q < kVec; q++) {
             const uint32_t id = v * kVec + (uint32_t)q - a;  // wraps below column 0
-            ek[q] = (uint64_t)v * kVec + (uint32_t)q >= a && id < V ? element_key(E::get(w[q / kPer], q % kPer), id) : 0;
+            if ((uint64_t)v * kVec + (uint32_t)q >= a && id < V) {
+                const uint64_t key = element_key(E::get(w[q / kPer], q % kPer), id);
+                if (key >= lo) s.ekeys[atomicAdd(&s.cand_n, 1u)] = key;
+            }
         }
     }
-    // block_select reads each thread's own keys only; its first barrier comes before
-    // sorted (which shares vsel's storage) is written below.
-    const uint64_t T = block_select<1, NT>(s.sel, nullptr, k, [&](auto&& f) {
-        if (has) {
-            for (int q = 0; q < kVec; q++) f(ek[q]);
-        }
-    });
-    if (has) {
-        for (int q = 0; q < kVec; q++) {
-            const uint64_t key = ek[q];
+    __syncthreads();
+    // Up to kRankMax candidates are ranked directly; more (ties, -inf runs) are first cut to
+    // exactly the k largest (keys are unique, so T leaves exactly k keys >= T).
+    uint32_t c = s.cand_n;
+    const uint64_t* list = s.ekeys;
+    if (c > kRowRankMax) {
+        const uint64_t T = block_select<1, NT>(s.sel, nullptr, k, [&](auto&& f) {
+            for (uint32_t i = (uint32_t)tid; i < c; i += NT) f(s.ekeys[i]);
+        });
+        for (uint32_t i = (uint32_t)tid; i < c; i += NT) {
+            const uint64_t key = s.ekeys[i];
             if (key >= T) {
                 const uint32_t at = atomicAdd(&s.out_n, 1u);
                 if (at < k) s.sorted[at] = key;
             }
         }
+        __syncthreads();
+        c = k;
+        list = s.sorted;
     }
-    __syncthreads();
-    // Exactly k keys, all different: each one's rank is the number of larger ones.
-    for (int i = tid; i < (int)k; i += NT) {
-        const uint64_t key = s.sorted[i];
+    // c >= k different keys: each one's rank is the number of larger ones; ranks below k
+    // are written.
+    for (uint32_t i = (uint32_t)tid; i < c; i += NT) {
+        const uint64_t key = list[i];
         uint32_t rank = 0;
-        for (uint32_t j = 0; j < k; j++) rank += s.sorted[j] > key ? 1u : 0u;
-        const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
+        for (uint32_t j = 0; j < c; j++) rank += list[j] > key ? 1u : 0u;
+        if (rank >= k) continue;
+        const float xv = kdt::float_from_order_key((uint32_t)(key >> 32));
         uint32_t id = ~(uint32_t)key;
-        if ((key >> 32) < kNegInfKey || id >= V || rank >= k) {  // cannot happen: a bug
+        if ((key >> 32) < kNegInfKey || id >= V) {  // cannot happen: a bug
             p.row_status[row] = KDT_ERR_INTERNAL;
             id = 0;
-            rank = (uint32_t)i;
         }
-        lp[rank] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
+        lp[rank] = __fsub_rn(__fsub_rn(xv, rmax), log_sum);
         ids[rank] = (int32_t)id;
     }
 }
