@@ -805,26 +805,26 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // tau starts from trip 0's thread maxima: each warp sorts its 32 maxima (a bitonic
 // network over shuffles) and takes the ceil(k / 4)-th; the smallest of the 4 warps'
 // values, t0, has at least k vectors >= it (ceil(k / 4) threads in each warp hold one).
-// After each trip, when the buffer holds more than refine_at = max(3k, 192) keys, the
-// block radix-selects a cut keeping between k and retain = k + max(k / 4, 8) keys
-// (block_select with a retain bound), compacts the buffer and sets tau = cut - 1 (both
-// constants measured on the H200, session 9, for element keys). A trip adds at most 256
-// keys and refine_at leaves room for them, so the buffer never overflows (a refine that
-// finds more keys than it holds marks the row KDT_ERR_INTERNAL: a tripwire for the
-// tests). At the row's end the block selects the k largest buffered vector keys (all of
-// them when fewer than k are buffered: then tau never rose and every vector is there),
-// reads those k vectors again (k x 16 bytes a row), selects the exact k-th largest of
-// their element keys, ranks the k keys >= it and writes them as the finish kernel does.
-// No workspace is used.
+// After trips 0, 4, 8, ... (kRowCheckEvery), when the buffer holds more than refine_at =
+// max(3k, 192) keys, the block radix-selects a cut keeping between k and retain =
+// k + max(k / 4, 8) keys (block_select with a retain bound), compacts the buffer and sets
+// tau = cut - 1 (both constants measured on the H200, session 9 for element keys, again
+// in session 12). A trip adds at most 256 keys and the buffer has room for kRowCheckEvery
+// trips past refine_at, so it never overflows (a refine that finds more keys than it
+// holds marks the row KDT_ERR_INTERNAL: a tripwire for the tests). At the row's end
+// (finish_row) at most 128 buffered vectors are kept (a cut with retain 128 when more are
+// buffered) and read again (16 bytes each); their elements whose value reaches the cut's
+// (or tau's) value are the candidates, at least k of them, ranked by counting (a radix
+// select to exactly k first when more than kRowRankMax tie), and the k largest written as
+// the finish kernel does. No workspace is used.
 constexpr int kRowMaxK = 128;
-#ifndef KDT_TOPK_ROW_U
-#define KDT_TOPK_ROW_U 2
-#endif
-constexpr int kRowU = KDT_TOPK_ROW_U;                   // vectors per thread per trip
-#ifndef KDT_TOPK_CHECK_EVERY
-#define KDT_TOPK_CHECK_EVERY 4
-#endif
-constexpr uint32_t kRowCheckEvery = KDT_TOPK_CHECK_EVERY;  // trips between refine checks (a power of two)
+// Vectors per thread per trip. 4 measured ~1 us faster on the H200 (session 12) but spills
+// 40 bytes at the 64 registers that 8 blocks a SM allow.
+constexpr int kRowU = 2;
+// Trips between refine checks (a power of two): each check is a block barrier, and the
+// buffer must hold the keys that many trips can add. On the H200 (session 12, one call,
+// two runs each) 1 / 2 / 4 gave 117.2 / 116.2 / 114.7 us; later 8 matched 4.
+constexpr uint32_t kRowCheckEvery = 4;
 static_assert((kRowCheckEvery & (kRowCheckEvery - 1)) == 0, "a power of two");
 constexpr uint32_t kRowRankMax = 256;  // final candidates ranked by counting, without a select
 
