@@ -1329,10 +1329,11 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         // Up to 256 candidates: each one's position is the number of candidates before it
         // (scores compared eight at a time from 16-byte loads, no branch), then every
         // candidate is written at its position. Candidates with an exactly equal score
-        // then scan again, comparing rank paths with each equal one; when more than
-        // kCountSortMaxTies candidates are tied the bitonic network below runs instead (the
-        // same order): the rank-path walks diverge across lanes (H200: a flat drafter's
-        // many equal log-probs made N = 64 38.5 -> 45.3 us). (The network is latency-bound
+        // then scan again, comparing rank paths with each equal one: by walking the paths
+        // up to kCountSortMaxTies tied candidates, beyond that by 128-bit path keys made
+        // once per candidate when L x bits(K') <= 128, else the bitonic network below runs
+        // instead (the same order): the rank-path walks diverge across lanes (H200: a flat
+        // drafter's many equal log-probs made N = 64 38.5 -> 45.3 us). (The network is latency-bound
         // at these sizes: one warp's 21 dependent stages took 3.2 us for 64 candidates;
         // counting 423 took 7.7 us against its 8.8, and ~2x that with a tie, so larger sets
         // keep the network.)
@@ -1370,8 +1371,37 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         const unsigned tied_lanes = __ballot_sync(kFullMask, tied);
         if ((threadIdx.x & 31) == 0 && tied_lanes) atomicAdd(&s_ties, __popc(tied_lanes));
         __syncthreads();
-        if (s_ties <= kCountSortMaxTies) {
-            if (tied) {  // the heap's order among equal scores
+        // Rank paths as 128-bit keys when they fit: field t (from the top, b bits) holds the
+        // rank at depth t plus one, zeros past the path's depth, so the keys order the paths
+        // as the heap does (lexicographically, a proper prefix first).
+        const int kb = 32 - __clz((unsigned)kp);  // bits of the largest rank + 1
+        const bool path_keys = s_ties > kCountSortMaxTies && (int64_t)kb * L <= 128;
+        if (s_ties <= kCountSortMaxTies || path_keys) {
+            uint64_t khi = 0, klo = 0;
+            if (path_keys) {
+                __shared__ uint64_t s_khi[kCountSortMax], s_klo[kCountSortMax];
+                if (i < M) {
+                    for (int32_t cur = i, d = c.depth[i]; cur >= 0; cur = c.parent[cur], d--) {
+                        const int lo_bit = 128 - d * kb;  // the field of depth d: [lo_bit, lo_bit + kb)
+                        const uint64_t f = (uint64_t)(c.rank[cur] + 1);
+                        if (lo_bit >= 64) {
+                            khi |= f << (lo_bit - 64);
+                        } else {
+                            klo |= f << lo_bit;
+                            if (lo_bit + kb > 64) khi |= f >> (64 - lo_bit);
+                        }
+                    }
+                    s_khi[i] = khi;
+                    s_klo[i] = klo;
+                }
+                __syncthreads();
+                if (tied) {  // the heap's order among equal scores, by the keys
+                    for (int j = 0; j < M; j++) {
+                        const uint64_t hj = s_khi[j];
+                        if (c.logw[j] == wi && (hj < khi || (hj == khi && s_klo[j] < klo))) at++;
+                    }
+                }
+            } else if (tied) {  // the heap's order among equal scores
                 for (int j = 0; j < M; j++) {
                     if (j != i && c.logw[j] == wi && cand_path_before(c, j, i)) at++;
                 }
