@@ -845,6 +845,8 @@ struct RowShape {
     static_assert(kRowMaxK <= kWarps * 32, "t0 needs ceil(k / warps) <= 32 lanes per warp");
     static_assert(kRowMaxK <= NT, "the final step reads one vector a thread");
     static_assert(kRefineMax > kRowMaxK + kRowMaxK / 4, "a refine keeps at most retain keys and must free room");
+    static_assert(kCap - kTripVecs * (int)kRowCheckEvery >= kRefineMax,
+                  "the trips between two checks fit above refine_at (row_refine_at is at most kRefineMax)");
 };
 
 struct RowParams {
@@ -993,7 +995,7 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
     const uint32_t V = (uint32_t)p.vocab;
     const uint32_t k = (uint32_t)p.k;
     const uint32_t retain = p.retain;        // k .. kRowMaxK + kRowMaxK / 4 (kept)
-    const uint32_t refine_at = p.refine_at;  // > retain, <= the buffer's size minus a trip
+    const uint32_t refine_at = p.refine_at;  // > retain, <= kRefineMax (kRowCheckEvery trips fit above it)
     // Rows (b, l) from a grid of (L, B) blocks (each at most the grid's limit; larger
     // shapes loop): no division, so the row's values stay in the uniform registers.
     for (int64_t b = blockIdx.y, l = blockIdx.x; b < p.batch; next_row(b, l, p.length)) {
@@ -1293,8 +1295,9 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     }
 }
 
-// The row kernel's refine threshold: max(3k, 192) buffered keys, at most kRefineMax, so a
-// trip's keys always fit behind it (constants measured on the H200, session 9).
+// The row kernel's refine threshold: max(3k, 192) buffered keys, at most kRefineMax, so the
+// keys of the kRowCheckEvery trips between two checks always fit behind it (constants
+// measured on the H200, session 9).
 uint32_t row_refine_at(int64_t k) {
     const int64_t r = 3 * k > 192 ? 3 * k : 192;
     return (uint32_t)(r < RowShape<kRowThreads>::kRefineMax ? r : RowShape<kRowThreads>::kRefineMax);
@@ -1308,7 +1311,7 @@ template <int D>
 void launch_rows(const RowParams& p, cudaStream_t stream) {
     const dim3 grid((unsigned)(p.length < (int64_t)INT32_MAX ? p.length : (int64_t)INT32_MAX),
                     (unsigned)(p.batch < 65535 ? p.batch : 65535));
-    // 8 blocks of 27 KB a SM want the largest shared-memory carveout: a hint, set once
+    // 8 blocks of ~14 KB a SM want a large shared-memory carveout: a hint, set once
     // (a failure only costs occupancy, and its error is cleared).
     static const bool carved = cudaFuncSetAttribute(topk_row_kernel<D, kRowThreads>,
                                                     cudaFuncAttributePreferredSharedMemoryCarveout,
