@@ -710,3 +710,46 @@ def test_error_messages_are_per_thread():
     for t in threads:
         t.join()
     assert not problems, problems[:5]
+
+
+# ---- Target logits of the walk (host verify from logits) --------------------------------
+
+
+def _two_request_trees():
+    """Two requests, tree tokens 10..14 (no token 0): the walk from an all -inf root row
+    (argmax token 0) accepts nothing."""
+    lp, ids = good()
+    return kdtree.build_trees(lp[:2], ids[:2], 6)
+
+
+def test_nan_target_logit_is_named_where_the_walk_meets_it():
+    trees = _two_request_trees()
+    x = np.zeros((2, 7, 20), np.float32)
+    x[1, 0, 3] = np.nan
+    with raises(KdtreeError, "request 1, node 0: target_logits[1, 0] holds a NaN logit", status="KDT_ERR_VALUE"):
+        kdtree.verify_greedy_from_logits(trees, x)
+    with raises(KdtreeError, "target_logits[1, 0] holds a NaN logit", status="KDT_ERR_VALUE"):
+        kdtree.verify_sample_from_logits(trees, x, 1.0, seed=1, offset=0)
+
+
+def test_rows_without_a_draw_are_named_for_sampling():
+    trees = _two_request_trees()
+    x = np.zeros((2, 7, 20), np.float32)
+    x[0, 0, :] = -np.inf
+    with raises(KdtreeError, "request 0, node 0: target_logits[0, 0] holds only -inf logits"):
+        kdtree.verify_sample_from_logits(trees, x, 1.0, seed=1, offset=0)
+    x[0, 0, :] = 0.0
+    x[0, 0, 5] = np.inf
+    with raises(KdtreeError, "target_logits[0, 0] holds a +inf logit"):
+        kdtree.verify_sample_from_logits(trees, x, 1.0, seed=1, offset=0)
+
+
+def test_infinite_target_logits_are_ordinary_values_for_the_argmax():
+    trees = _two_request_trees()
+    x = np.zeros((2, 7, 20), np.float32)
+    x[0, 0, :] = -np.inf  # request 0: every value equal, token 0 (lowest id), not a child
+    x[1, 0, 7] = np.inf   # request 1: +inf at 7 and 12, the lower id (7, no child) wins
+    x[1, 0, 12] = np.inf
+    acc = kdtree.verify_greedy_from_logits(trees, x)
+    assert acc.accept_length.tolist() == [0, 0]
+    assert acc.bonus_token.tolist() == [0, 7]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -666,6 +667,31 @@ def _argmax_rows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _walk_from_rows(trees: TreeBatch, x: np.ndarray, tokens: np.ndarray, sampled: bool, **walk) -> Acceptance:
+    """verify_greedy along per-node tokens chosen from the host target logits x [B, N+1, V]
+    (-1 where a row gives no token). The walk reports such a node as a negative target
+    token; the error is renamed after the row's logits ("target_logits[1, 0] holds a NaN
+    logit"), which is what the caller passed."""
+    try:
+        return verify_greedy(trees, tokens, **walk)
+    except _lib.KdtreeError as exc:
+        found = re.search(r"request (\d+), node (\d+): target token -1 is negative", str(exc))
+        if found is None:
+            raise
+        b, i = int(found.group(1)), int(found.group(2))
+        row = x[b, i]
+        if np.isnan(row).any():
+            why = "a NaN logit"
+        elif sampled and np.isposinf(row).any():
+            why = "a +inf logit (nothing else can be drawn)"
+        elif sampled and np.isneginf(row).all():
+            why = "only -inf logits (nothing can be drawn)"
+        else:
+            raise
+        raise _lib.KdtreeError(exc.status, f"request {b}, node {i}: target_logits[{b}, {i}] holds {why}",
+                               exc.function) from None
+
+
 def verify_greedy_from_logits(
     trees: TreeBatch,
     target_logits,
@@ -690,7 +716,10 @@ def verify_greedy_from_logits(
         :class:`Acceptance`; on the GPU ``target_tokens`` holds the argmax at visited nodes.
 
     Raises:
-        ValueError / KdtreeError: shapes, NaN logits in a needed row, bad caps or links.
+        ValueError / KdtreeError: shapes, a NaN logit in a row the walk visits ("request 1,
+        node 0: target_logits[1, 0] holds a NaN logit"), bad caps or links. Infinite logits
+        are ordinary values for the argmax: a visited row of only -inf gives token 0 (the
+        lowest id among equal values), one with +inf its first +inf, on the CPU and the GPU.
     """
     if _device.is_device_array(target_logits):
         return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
@@ -698,7 +727,8 @@ def verify_greedy_from_logits(
                                          stream=stream)
     _cpu_only(stream, errors, "verify_greedy_from_logits")
     x = _target_logits(trees, target_logits, "target_logits")
-    return verify_greedy(trees, _argmax_rows(x), stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    return _walk_from_rows(trees, x, _argmax_rows(x), False, stop_tokens=stop_tokens, max_commit=max_commit,
+                           errors=errors)
 
 
 _PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
@@ -793,6 +823,11 @@ def verify_sample_from_logits(
 
     Returns:
         :class:`Acceptance` (GPU: ``target_tokens`` holds the draws at visited nodes).
+
+    Raises:
+        ValueError / KdtreeError: as :func:`verify_greedy_from_logits`; a visited row with a
+        NaN or a +inf logit, or only -inf logits, has no draw ("target_logits[1, 0] holds
+        only -inf logits").
     """
     if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
                                                                              np.floating)):
@@ -816,7 +851,7 @@ def verify_sample_from_logits(
     for b in range(batch):
         n = min(max(int(trees.num_nodes[b]), 0), trees.budget) + 1
         draws[b, :n] = gumbel_draws(x[b, :n], temperature, seed, offset, b, np.arange(n))
-    return verify_greedy(trees, draws, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    return _walk_from_rows(trees, x, draws, True, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
 
 
 def compact_kv(
