@@ -726,7 +726,8 @@ def test_nan_target_logit_is_named_where_the_walk_meets_it():
     trees = _two_request_trees()
     x = np.zeros((2, 7, 20), np.float32)
     x[1, 0, 3] = np.nan
-    with raises(KdtreeError, "request 1, node 0: target_logits[1, 0] holds a NaN logit", status="KDT_ERR_VALUE"):
+    where = "request 1, node 0: target_logits[1, 0] holds a NaN logit"
+    with raises(KdtreeError, where, status="KDT_ERR_VALUE"):
         kdtree.verify_greedy_from_logits(trees, x)
     with raises(KdtreeError, "target_logits[1, 0] holds a NaN logit", status="KDT_ERR_VALUE"):
         kdtree.verify_sample_from_logits(trees, x, 1.0, seed=1, offset=0)

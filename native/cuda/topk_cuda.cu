@@ -967,7 +967,8 @@ __device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords
         for (int j = 0; j < kHalf; j++) {
 #pragma unroll
             for (int q = 0; q < kVec; q++) {
-                e[j * kVec + q] = hw_exp2(__fmaf_rn(E::get(w[h * kHalf + j][q / kPer], q % kPer), kLog2e, -c));
+                const float x = E::get(w[h * kHalf + j][q / kPer], q % kPer);
+                e[j * kVec + q] = hw_exp2(__fmaf_rn(x, kLog2e, -c));
             }
         }
         part[h] = tree_sum<kHalf * kVec>(e);
@@ -976,8 +977,8 @@ __device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords
 }
 
 template <int D, int NT, class Smem>
-__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa, uint32_t a,
-                           uint32_t nvec, uint64_t tau, float m, float sum, float mx);
+__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa,
+                           uint32_t a, uint32_t nvec, uint64_t tau, float m, float sum, float mx);
 
 template <int D, int NT>
 __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(RowParams p) {
@@ -1159,8 +1160,8 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
 // are read again from the row's frame (pa, a, nvec as in the kernel). Smem is the
 // kernel's shared state (sel, buf, vsel, sorted, red_*, count, out_n, vsel_n, overflow).
 template <int D, int NT, class Smem>
-__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa, uint32_t a,
-                           uint32_t nvec, uint64_t tau, float m, float sum, float mx) {
+__device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char* rowp, const char* pa,
+                           uint32_t a, uint32_t nvec, uint64_t tau, float m, float sum, float mx) {
     using E = Elem<D>;
     constexpr int kPer = E::kPerWord, kVec = kVecWords * kPer;
     constexpr int kW = NT / 32;

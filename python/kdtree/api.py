@@ -851,7 +851,8 @@ def verify_sample_from_logits(
     for b in range(batch):
         n = min(max(int(trees.num_nodes[b]), 0), trees.budget) + 1
         draws[b, :n] = gumbel_draws(x[b, :n], temperature, seed, offset, b, np.arange(n))
-    return _walk_from_rows(trees, x, draws, True, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    return _walk_from_rows(trees, x, draws, True, stop_tokens=stop_tokens, max_commit=max_commit,
+                           errors=errors)
 
 
 def compact_kv(
