@@ -369,14 +369,16 @@ KDT_API kdt_status kdt_topk_logprobs_cuda_workspace_bytes(int64_t rows, int64_t 
                                                           size_t* bytes);
 
 /*
- * Top-k log-probs on the GPU, reading the logits once: for every row (b, l),
+ * Top-k log-probs on the GPU, reading the logits once (see below): for every row (b, l),
  * logprob = logit - logsumexp(row), the logsumexp over all vocab entries in float32
  * (max, then the sum of 2^((x - max) * log2 e) with the hardware exp2, partial sums rescaled
  * to the row's max with expf); the k largest sorted descending, ties ordered by lower token
  * id (spec "Input": lp = top_k(logits) - logsumexp(logits)). Output pointers must be
  * 4-byte aligned. k <= 128 runs one kernel (one block per row) that does not touch the
- * workspace; larger k runs two kernels that use it. Log-probs agree with a float64
- * reference within 2e-6 * |lp| + 2e-6 (tests_native/test_topk_cuda.cu derives the bound).
+ * workspace; it reads each row once, then again at most 128 of its 16-byte pieces (2 KB,
+ * those that can hold the k largest) to select them exactly. Larger k runs two kernels
+ * that use the workspace. Log-probs agree with a float64 reference within
+ * 2e-6 * |lp| + 2e-6 (tests_native/test_topk_cuda.cu derives the bound).
  *
  * logits:        device tensor [B, L, V] (kdt_logits), float32, float16 or bfloat16.
  * k:             1 .. min(V, 1024) (0 allowed: nothing is written but row_status).
