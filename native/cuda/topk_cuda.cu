@@ -870,7 +870,7 @@ struct RowSmem {
     SelectSmem sel;
     union {
         uint64_t buf[RowShape<NT>::kCap];  // candidate vector keys
-        uint64_t ekeys[kRowMaxK * 8];      // finish_row: the k vectors' element keys
+        uint64_t ekeys[kRowMaxK * 8];      // finish_row: the chosen vectors' candidate element keys
     };
     union {
         uint64_t kept[kRowMaxK + kRowMaxK / 4];  // a refine's survivors (<= retain)
@@ -958,22 +958,15 @@ __device__ __forceinline__ void accumulate_trip(const uint32_t (&w)[U][kVecWords
     const float c = m_new == -FLT_MAX ? -FLT_MAX : __fmul_rn(m_new, kLog2e);
     sum *= m_new > m ? hw_exp2(__fsub_rn(c_old, c)) : 1.0f;
     m = m_new;
-    constexpr int kHalf = U > 2 ? 2 : U;
-    float part[U / kHalf];
+    float e[U * kVec];
 #pragma unroll
-    for (int h = 0; h < U / kHalf; h++) {
-        float e[kHalf * kVec];
+    for (int j = 0; j < U; j++) {
 #pragma unroll
-        for (int j = 0; j < kHalf; j++) {
-#pragma unroll
-            for (int q = 0; q < kVec; q++) {
-                const float x = E::get(w[h * kHalf + j][q / kPer], q % kPer);
-                e[j * kVec + q] = hw_exp2(__fmaf_rn(x, kLog2e, -c));
-            }
+        for (int q = 0; q < kVec; q++) {
+            e[j * kVec + q] = hw_exp2(__fmaf_rn(E::get(w[j][q / kPer], q % kPer), kLog2e, -c));
         }
-        part[h] = tree_sum<kHalf * kVec>(e);
     }
-    sum += tree_sum<U / kHalf>(part);
+    sum += tree_sum<U * kVec>(e);
 }
 
 template <int D, int NT, class Smem>
