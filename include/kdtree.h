@@ -447,7 +447,9 @@ typedef enum kdt_mask_kind {
  * is i or an ancestor of i (the builder's visibility). A padding row (i > num_nodes[b])
  * sees only itself (column p + i), never the prefix, so no row is fully masked.
  *
- * trees:          device arrays; reads batch, budget N, num_nodes and parents (required).
+ * trees:          device arrays; reads batch, budget N, num_nodes and parents (required;
+ *                 all N + 1 entries of each request are read, the values past num_nodes
+ *                 are not used).
  * prefix_lengths: device int64 [B], >= 0.
  * kind:           kdt_mask_kind.
  * columns:        C for the dense kinds (row length; p + N + 1 <= C for every request,

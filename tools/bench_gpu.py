@@ -234,11 +234,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--skip", nargs="*", default=[], choices=["topk", "build", "round"])
+    parser.add_argument("--dump-topk", metavar="PREFIX",
+                        help="write the GPU top-k of one peaked bf16 drafter batch (the round's shapes) to "
+                             "PREFIX.lp (float32 [B, L, K]) and PREFIX.ids (int32), raw, for "
+                             "kdtree_profile_trees_cuda's KDT_PROF_INPUT, and exit")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench-gpu needs a CUDA device and torch with CUDA")
     gen = torch.Generator(device="cuda")
     gen.manual_seed(2026)
+    if args.dump_topk:
+        lp, ids = kdtree.topk_logprobs(drafter_logits(gen, "peaked", B, L, V), K)
+        lp.cpu().numpy().astype("<f4").tofile(args.dump_topk + ".lp")
+        ids.cpu().numpy().astype("<i4").tofile(args.dump_topk + ".ids")
+        return
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"libkdtree {kdtree.library_version()}\n")

@@ -2,13 +2,18 @@
 // compiles native/cuda/trees_cuda.cu with KDT_TREES_PROFILE, so the kernel records
 // clock64() at its phase boundaries (load + validation, expansion, outputs + masks), and
 // prints the median over blocks in microseconds, next to the whole launch (CUDA events).
-// Same inputs as tools/bench_trees_cuda.cu (B = 64, L = 16, K = N, peaked). Device only.
+// Same inputs as tools/bench_trees_cuda.cu (B = 64, L = 16, K = N, peaked), or, with
+// KDT_PROF_INPUT=PREFIX, the log-probs and ids in PREFIX.lp (float32 [64, 16, 64]) and
+// PREFIX.ids (int32, same shape), raw little-endian, e.g. the GPU top-k of bench_gpu's bf16
+// drafter logits (written by tools/bench_gpu.py --dump-topk PREFIX); then N = 64 only.
+// Device only.
 #define KDT_TREES_PROFILE 1
 #include "../native/cuda/trees_cuda.cu"
 
 #include <algorithm>
 #include <stdio.h>
 #include <string.h>
+#include <string>
 #include <vector>
 
 #include "peaked_draft.h"
@@ -34,11 +39,30 @@ int main() {
     printf("SM clock %.0f MHz; median over %lld blocks, microseconds; knob %d\n", cyc_per_us, (long long)B, knob);
     printf("%6s %8s %10s %10s %10s %10s %8s %8s %8s %10s\n", "N", "launch", "load+val", "expand", "outputs", "block",
            "(root", "group0", "rest)", "block max");
+    const char* input = getenv("KDT_PROF_INPUT");
     for (int64_t N : {64, 128, 256, 1024}) {
         const int64_t K = N;
         std::vector<float> lp;
         std::vector<int32_t> ids;
-        fill_peaked_draft(lp, ids, (size_t)(B * L), K);
+        if (input != NULL) {
+            if (N != 64) break;
+            lp.resize((size_t)(B * L * K));
+            ids.resize(lp.size());
+            const std::string prefix(input);
+            FILE* f = fopen((prefix + ".lp").c_str(), "rb");
+            FILE* g = fopen((prefix + ".ids").c_str(), "rb");
+            const bool ok = f && g && fread(lp.data(), 4, lp.size(), f) == lp.size() &&
+                            fread(ids.data(), 4, ids.size(), g) == ids.size();
+            if (f) fclose(f);
+            if (g) fclose(g);
+            if (!ok) {
+                fprintf(stderr, "KDT_PROF_INPUT: cannot read %zu float32 values from %s.lp and int32 ids from %s.ids\n",
+                        lp.size(), input, input);
+                return 1;
+            }
+        } else {
+            fill_peaked_draft(lp, ids, (size_t)(B * L), K);
+        }
         float* d_lp; int32_t* d_ids; int32_t* d_status; int32_t* d_num;
         CK(cudaMalloc(&d_lp, lp.size() * 4));
         CK(cudaMalloc(&d_ids, ids.size() * 4));
@@ -97,6 +121,38 @@ int main() {
             printf("   block 0 sort (us): init %.1f, k <= 64 %.1f, k > 64 %.1f, positions + check %.1f\n",
                    (ms[0][0] - m4[0][0]) / cyc_per_us - (v[0][1]) / cyc_per_us, (ms[0][1] - ms[0][0]) / cyc_per_us,
                    (ms[0][2] - ms[0][1]) / cyc_per_us, (ms[0][3] - ms[0][2]) / cyc_per_us);
+        }
+        {
+            // The slowest block of the last launch (the launch ends with it): its phases and
+            // version-3/4 counters.
+            long long prof[64][8], v[64][4], m4[64][8];
+            CK(cudaMemcpyFromSymbol(prof, kdt_prof, sizeof prof));
+            CK(cudaMemcpyFromSymbol(v, kdt_prof_v3, sizeof v));
+            CK(cudaMemcpyFromSymbol(m4, kdt_prof_v4, sizeof m4));
+            int64_t slow = 0;
+            for (int64_t blk = 1; blk < B; blk++) {
+                if (prof[blk][3] - prof[blk][0] > prof[slow][3] - prof[slow][0]) slow = blk;
+            }
+            printf("   slowest block %lld: %.1f us (load+val %.1f, expand %.1f, outputs %.1f); %lld passes, "
+                   "|P_T| = %lld, enumeration %.1f us, sort + check %.1f us; v4 marks:",
+                   (long long)slow, (prof[slow][3] - prof[slow][0]) / cyc_per_us,
+                   (prof[slow][1] - prof[slow][0]) / cyc_per_us, (prof[slow][2] - prof[slow][1]) / cyc_per_us,
+                   (prof[slow][3] - prof[slow][2]) / cyc_per_us, v[slow][0] % 1000, v[slow][3],
+                   v[slow][1] / cyc_per_us, v[slow][2] / cyc_per_us);
+            for (int i = 1; i < 7 && m4[slow][i] > m4[slow][0]; i++) printf(" %.1f", (m4[slow][i] - m4[slow][0]) / cyc_per_us);
+            printf("; rounds %lld\n", m4[slow][7]);
+            std::vector<int> order((size_t)B);
+            for (int i = 0; i < (int)B; i++) order[(size_t)i] = i;
+            std::sort(order.begin(), order.end(), [&](int a, int c) {
+                return prof[a][3] - prof[a][0] > prof[c][3] - prof[c][0];
+            });
+            printf("   slowest 8 (block: us, passes, |P_T|, sort + check us):");
+            for (int i = 0; i < 8 && i < (int)B; i++) {
+                const int k = order[(size_t)i];
+                printf(" %d: %.1f, %lld, %lld, %.1f;", k, (prof[k][3] - prof[k][0]) / cyc_per_us, v[k][0] % 1000, v[k][3],
+                       v[k][2] / cyc_per_us);
+            }
+            printf("\n");
         }
         std::sort(launch.begin(), launch.end());
         double med[7];

@@ -37,6 +37,12 @@ kdt_status check_logits(const kdt_logits* logits, const char* name, int64_t expe
 // NULL passes (the callers check required pointers separately).
 kdt_status check_aligned(const void* p, size_t align, const char* name);
 
+// kdt_trees_build_cuda, for callers that guarantee each draft row's ids are distinct (the
+// GPU top-k's output, valid rows and flagged ones alike): then the kernel skips its
+// duplicate-id check (a hash set per row), and everything else is the same.
+kdt_status build_trees_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status, void* workspace,
+                            size_t workspace_bytes, void* stream, bool ids_distinct);
+
 // Bytes per element of a logits / KV dtype (float32, float16, bfloat16), 0 for others.
 inline size_t float_dtype_size(int32_t dtype) {
     return dtype == KDT_DTYPE_FLOAT32 ? 4 : (dtype == KDT_DTYPE_FLOAT16 || dtype == KDT_DTYPE_BFLOAT16) ? 2 : 0;

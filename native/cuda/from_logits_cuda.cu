@@ -135,5 +135,9 @@ extern "C" kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits,
     d.root_positions = root_positions;
     d.vocab_size = B * L > 0 ? vocab : 0;
     d.pad_token = pad_token;
-    return kdt_trees_build_cuda(&d, out, request_status, ws + l.trees, l.total - l.trees, stream);
+    // The top-k's ids are distinct in every row (a flagged row's are 0 .. k'-1), so the
+    // builder need not look for repeats. The test switch KDTREE_CUDA_TREES_CHECK_IDS=1
+    // keeps the check (for an A/B; the trees are the same either way).
+    static const bool check_ids = kdt::env_switch("KDTREE_CUDA_TREES_CHECK_IDS");
+    return kdt::build_trees_cuda(&d, out, request_status, ws + l.trees, l.total - l.trees, stream, !check_ids);
 }

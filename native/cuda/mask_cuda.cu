@@ -23,6 +23,8 @@
 //
 // All offsets are 64-bit. Nothing synchronises with the host or allocates; the host-side
 // work is argument checks and the launches, so the call can be captured in a CUDA graph.
+#include <atomic>
+
 #include "common.cuh"
 
 namespace {
@@ -249,7 +251,15 @@ __device__ inline uint32_t low_ancestors(int64_t x, const int32_t* par) {
     return v;
 }
 
-template <int Kind> __global__ void mask_kernel(MaskParams p) {
+// Blocks of up to 256 threads that fit one SM at once: the register cap this sets (48 a
+// thread) keeps a whole grid in one wave where the host sizes it so (below). At 53-56
+// registers only 4 fit, and B = 64, N = 64's 576 blocks ran as 1.09 waves on an H200
+// (ncu), the last 48 blocks alone after the rest.
+constexpr int kMaskMinBlocksPerSm = 5;
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_sm_count[kMaxDevices];  // multiprocessors per device, 0: unknown
+
+template <int Kind> __global__ void __launch_bounds__(256, kMaskMinBlocksPerSm) mask_kernel(MaskParams p) {
     extern __shared__ uint32_t smem[];
     constexpr bool kFlash = Kind == KDT_MASK_FLASHINFER;
     const int64_t T = p.rows, N = T - 1;
@@ -272,13 +282,14 @@ template <int Kind> __global__ void mask_kernel(MaskParams p) {
         } else if (n < 0 || n > N) {
             st = KDT_ERR_VALUE;
         }
+        // Every parent row is read, not only the first n: the loads then do not wait for
+        // num_nodes (one global round trip less before the rows are written). Entries
+        // past n are never used.
         int bad = 0;
-        if (st == KDT_OK) {
-            for (int64_t i = 1 + threadIdx.x; i <= n; i += blockDim.x) {
-                const int32_t a = gpar[i];
-                if (p.parents_in_smem) s_par[i] = a;
-                bad |= a < 0 || a >= i;
-            }
+        for (int64_t i = 1 + threadIdx.x; i < T; i += blockDim.x) {
+            const int32_t a = gpar[i];
+            if (p.parents_in_smem) s_par[i] = a;
+            bad |= i <= n && (a < 0 || a >= i);
         }
         bad = __syncthreads_or(bad);  // also publishes s_par
         if (st == KDT_OK && bad) st = KDT_ERR_VALUE;
@@ -518,6 +529,23 @@ extern "C" kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const
     int64_t k = row_bytes_est >= 16 * T ? 1 : (16 * T + warps * row_bytes_est - 1) / (warps * row_bytes_est);
     const int64_t k_fill = (B * T) / (256 * (int64_t)warps);
     if (k > k_fill) k = k_fill;
+    // ... and few enough blocks that the grid fits the device at once (one wave): a second
+    // wave of a few blocks costs as much as the first.
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess) {
+        const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
+        sms = g_sm_count[slot].load(std::memory_order_relaxed);
+        if (sms == 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0) {
+            g_sm_count[slot].store(sms, std::memory_order_relaxed);
+        }
+    }
+    cudaGetLastError();  // a failed query only leaves the wave sizing out; the launch reports errors
+    if (sms > 0) {
+        const int64_t slots = (int64_t)sms * kMaskMinBlocksPerSm * (256 / (32 * warps));
+        const int64_t chunks_max = slots / B > 1 ? slots / B : 1;
+        const int64_t k_wave = (T + chunks_max * warps - 1) / (chunks_max * warps);
+        if (k < k_wave) k = k_wave;
+    }
     const int64_t k_all = (T + warps - 1) / warps;
     if (k > k_all) k = k_all;
     if (k > 1024 / warps) k = 1024 / warps;

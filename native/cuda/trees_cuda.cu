@@ -98,6 +98,7 @@ struct BuildParams {
                             // (2: depth first, 3: chains by threads)
     int32_t walk;           // 1: version 4 walks first children at once (walk_first_children)
     int32_t counting;       // 1: small candidate sets sorted, and small thresholds selected, by counting
+    int32_t ids_distinct;   // 1: the caller guarantees distinct ids per row (no duplicate-id check)
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -1628,8 +1629,10 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
         const bool prev_by_shuffle = lane > 0 && rs > 0;  // lane - 1 holds rank r - 1 of the same row
         for (uint32_t g0 = 0; g0 < (uint32_t)L && kp > 0; g0 += group) {
             const uint32_t g1 = min((uint32_t)L, g0 + group);
-            for (uint32_t i = threadIdx.x; i < (g1 - g0) * slots; i += blockDim.x) tab[i] = -1;
-            __syncthreads();
+            if (!p.ids_distinct) {
+                for (uint32_t i = threadIdx.x; i < (g1 - g0) * slots; i += blockDim.x) tab[i] = -1;
+                __syncthreads();
+            }
             const uint32_t items = ((g1 - g0 + rows_par - 1) / rows_par) << rpt_bits;  // the same for all threads
             for (uint32_t t0 = 0; t0 < items; t0 += 8) {
                 float v[8], before[8];
@@ -1664,7 +1667,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
                         bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
                     }
                     // A negative id is a range error, reported by exact_status.
-                    bool pending = ok && id[u] >= 0 && !KDT_KNOB(1);
+                    bool pending = ok && id[u] >= 0 && !KDT_KNOB(1) && !p.ids_distinct;
                     int32_t* set = tab + (size_t)(ok ? row[u] - g0 : 0) * slots;
                     uint32_t slot = slot_bits > 0 ? ((uint32_t)id[u] * 2654435769u) >> (32 - slot_bits) : 0u;
                     while (__any_sync(kFullMask, pending)) {
@@ -1680,7 +1683,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
                     }
                 }
             }
-            __syncthreads();  // the sets are cleared again for the next group
+            if (!p.ids_distinct) __syncthreads();  // the sets are cleared again for the next group
             if (g0 == 0) KDT_PROBE(5);
         }
     }
@@ -1787,10 +1790,30 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
             for (size_t k = threadIdx.x; k < rows * words; k += blockDim.x) dst[k] = s_bits[k];
         }
         if (p.out.visibility) {
+            // Four bytes a store between an unaligned head and tail (byte stores, one
+            // division each, were most of this phase's instructions).
             uint8_t* dst = p.out.visibility + base * rows;
-            for (size_t k = threadIdx.x; k < rows * rows; k += blockDim.x) {
-                const uint32_t i = (uint32_t)k / (uint32_t)rows, j = (uint32_t)k - i * (uint32_t)rows;
-                dst[k] = (uint8_t)((s_bits[i * words + (j >> 5)] >> (j & 31)) & 1u);
+            const uint32_t urows = (uint32_t)rows, total = urows * urows;
+            const uint32_t head = min(total, (uint32_t)((4u - ((uintptr_t)dst & 3u)) & 3u));
+            const uint32_t nw = (total - head) / 4u;
+            auto bit = [&](uint32_t i, uint32_t j) { return (s_bits[i * words + (j >> 5)] >> (j & 31)) & 1u; };
+            if (threadIdx.x < head) dst[threadIdx.x] = (uint8_t)bit(threadIdx.x / urows, threadIdx.x % urows);
+            uint32_t* dw = reinterpret_cast<uint32_t*>(dst + head);
+            for (uint32_t w = threadIdx.x; w < nw; w += blockDim.x) {
+                const uint32_t k = head + 4u * w;
+                uint32_t i = k / urows, j = k - i * urows, v = 0u;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    v |= bit(i, j) << (8 * q);
+                    if (++j == urows) {
+                        j = 0;
+                        i++;
+                    }
+                }
+                dw[w] = v;
+            }
+            for (uint32_t k = head + 4u * nw + threadIdx.x; k < total; k += blockDim.x) {
+                dst[k] = (uint8_t)bit(k / urows, k % urows);
             }
         }
     } else {
@@ -1852,6 +1875,11 @@ extern "C" kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_
 
 extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
                                            void* workspace, size_t workspace_bytes, void* stream) {
+    return kdt::build_trees_cuda(draft, out, request_status, workspace, workspace_bytes, stream, false);
+}
+
+kdt_status kdt::build_trees_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status, void* workspace,
+                                 size_t workspace_bytes, void* stream, bool ids_distinct) {
     if (draft == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "draft is NULL");
     if (out == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "out is NULL");
     const int64_t B = draft->batch, L = draft->depth, K = draft->width, N = out->budget;
@@ -1918,6 +1946,7 @@ extern "C" kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* ou
     p.descent = 0;
     p.walk = 0;
     p.counting = 0;
+    p.ids_distinct = ids_distinct ? 1 : 0;
     p.draft = *draft;
     p.out = *out;
     p.status = request_status;
