@@ -118,6 +118,11 @@ int main() {
             printf("; rounds %lld\n", m4[0][7]);
             long long ms[64][4];
             CK(cudaMemcpyFromSymbol(ms, kdt_prof_sort, sizeof ms));
+            long long tie[64][4];
+            CK(cudaMemcpyFromSymbol(tie, kdt_prof_tie, sizeof tie));
+            printf("   block 0 counting sort (us): count %.1f, path keys %.1f, tie scan %.1f; %lld tied\n",
+                   (tie[0][0] - ms[0][0]) / cyc_per_us, tie[0][1] > tie[0][0] ? (tie[0][1] - tie[0][0]) / cyc_per_us : 0.0,
+                   (ms[0][1] - (tie[0][1] > tie[0][0] ? tie[0][1] : tie[0][0])) / cyc_per_us, tie[0][3]);
             printf("   block 0 sort (us): init %.1f, k <= 64 %.1f, k > 64 %.1f, positions + check %.1f\n",
                    (ms[0][0] - m4[0][0]) / cyc_per_us - (v[0][1]) / cyc_per_us, (ms[0][1] - ms[0][0]) / cyc_per_us,
                    (ms[0][2] - ms[0][1]) / cyc_per_us, (ms[0][3] - ms[0][2]) / cyc_per_us);

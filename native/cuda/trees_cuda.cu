@@ -34,6 +34,7 @@ __device__ int kdt_prof_knob;
     do { if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof[blockIdx.x][phase] = clock64(); } while (0)
 __device__ long long kdt_prof_v3[4096][4];  // passes, enumeration cycles, sort + check cycles, |P_T|
 __device__ long long kdt_prof_sort[4096][4];  // clock marks: sort start, after the k <= 64 phase, sorted, checked
+__device__ long long kdt_prof_tie[4096][4];   // counting sort: after the count, after the path keys, -, tied
 #define KDT_V3_PROF(stmt) stmt
 __device__ long long kdt_prof_v4[4096][8];  // clock marks of version 4's phases, [7]: rounds
 __device__ inline void kdt_prof_v4_mark(int i) {
@@ -1372,6 +1373,10 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         const unsigned tied_lanes = __ballot_sync(kFullMask, tied);
         if ((threadIdx.x & 31) == 0 && tied_lanes) atomicAdd(&s_ties, __popc(tied_lanes));
         __syncthreads();
+        KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) {
+            kdt_prof_tie[blockIdx.x][0] = clock64();
+            kdt_prof_tie[blockIdx.x][3] = s_ties;
+        })
         // Rank paths as 128-bit keys when they fit: field t (from the top, b bits) holds the
         // rank at depth t plus one, zeros past the path's depth, so the keys order the paths
         // as the heap does (lexicographically, a proper prefix first).
@@ -1396,6 +1401,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
                     s_klo[i] = klo;
                 }
                 __syncthreads();
+                KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) kdt_prof_tie[blockIdx.x][1] = clock64();)
                 if (tied) {  // the heap's order among equal scores, by the keys
                     for (int j = 0; j < M; j++) {
                         const uint64_t hj = s_khi[j];
