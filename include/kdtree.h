@@ -421,6 +421,9 @@ KDT_API kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batc
  *                  256-byte aligned.
  * Returns the host-side statuses of the two calls it makes; the tree side is checked before
  * anything is launched. B = 0 is a no-op (workspace may be NULL).
+ * The top-k's ids are distinct in every row, so the tree build here skips the check for
+ * repeated ids that kdt_trees_build_cuda makes (the trees are the same). Testing knob
+ * (environment, read once): KDTREE_CUDA_TREES_CHECK_IDS=1 keeps the check.
  */
 KDT_API kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
                                                     const int32_t* root_tokens,
