@@ -50,7 +50,12 @@ for step in "${steps[@]}"; do
       tests_py/test_bindings.py -q -x -p no:cacheprovider 2>&1 | tail -15
     KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONPATH=python python3 tools/readme_gpu_example.py && echo "README GPU example: ok" ;;
   profile)
-    build-gpu/kdtree_profile_trees_cuda ;;
+    build-gpu/kdtree_profile_trees_cuda
+    # The round's inputs (the GPU top-k of bench_gpu's bf16 drafter logits), N = 64, without
+    # the repeated-id check, as build_trees_from_logits runs it (knob 1).
+    echo "-- the round's inputs"
+    KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONPATH=python python3 tools/bench_gpu.py \
+      --dump-topk /tmp/kdt-round-topk && KDT_PROF_KNOB=1 KDT_PROF_INPUT=/tmp/kdt-round-topk build-gpu/kdtree_profile_trees_cuda ;;
   bench)
     build-gpu/kdtree_bench_cuda 2>&1 | tee "$OUT/bench-trees.txt"
     build-gpu/kdtree_bench_stream 2>&1 | tee "$OUT/bench-stream.txt"
