@@ -451,8 +451,7 @@ typedef enum kdt_mask_kind {
  * sees only itself (column p + i), never the prefix, so no row is fully masked.
  *
  * trees:          device arrays; reads batch, budget N, num_nodes and parents (required;
- *                 all N + 1 entries of each request are read, the values past num_nodes
- *                 are not used).
+ *                 entries 1 .. N of each request are read, those past num_nodes unused).
  * prefix_lengths: device int64 [B], >= 0.
  * kind:           kdt_mask_kind.
  * columns:        C for the dense kinds (row length; p + N + 1 <= C for every request,

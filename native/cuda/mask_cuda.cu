@@ -252,9 +252,9 @@ __device__ inline uint32_t low_ancestors(int64_t x, const int32_t* par) {
 }
 
 // Blocks of up to 256 threads that fit one SM at once: the register cap this sets (48 a
-// thread) keeps a whole grid in one wave where the host sizes it so (below). At 53-56
-// registers only 4 fit, and B = 64, N = 64's 576 blocks ran as 1.09 waves on an H200
-// (ncu), the last 48 blocks alone after the rest.
+// thread) keeps a whole grid in one wave where the host sizes it so (below). Reading the
+// parents ahead of num_nodes took the kernel from 38-40 to 47-56 registers uncapped; at 53
+// only 4 blocks fit, and B = 64, N = 64's 576 blocks ran as 1.09 waves on an H200 (ncu).
 constexpr int kMaskMinBlocksPerSm = 5;
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_sm_count[kMaxDevices];  // multiprocessors per device, 0: unknown
@@ -531,17 +531,29 @@ extern "C" kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const
     if (k > k_fill) k = k_fill;
     // ... and few enough blocks that the grid fits the device at once (one wave): a second
     // wave of a few blocks costs as much as the first.
+    // (Shared memory can allow fewer blocks a SM: up to 48 KB a block here, rarely over the
+    // ~45 KB at which 5 no longer fit; such grids may still take two waves.)
     int dev = 0, sms = 0;
     if (cudaGetDevice(&dev) == cudaSuccess) {
         const int slot = dev >= 0 && dev < kMaxDevices ? dev : 0;
         sms = g_sm_count[slot].load(std::memory_order_relaxed);
-        if (sms == 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0) {
-            g_sm_count[slot].store(sms, std::memory_order_relaxed);
+        if (sms == 0) {
+            if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0) {
+                g_sm_count[slot].store(sms, std::memory_order_relaxed);
+            } else {
+                sms = 0;
+                cudaGetLastError();  // only this query's error: the sizing is then left out
+            }
         }
+    } else {
+        cudaGetLastError();  // the launch below reports a missing device
     }
-    cudaGetLastError();  // a failed query only leaves the wave sizing out; the launch reports errors
     if (sms > 0) {
-        const int64_t slots = (int64_t)sms * kMaskMinBlocksPerSm * (256 / (32 * warps));
+        // Blocks a SM: 5 of 256 threads (the register cap), more of fewer threads, at most
+        // 32 (the per-SM block limit of sm_80 .. sm_120).
+        const int per_sm = kMaskMinBlocksPerSm * (256 / (32 * warps)) < 32 ? kMaskMinBlocksPerSm * (256 / (32 * warps))
+                                                                           : 32;
+        const int64_t slots = (int64_t)sms * per_sm;
         const int64_t chunks_max = slots / B > 1 ? slots / B : 1;
         const int64_t k_wave = (T + chunks_max * warps - 1) / (chunks_max * warps);
         if (k < k_wave) k = k_wave;
