@@ -303,6 +303,11 @@ def test_root_arrays_length():
         kdtree.build_trees(lp, ids, 8, root_tokens=[[1, 2, 3]])
     with raises(ValueError, "root_positions must have shape (3,)", "got (3, 1)"):
         kdtree.build_trees(lp, ids, 8, root_positions=[[1], [2], [3]])
+    # log-probs laid out [L, B, K] by mistake: the message says where B came from
+    lp_t, ids_t = np.swapaxes(lp, 0, 1), np.swapaxes(ids, 0, 1)
+    with raises(ValueError, f"root_tokens must have shape ({lp.shape[1]},)",
+                f"B = {lp.shape[1]} from logprobs of shape {lp_t.shape}, [B, L, K]", "got (3,)"):
+        kdtree.build_trees(lp_t, ids_t, 8, root_tokens=[1, 2, 3])
 
 
 # ---- Dtypes -------------------------------------------------------------------------------

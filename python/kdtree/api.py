@@ -327,8 +327,10 @@ def build_trees(
         lp, ids = lp[None], ids[None]
     budget = _int_scalar(budget, "budget", 0, _MAX_BUDGET)
     batch, depth, width = lp.shape
-    roots = None if root_tokens is None else _per_request(root_tokens, "root_tokens", batch)
-    pos = None if root_positions is None else _per_request(root_positions, "root_positions", batch, np.int64)
+    origin = f"logprobs of shape {np.shape(logprobs)}, [B, L, K]"
+    roots = None if root_tokens is None else _per_request(root_tokens, "root_tokens", batch, batch_from=origin)
+    pos = None if root_positions is None else _per_request(root_positions, "root_positions", batch, np.int64,
+                                                           batch_from=origin)
     vocab = 0 if vocab_size is None else _int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
     pad = _int_scalar(pad_token, "pad_token", _INT32_MIN, _INT32_MAX)
     lib = _lib.load()
@@ -643,11 +645,13 @@ def _target_logits(trees: TreeBatch, target_logits, name: str) -> np.ndarray:
     return x
 
 
-def _per_request(values, name: str, batch: int, dtype=np.int32) -> np.ndarray:
-    """[B] integers (a scalar when B = 1), or ValueError naming the expected shape."""
+def _per_request(values, name: str, batch: int, dtype=np.int32, batch_from: str = "") -> np.ndarray:
+    """[B] integers (a scalar when B = 1), or ValueError naming the expected shape (and
+    where B came from, when batch_from says it)."""
     a = _int_array(values, name, dtype)
     if a.ndim > 1 or a.size != batch:
-        raise ValueError(f"{name} must have shape ({batch},), got {np.shape(values)}")
+        origin = f" (one per request; B = {batch} from {batch_from})" if batch_from else ""
+        raise ValueError(f"{name} must have shape ({batch},){origin}, got {np.shape(values)}")
     return a.reshape(-1)
 
 
