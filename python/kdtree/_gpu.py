@@ -157,7 +157,10 @@ def _optional(obj, name, dtype, shape, like, stream):
     if obj is None:
         return None, None
     if not dev.is_device_array(obj):
-        obj = dev.from_host(like, np.ascontiguousarray(np.asarray(obj).reshape(shape), dtype=dtype))
+        host = np.asarray(obj)
+        if host.size != int(np.prod(shape)):  # (numpy's reshape error would not name the array)
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {host.shape}")
+        obj = dev.from_host(like, np.ascontiguousarray(host.reshape(shape), dtype=dtype))
     v = _view(obj, name, dtype, len(shape), stream)
     if v.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {v.shape}")
