@@ -23,6 +23,7 @@
 //
 // All offsets are 64-bit. Nothing synchronises with the host or allocates; the host-side
 // work is argument checks and the launches, so the call can be captured in a CUDA graph.
+#include <algorithm>
 #include <atomic>
 
 #include "common.cuh"
@@ -551,8 +552,7 @@ extern "C" kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const
     if (sms > 0) {
         // Blocks a SM: 5 of 256 threads (the register cap), more of fewer threads, at most
         // 32 (the per-SM block limit of sm_80 .. sm_120).
-        const int per_sm = kMaskMinBlocksPerSm * (256 / (32 * warps)) < 32 ? kMaskMinBlocksPerSm * (256 / (32 * warps))
-                                                                           : 32;
+        const int per_sm = std::min(kMaskMinBlocksPerSm * (256 / (32 * warps)), 32);
         const int64_t slots = (int64_t)sms * per_sm;
         const int64_t chunks_max = slots / B > 1 ? slots / B : 1;
         const int64_t k_wave = (T + chunks_max * warps - 1) / (chunks_max * warps);
