@@ -40,9 +40,17 @@ __device__ long long kdt_prof_v4[4096][8];  // clock marks of version 4's phases
 __device__ inline void kdt_prof_v4_mark(int i) {
     if (threadIdx.x == 0 && blockIdx.x < 4096 && i < 7) kdt_prof_v4[blockIdx.x][i] = clock64();
 }
-#define KDT_V4_PROF(stmt) stmt
+#define KDT_V4_PROF(...) __VA_ARGS__
+// Version 4's first pass: clock marks after the root's chain (with its first-child walk),
+// then after each round (up to 7), and per round the owners, the chains resumed and the
+// most resumed by one warp.
+__device__ long long kdt_prof_round[4096][8];
+__device__ int kdt_prof_rstat[4096][8][3];
+__device__ inline void kdt_prof_round_mark(int pass, int i) {
+    if (pass == 0 && threadIdx.x == 0 && blockIdx.x < 4096 && i < 8) kdt_prof_round[blockIdx.x][i] = clock64();
+}
 #else
-#define KDT_V4_PROF(stmt)
+#define KDT_V4_PROF(...)
 #define KDT_V3_PROF(stmt)
 #define KDT_PROBE(phase) do { } while (0)
 #define KDT_KNOB(bit) 0
@@ -1005,6 +1013,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                                  int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first,
                                  bool warp_chains, bool walk_switch, bool counting) {
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
+    KDT_V4_PROF(__shared__ int s_prof_go[32];)
     __shared__ int s_pruned, s_overflow;
     __shared__ int32_t s_root_next, s_root_last;
     // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
@@ -1088,6 +1097,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                              walk);
             lo = 0;  // the root's chain is done
         }
+        KDT_V4_PROF(int round_mark = 0; kdt_prof_round_mark(pass, round_mark++);)
         int hi = s_overflow ? lo : min(*s_count, c.cap);  // round 0: every candidate (and the root)
         __syncthreads();  // everyone has read the count before round 0 adds to it
         while (lo < hi) {
@@ -1100,6 +1110,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                 // heads, one per lane (most owners of a round are leaves of P_T, whose
                 // head is below T or -inf: they cost one lane, not a warp's call).
                 const int nw = (int)(blockDim.x / 32), lane = (int)(threadIdx.x & 31);
+                KDT_V4_PROF(if (lane == 0) s_prof_go[threadIdx.x / 32] = 0;)
                 for (int base = lo + (int)(threadIdx.x / 32); base < hi; base += 32 * nw) {
                     const int i = base + lane * nw;
                     bool go = false;
@@ -1110,6 +1121,8 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                             else s_pruned = 1;
                         }
                     }
+                    KDT_V4_PROF(if (lane == 0) s_prof_go[threadIdx.x / 32] += __popc(__ballot_sync(kFullMask, go));
+                                else __ballot_sync(kFullMask, go);)
                     for (unsigned m = __ballot_sync(kFullMask, go); m; m &= m - 1) {
                         const int l = __ffs(m) - 1;
                         resume_chain_warp(c, lp_s, L, kp, base + l * nw, T, s_count, &s_pruned, &s_overflow, walk);
@@ -1123,6 +1136,14 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             }
             KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
             __syncthreads();
+            KDT_V4_PROF(if (pass == 0 && threadIdx.x == 0 && blockIdx.x < 4096 && round_mark < 8 && warp_rounds) {
+                int tot = 0, most = 0;
+                for (int w = 0; w < (int)(blockDim.x / 32); w++) { tot += s_prof_go[w]; most = max(most, s_prof_go[w]); }
+                kdt_prof_rstat[blockIdx.x][round_mark][0] = hi - lo;
+                kdt_prof_rstat[blockIdx.x][round_mark][1] = tot;
+                kdt_prof_rstat[blockIdx.x][round_mark][2] = most;
+            })
+            KDT_V4_PROF(kdt_prof_round_mark(pass, round_mark++);)
             lo = hi;
             hi = min(*s_count, c.cap);
             if (s_overflow) break;
