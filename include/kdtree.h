@@ -327,13 +327,13 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * (also: a device array not aligned to its element size), KDT_ERR_SHAPE,
  * KDT_ERR_BUFFER_TOO_SMALL, KDT_ERR_OVERFLOW, KDT_ERR_CUDA (the launch failed),
  * KDT_ERR_UNSUPPORTED (no CUDA in this build).
- * One thread block per request. From N = 16 the tree is found by an exact parallel
- * expansion (a descending score threshold, a sort by the heap's key, a check that the
- * order is the heap's); below that, or when the check fails or shared memory is too
- * small, one thread runs the heap (shared memory, else device memory). Every path gives
+ * One thread block per request. The tree is found by an exact parallel expansion (a
+ * descending score threshold, a sort by the heap's key, a check that the order is the
+ * heap's); when the check fails or shared memory is too small, one thread runs the heap
+ * (shared memory, else device memory). Every path gives
  * the CPU builder's bits. Testing knobs (environment, read once, at the first call in the
  * process; on when set to anything but "" or "0"): KDTREE_CUDA_TREES_HEAP=1 forces the heap, KDTREE_CUDA_TREES_PARALLEL=1 the
- * parallel path at any budget, KDTREE_CUDA_TREES_BISECT=1 its bisection (version 3),
+ * parallel path at any budget (now the default), KDTREE_CUDA_TREES_BISECT=1 its bisection (version 3),
  * KDTREE_CUDA_TREES_DFS=1 its depth-first variant, KDTREE_CUDA_TREES_THREAD_CHAINS=1 one
  * thread per chain owner at every budget (by default a warp per owner up to N = 512),
  * KDTREE_CUDA_TREES_NO_WALK=1 no walk of first children within a round,

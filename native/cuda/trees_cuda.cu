@@ -85,8 +85,12 @@ constexpr int64_t kSeparateMasksMinBudget = 256;
 // Trees of up to this many rows have their masks staged in shared memory (5 words a row).
 constexpr size_t kStagedMaskMaxRows = 160;
 constexpr size_t kStagedMaskMaxWords = (kStagedMaskMaxRows + 31) / 32;
-// From this budget the parallel expansion (versions 4 and 3) runs; below it the heap.
-constexpr int64_t kParallelMinBudget = 16;
+// From this budget the parallel expansion (versions 4 and 3) runs; below it the heap. At
+// every budget: one thread's heap was 2-2.5x slower than the block's parallel expansion
+// even at N = 2 (H200, B = 64, the round's top-k, graph: N = 2 / 8 / 15 34.1 / 40.2 /
+// 45.0 us against 16.1 / 18.0 / 22.2; the heap's ~3,300 inlined instructions run once,
+// by one warp, fetched cold).
+constexpr int64_t kParallelMinBudget = 1;
 // Up to this budget version 4 resumes a round's chains one warp per owner; above it one
 // thread per owner (H200: N = 64 37.1 vs 39.9 us, N = 256 63.2 vs 63.9, N = 1024 200.1 vs
 // 189.8, where rounds hold hundreds of owners).
@@ -488,6 +492,7 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 // pass that fit) and retried halfway up; too many passes hand over to version 3.
 
 constexpr int kDescentMaxPasses = 8;
+constexpr int kGoListMax = 512;  // owners listed at a time in a round (the `bins` array's length)
 constexpr int64_t kDescentPreciseFirstMin = 512;  // from this budget the first threshold takes two rounds
 // Up to this budget the first threshold aims at 3N/4 spine children, not N/2: one pass
 // where N/2 took 1.1-2.4 on average (tools/emulate_descent.py, the benchmarks' drafters at
@@ -1015,6 +1020,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     KDT_V4_PROF(__shared__ int s_prof_go[32];)
     __shared__ int s_pruned, s_overflow;
+    __shared__ int s_ngo[2];  // the rounds' lists of owners to resume: their lengths, by chunk parity
     __shared__ int32_t s_root_next, s_root_last;
     // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
     // the first `width` ranks of each row (an estimate: any threshold gives the exact tree;
@@ -1089,7 +1095,10 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         if (threadIdx.x == 0) {
             s_pruned = 0;
             s_overflow = 0;
+            s_ngo[0] = 0;
+            s_ngo[1] = 0;
         }
+        int go_parity = 0;  // which of s_ngo the next chunk of owners counts its list in
         __syncthreads();
         int lo = -1;
         if (!depth_first) {
@@ -1105,28 +1114,42 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             // its lanes' diverging chain walks one after another, so a round of a few
             // owners packed into one warp took as long as their sum (H200 profile).
             if (warp_rounds) {
-                // One warp per owner, one lane per candidate (resume_chain_warp), for the
-                // owners whose chain head is >= T: a warp first reads 32 of its owners'
-                // heads, one per lane (most owners of a round are leaves of P_T, whose
-                // head is below T or -inf: they cost one lane, not a warp's call).
+                // One warp per owner whose chain head is >= T, one lane per candidate
+                // (resume_chain_warp). The heads are read one owner per thread (most owners
+                // of a round are leaves of P_T, whose head is below T or -inf), the owners to
+                // resume are listed in `bins` (free during the rounds), and the list is dealt
+                // to the warps in turn: a round's k resumptions take ceil(k / 16) in its
+                // slowest warp. (Owners dealt by index, owner k to warp k % 16, left one warp
+                // 3 of a round's 15 on the synthetic drafter at N = 64, H200: ~1.3 us each.)
                 const int nw = (int)(blockDim.x / 32), lane = (int)(threadIdx.x & 31);
-                KDT_V4_PROF(if (lane == 0) s_prof_go[threadIdx.x / 32] = 0;)
-                for (int base = lo + (int)(threadIdx.x / 32); base < hi; base += 32 * nw) {
-                    const int i = base + lane * nw;
+                const int warp = (int)(threadIdx.x / 32), chunk = min((int)blockDim.x, kGoListMax);
+                KDT_V4_PROF(if (lane == 0) s_prof_go[warp] = 0;)
+                for (int base = lo; base < hi; base += chunk) {
+                    const int i = base + (int)threadIdx.x;
                     bool go = false;
-                    if (i < hi) {
+                    if ((int)threadIdx.x < chunk && i < hi) {
                         const double head = chain_head(c, lp_s, L, kp, i, &s_root_next, &s_root_last);
                         if (!isinf(head)) {
                             if (head >= T) go = true;
                             else s_pruned = 1;
                         }
                     }
-                    KDT_V4_PROF(if (lane == 0) s_prof_go[threadIdx.x / 32] += __popc(__ballot_sync(kFullMask, go));
-                                else __ballot_sync(kFullMask, go);)
-                    for (unsigned m = __ballot_sync(kFullMask, go); m; m &= m - 1) {
-                        const int l = __ffs(m) - 1;
-                        resume_chain_warp(c, lp_s, L, kp, base + l * nw, T, s_count, &s_pruned, &s_overflow, walk);
+                    const unsigned m = __ballot_sync(kFullMask, go);
+                    int at = 0;
+                    if (lane == 0 && m) at = atomicAdd(&s_ngo[go_parity], __popc(m));
+                    at = __shfl_sync(kFullMask, at, 0) + __popc(m & ((1u << lane) - 1u));
+                    if (go) bins[at] = (unsigned)i;
+                    __syncthreads();
+                    const int n = s_ngo[go_parity];
+                    // The other count was last read before the barrier between the chunks
+                    // (or the rounds) before this one, and is next added to after the next.
+                    if (threadIdx.x == 0) s_ngo[go_parity ^ 1] = 0;
+                    go_parity ^= 1;
+                    for (int g = warp; g < n; g += nw) {
+                        KDT_V4_PROF(if (lane == 0) s_prof_go[warp]++;)
+                        resume_chain_warp(c, lp_s, L, kp, (int32_t)bins[g], T, s_count, &s_pruned, &s_overflow, walk);
                     }
+                    if (base + chunk < hi) __syncthreads();  // the list is read before the next chunk writes it
                 }
             } else {
                 for (int i = lo + spread; i < hi; i += blockDim.x) {
