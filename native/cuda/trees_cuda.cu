@@ -492,7 +492,8 @@ __device__ int enumerate_pt(const Cands& c, const float* lp_s, int64_t L, int64_
 // pass that fit) and retried halfway up; too many passes hand over to version 3.
 
 constexpr int kDescentMaxPasses = 8;
-constexpr int kGoListMax = 512;  // owners listed at a time in a round (the `bins` array's length)
+// Owners listed at a time in a round: the list and its two counts fill `bins` (512 words).
+constexpr int kGoListMax = 510;
 constexpr int64_t kDescentPreciseFirstMin = 512;  // from this budget the first threshold takes two rounds
 // Up to this budget the first threshold aims at 3N/4 spine children, not N/2: one pass
 // where N/2 took 1.1-2.4 on average (tools/emulate_descent.py, the benchmarks' drafters at
@@ -1020,7 +1021,6 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     KDT_V4_PROF(int rounds = 0; int stamp = 1; kdt_prof_v4_mark(0);)
     KDT_V4_PROF(__shared__ int s_prof_go[32];)
     __shared__ int s_pruned, s_overflow;
-    __shared__ int s_ngo[2];  // the rounds' lists of owners to resume: their lengths, by chunk parity
     __shared__ int32_t s_root_next, s_root_last;
     // The first threshold: about the (N/2)-th best spine child, spine[d] + lp[d][r] over
     // the first `width` ranks of each row (an estimate: any threshold gives the exact tree;
@@ -1092,6 +1092,9 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     const bool walk = walk_switch && !depth_first;  // first children walked at once (walk_first_children)
     for (int pass = 0; pass < kDescentMaxPasses; pass++) {
         *passes = pass + 1;
+        // The rounds' lists of owners to resume: their lengths by chunk parity, after the
+        // list in `bins` (which the thresholds between the passes overwrite).
+        unsigned* const s_ngo = bins + kGoListMax;
         if (threadIdx.x == 0) {
             s_pruned = 0;
             s_overflow = 0;
@@ -1136,11 +1139,11 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                     }
                     const unsigned m = __ballot_sync(kFullMask, go);
                     int at = 0;
-                    if (lane == 0 && m) at = atomicAdd(&s_ngo[go_parity], __popc(m));
+                    if (lane == 0 && m) at = (int)atomicAdd(&s_ngo[go_parity], (unsigned)__popc(m));
                     at = __shfl_sync(kFullMask, at, 0) + __popc(m & ((1u << lane) - 1u));
                     if (go) bins[at] = (unsigned)i;
                     __syncthreads();
-                    const int n = s_ngo[go_parity];
+                    const int n = (int)s_ngo[go_parity];
                     // The other count was last read before the barrier between the chunks
                     // (or the rounds) before this one, and is next added to after the next.
                     if (threadIdx.x == 0) s_ngo[go_parity ^ 1] = 0;
@@ -1389,7 +1392,13 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         // members placed by group start), so each compares its rank path with its group's
         // only. (A scan of all M candidates, one shared-memory round trip each, was ~2.8 us
         // of the round's build on an H200.)
-        __shared__ int s_fill[kCountSortMax], s_member[kCountSortMax];
+        // Both live in s_bins (no static shared memory of their own: 2 KB more moved some
+        // budgets near the shared-memory limit to slower paths). s_bins is free here: its
+        // last use (descend_threshold's thresholds and owner lists) is followed by a
+        // barrier before descend_threshold returns; bisect_threshold does not use it.
+        static_assert(2 * kCountSortMax <= 512, "s_fill and s_member fit in s_bins");
+        int* const s_fill = reinterpret_cast<int*>(s_bins);
+        int* const s_member = s_fill + kCountSortMax;
         const int i = (int)threadIdx.x;
         if (threadIdx.x == 0) s_ties = 0;
         if (i < M) s_fill[i] = 0;
