@@ -148,13 +148,18 @@ int main() {
             printf("; rounds %lld\n", m4[slow][7]);
             long long rm[64][8];
             CK(cudaMemcpyFromSymbol(rm, kdt_prof_round, sizeof rm));
-            printf("   slowest block's first pass (us from the first threshold): root chain and walk %.1f; rounds",
+            printf("   slowest block's first pass (us from the first threshold): root chain and walk %.1f; "
+                   "rounds",
                    (rm[slow][0] - m4[slow][1]) / cyc_per_us);
-            for (int i = 1; i < 8 && rm[slow][i] > rm[slow][i - 1]; i++) printf(" %.1f", (rm[slow][i] - m4[slow][1]) / cyc_per_us);
+            for (int i = 1; i < 8 && rm[slow][i] > rm[slow][i - 1]; i++) {
+                printf(" %.1f", (rm[slow][i] - m4[slow][1]) / cyc_per_us);
+            }
             int rs[64][8][3];
             CK(cudaMemcpyFromSymbol(rs, kdt_prof_rstat, sizeof rs));
             printf("; (owners, chains resumed, most by one warp):");
-            for (int i = 1; i < 8 && rm[slow][i] > rm[slow][i - 1]; i++) printf(" (%d, %d, %d)", rs[slow][i][0], rs[slow][i][1], rs[slow][i][2]);
+            for (int i = 1; i < 8 && rm[slow][i] > rm[slow][i - 1]; i++) {
+                printf(" (%d, %d, %d)", rs[slow][i][0], rs[slow][i][1], rs[slow][i][2]);
+            }
             printf("\n");
             std::vector<int> order((size_t)B);
             for (int i = 0; i < (int)B; i++) order[(size_t)i] = i;

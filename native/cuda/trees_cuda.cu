@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include <float.h>
 #include <math.h>
@@ -47,7 +48,9 @@ __device__ inline void kdt_prof_v4_mark(int i) {
 __device__ long long kdt_prof_round[4096][8];
 __device__ int kdt_prof_rstat[4096][8][3];
 __device__ inline void kdt_prof_round_mark(int pass, int i) {
-    if (pass == 0 && threadIdx.x == 0 && blockIdx.x < 4096 && i < 8) kdt_prof_round[blockIdx.x][i] = clock64();
+    if (pass == 0 && threadIdx.x == 0 && blockIdx.x < 4096 && i < 8) {
+        kdt_prof_round[blockIdx.x][i] = clock64();
+    }
 }
 #else
 #define KDT_V4_PROF(...)
@@ -115,6 +118,8 @@ struct BuildParams {
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+// The smallest b with 2^b >= x (0 for x <= 1).
+__device__ inline int ceil_log2(uint32_t x) { return x <= 1u ? 0 : 32 - __clz((int)(x - 1u)); }
 
 // Node capacity: min(N, K' + K'^2 + ... + K'^L), as in trees.c.
 int64_t node_capacity(int64_t budget, int64_t depth, int64_t eff_width) {
@@ -1150,9 +1155,11 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                     go_parity ^= 1;
                     for (int g = warp; g < n; g += nw) {
                         KDT_V4_PROF(if (lane == 0) s_prof_go[warp]++;)
-                        resume_chain_warp(c, lp_s, L, kp, (int32_t)bins[g], T, s_count, &s_pruned, &s_overflow, walk);
+                        resume_chain_warp(c, lp_s, L, kp, (int32_t)bins[g], T, s_count, &s_pruned,
+                                          &s_overflow, walk);
                     }
-                    if (base + chunk < hi) __syncthreads();  // the list is read before the next chunk writes it
+                    // The list is read before the next chunk writes it.
+                    if (base + chunk < hi) __syncthreads();
                 }
             } else {
                 for (int i = lo + spread; i < hi; i += blockDim.x) {
@@ -1162,9 +1169,13 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
             }
             KDT_V4_PROF(if (threadIdx.x == 0) rounds++;)
             __syncthreads();
-            KDT_V4_PROF(if (pass == 0 && threadIdx.x == 0 && blockIdx.x < 4096 && round_mark < 8 && warp_rounds) {
+            KDT_V4_PROF(if (pass == 0 && threadIdx.x == 0 && blockIdx.x < 4096 && round_mark < 8 &&
+                            warp_rounds) {
                 int tot = 0, most = 0;
-                for (int w = 0; w < (int)(blockDim.x / 32); w++) { tot += s_prof_go[w]; most = max(most, s_prof_go[w]); }
+                for (int w = 0; w < (int)(blockDim.x / 32); w++) {
+                    tot += s_prof_go[w];
+                    most = max(most, s_prof_go[w]);
+                }
                 kdt_prof_rstat[blockIdx.x][round_mark][0] = hi - lo;
                 kdt_prof_rstat[blockIdx.x][round_mark][1] = tot;
                 kdt_prof_rstat[blockIdx.x][round_mark][2] = most;
@@ -1687,13 +1698,13 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
         int32_t* tab = in_cands ? reinterpret_cast<int32_t*>(smem + lay.cands) : hash;
         const uint32_t tab_slots = (uint32_t)((in_cands ? cand_bytes : (size_t)slots * 4) / 4);
         const uint32_t group = slots > 0 ? (uint32_t)min((int64_t)(tab_slots / slots), L) : 1u;
-        int slot_bits = 0;
-        while ((1u << slot_bits) < slots) slot_bits++;
-        int tpr_bits = 0;
-        while ((1u << tpr_bits) < ukp && (1u << tpr_bits) < blockDim.x) tpr_bits++;
+        // (Closed forms of the smallest powers of two: the loops that counted them up ran
+        // ~1,500 warp instructions a block at N = 64, H200 ncu.)
+        const int slot_bits = ceil_log2(slots);  // slots: a power of two
+        const int tpr_bits = min(ceil_log2(ukp), ceil_log2(blockDim.x));
         const uint32_t tpr = 1u << tpr_bits, rows_par = blockDim.x >> tpr_bits;
-        int rpt_bits = 0;  // rank slots per thread and row: a power of two >= K' / tpr
-        while (((uint64_t)tpr << rpt_bits) < ukp) rpt_bits++;
+        // Rank slots per thread and row: tpr << rpt_bits >= K'.
+        const int rpt_bits = max(0, ceil_log2(ukp) - tpr_bits);
         const uint32_t rr = threadIdx.x >> tpr_bits, rs = threadIdx.x & (tpr - 1), lane = threadIdx.x % 32;
         const bool prev_by_shuffle = lane > 0 && rs > 0;  // lane - 1 holds rank r - 1 of the same row
         for (uint32_t g0 = 0; g0 < (uint32_t)L && kp > 0; g0 += group) {
@@ -1703,55 +1714,65 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
                 __syncthreads();
             }
             const uint32_t items = ((g1 - g0 + rows_par - 1) / rows_par) << rpt_bits;  // the same for all threads
-            for (uint32_t t0 = 0; t0 < items; t0 += 8) {
-                float v[8], before[8];
-                int32_t id[8];
-                uint32_t row[8], rank[8];
+            // U entries at a time, U = 2, 4 or 8 by `items` (U = 8 throughout ran four times
+            // the instructions needed at N = 64, where every thread has two entries: ~6,000
+            // warp instructions a block, H200 ncu).
+            auto check_entries = [&](auto unroll) {
+                constexpr int U = decltype(unroll)::value;
+                for (uint32_t t0 = 0; t0 < items; t0 += U) {
+                    float v[U], before[U];
+                    int32_t id[U];
+                    uint32_t row[U], rank[U];
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const uint32_t t = t0 + (uint32_t)u;
-                    row[u] = g0 + rr + rows_par * (t >> rpt_bits);
-                    rank[u] = rs + ((t & ((1u << rpt_bits) - 1)) << tpr_bits);
-                    const bool ok = t < items && row[u] < g1 && rank[u] < ukp;
-                    if (!ok) row[u] = UINT32_MAX;
-                    const size_t src = ok ? (size_t)row[u] * (size_t)K + rank[u] : 0;
-                    if (KDT_KNOB(2)) {
-                        v[u] = -1.0f - 1e-3f * (float)rank[u];
-                        before[u] = -1.0f - 1e-3f * (float)(rank[u] - 1);
-                        id[u] = ok ? (int32_t)rank[u] * 37 : -1;
-                        continue;
+                    for (int u = 0; u < U; u++) {
+                        const uint32_t t = t0 + (uint32_t)u;
+                        row[u] = g0 + rr + rows_par * (t >> rpt_bits);
+                        rank[u] = rs + ((t & ((1u << rpt_bits) - 1)) << tpr_bits);
+                        const bool ok = t < items && row[u] < g1 && rank[u] < ukp;
+                        if (!ok) row[u] = UINT32_MAX;
+                        const size_t src = ok ? (size_t)row[u] * (size_t)K + rank[u] : 0;
+                        if (KDT_KNOB(2)) {
+                            v[u] = -1.0f - 1e-3f * (float)rank[u];
+                            before[u] = -1.0f - 1e-3f * (float)(rank[u] - 1);
+                            id[u] = ok ? (int32_t)rank[u] * 37 : -1;
+                            continue;
+                        }
+                        v[u] = ok ? lp[src] : 0.0f;
+                        id[u] = ok ? ids[src] : -1;
+                        before[u] = ok && rank[u] > 0 && !prev_by_shuffle ? lp[src - 1] : 0.0f;
                     }
-                    v[u] = ok ? lp[src] : 0.0f;
-                    id[u] = ok ? ids[src] : -1;
-                    before[u] = ok && rank[u] > 0 && !prev_by_shuffle ? lp[src - 1] : 0.0f;
-                }
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const float up = __shfl_up_sync(kFullMask, v[u], 1);
-                    const bool ok = row[u] != UINT32_MAX;
-                    if (ok) {
-                        const float prev = prev_by_shuffle ? up : before[u];
-                        lp_s[row[u] * ukp + rank[u]] = v[u];
-                        bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0) || (rank[u] > 0 && v[u] > prev);
-                        bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
-                    }
-                    // A negative id is a range error, reported by exact_status.
-                    bool pending = ok && id[u] >= 0 && !KDT_KNOB(1) && !p.ids_distinct;
-                    int32_t* set = tab + (size_t)(ok ? row[u] - g0 : 0) * slots;
-                    uint32_t slot = slot_bits > 0 ? ((uint32_t)id[u] * 2654435769u) >> (32 - slot_bits) : 0u;
-                    while (__any_sync(kFullMask, pending)) {
-                        if (pending) {
-                            const int32_t prev_id = atomicCAS(&set[slot], -1, id[u]);
-                            if (prev_id == -1 || prev_id == id[u]) {
-                                bad |= prev_id == id[u];
-                                pending = false;
-                            } else {
-                                slot = (slot + 1) & (slots - 1);
+                    for (int u = 0; u < U; u++) {
+                        const float up = __shfl_up_sync(kFullMask, v[u], 1);
+                        const bool ok = row[u] != UINT32_MAX;
+                        if (ok) {
+                            const float prev = prev_by_shuffle ? up : before[u];
+                            lp_s[row[u] * ukp + rank[u]] = v[u];
+                            bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0) || (rank[u] > 0 && v[u] > prev);
+                            bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
+                        }
+                        // A negative id is a range error, reported by exact_status.
+                        bool pending = ok && id[u] >= 0 && !KDT_KNOB(1) && !p.ids_distinct;
+                        int32_t* set = tab + (size_t)(ok ? row[u] - g0 : 0) * slots;
+                        uint32_t slot =
+                            slot_bits > 0 ? ((uint32_t)id[u] * 2654435769u) >> (32 - slot_bits) : 0u;
+                        while (__any_sync(kFullMask, pending)) {
+                            if (pending) {
+                                const int32_t prev_id = atomicCAS(&set[slot], -1, id[u]);
+                                if (prev_id == -1 || prev_id == id[u]) {
+                                    bad |= prev_id == id[u];
+                                    pending = false;
+                                } else {
+                                    slot = (slot + 1) & (slots - 1);
+                                }
                             }
                         }
                     }
                 }
-            }
+            };
+            if (items <= 2) check_entries(std::integral_constant<int, 2>());
+            else if (items <= 4) check_entries(std::integral_constant<int, 4>());
+            else check_entries(std::integral_constant<int, 8>());
             if (!p.ids_distinct) __syncthreads();  // the sets are cleared again for the next group
             if (g0 == 0) KDT_PROBE(5);
         }
