@@ -342,6 +342,9 @@ def test_host_arrays_numpy_cannot_read_get_a_clear_error():
         kdtree.topk_logprobs(x, 4)
     with raises(TypeError, "logits", "torch.bfloat16"):
         kdtree.build_trees_from_logits(x, 4, 4)
+    y = torch.zeros((2, 50), requires_grad=True)  # the hint is then to detach, not to convert
+    with raises(TypeError, "logits", "requires grad", "tensor.detach()"):
+        kdtree.topk_logprobs(y, 4)
 
 
 def test_float_root_tokens_rejected():
@@ -451,13 +454,49 @@ def test_committed_request_out_of_range():
             acc.committed(t, b)
 
 
-def test_max_commit_wrong_length_or_dtype():
+@pytest.mark.parametrize("cap", [[1, 2], [1], [1, 2, 3, 4], [[1], [2], [3]]])
+def test_max_commit_wrong_shape(cap):
+    """Only an int or one cap per request: a length-1 list is not broadcast to 3 requests,
+    and the message names the argument and the shape it needs (not numpy's broadcast text)."""
     t = _tree()
-    with pytest.raises(ValueError) as info:
-        kdtree.verify_greedy(t, np.zeros((3, 11), np.int32), max_commit=[1, 2])
-    assert type(info.value) is ValueError
+    with raises(ValueError, "max_commit", "one int per request (shape (3,))", f"got shape {np.shape(cap)}"):
+        kdtree.verify_greedy(t, np.zeros((3, 11), np.int32), max_commit=cap)
+
+
+def test_max_commit_wrong_dtype():
+    t = _tree()
     with raises(TypeError, "max_commit"):
         kdtree.verify_greedy(t, np.zeros((3, 11), np.int32), max_commit=1.5)
+
+
+def test_max_commit_int_and_per_request_agree():
+    """An int caps every request as the same value repeated per request does."""
+    t = _tree()
+    target = np.zeros((3, 11), np.int32)
+    a = kdtree.verify_greedy(t, target, max_commit=1)
+    b = kdtree.verify_greedy(t, target, max_commit=np.array([1, 1, 1]))
+    assert np.array_equal(a.accept_length, b.accept_length) and np.array_equal(a.bonus_token, b.bonus_token)
+
+
+@pytest.mark.parametrize("stops", [5, "ab", np.array(5)])
+def test_stop_tokens_not_a_sequence(stops):
+    t = _tree()
+    with raises(TypeError, "stop_tokens must be a sequence of token ids"):
+        kdtree.verify_greedy(t, np.zeros((3, 11), np.int32), stop_tokens=stops)
+
+
+def test_stop_tokens_none_means_none():
+    lp, ids = _varied_draft(batch=3)
+    t = kdtree.build_trees(lp, ids, 10)
+    target = np.zeros((3, 11), np.int32)
+    first = t.first_child[:, 0]  # the root's first child, accepted by the walk
+    target[:, 0] = t.tokens[np.arange(3), first]
+    a = kdtree.verify_greedy(t, target, stop_tokens=None)
+    b = kdtree.verify_greedy(t, target, stop_tokens=())
+    assert a.accept_length.tolist() == [1, 1, 1]
+    assert np.array_equal(a.accepted_nodes, b.accepted_nodes) and np.array_equal(a.bonus_token, b.bonus_token)
+    stopped = kdtree.verify_greedy(t, target, stop_tokens=[int(t.tokens[0, first[0]])])
+    assert stopped.bonus_token[0] == -1  # the same token as a stop token ends request 0's walk
 
 
 def test_negative_target_at_visited_node():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -105,6 +106,27 @@ def test_bits_additive_and_flashinfer_encode_the_bool_mask():
         flat = dense[b, :, : p + 10].reshape(-1)
         for idx, bit in enumerate(flat):  # bit idx of the segment, little-endian in its byte
             assert ((int(seg[idx // 8]) >> (idx % 8)) & 1) == int(bit)
+
+
+def test_additive_mask_dtype_objects():
+    """The dtype as a numpy / ml_dtypes dtype (and a torch dtype, where torch is installed)
+    gives the same mask as its name; a dtype that is none of the three is named."""
+    t = chain_and_sibling_tree()
+    given = [("float16", np.float16), ("float16", np.dtype("float16")), ("bfloat16", ml_dtypes.bfloat16),
+             ("float32", np.float32)]
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        given += [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+    for name, dtype in given:
+        want, _, _ = kdtree.tree_attention_mask(t, [2], kind="additive", dtype=name, columns=12)
+        got, _, _ = kdtree.tree_attention_mask(t, [2], kind="additive", dtype=dtype, columns=12)
+        assert got.dtype == want.dtype == np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError, match="dtype must be 'float32', 'float16' or 'bfloat16'.*int8"):
+        kdtree.tree_attention_mask(t, [2], kind="additive", dtype=np.int8, columns=12)
 
 
 def test_mask_rejects_bad_arguments():

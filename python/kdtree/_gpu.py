@@ -20,7 +20,7 @@ from . import _device as dev
 from . import _lib
 from ._lib import KdtreeError
 from ._types import Acceptance, TreeBatch
-from .api import _check_caps
+from .api import _commit_caps, _stop_token_list
 
 _DTYPE_CODES = {"float32": 12, "float16": 10, "bfloat16": 11}  # kdt_dtype
 MASK_KINDS = {"bool": 0, "bits": 1, "additive": None, "flashinfer": 5}
@@ -327,7 +327,8 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
                 code, shape, odt = 1, (batch, rows, (ncols + 31) // 32), "uint32"
             elif kind == "additive":
                 if dtype not in _ADDITIVE:
-                    raise ValueError(f"dtype must be float32, float16 or bfloat16 for additive masks, got {dtype!r}")
+                    raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16' (a name, or a numpy or "
+                                     f"torch dtype) for additive masks, got {dtype!r}")
                 code, shape, odt = _ADDITIVE[dtype], (batch, rows, ncols), dtype
             else:
                 raise ValueError(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
@@ -353,7 +354,7 @@ def _verify_common(trees, stop_tokens, max_commit, s):
     like = trees.num_nodes
     batch = trees.batch
     tstruct, views = _trees_struct(trees, s)
-    stop_list = [int(x) for x in stop_tokens]
+    stop_list = [int(x) for x in _stop_token_list(stop_tokens)]
     stops = dev.from_host(like, np.asarray(stop_list, np.int32)) if stop_list else None
     sv = dev.view(stops, "stop_tokens") if stops is not None else None
     caps, cv = (None, None)
@@ -361,9 +362,8 @@ def _verify_common(trees, stop_tokens, max_commit, s):
         if dev.is_device_array(max_commit):
             caps, cv = _optional(max_commit, "max_commit", "int64", (batch,), like, s)
         else:
-            host = np.broadcast_to(np.asarray(max_commit, dtype=np.int64), (batch,))
-            _check_caps(max_commit, host)
-            caps, cv = _optional(np.ascontiguousarray(host), "max_commit", "int64", (batch,), like, s)
+            host = _commit_caps(max_commit, batch)
+            caps, cv = _optional(host, "max_commit", "int64", (batch,), like, s)
     width = trees.depth + 1
     accepted = dev.empty(like, (batch, width), "int32")
     length = dev.empty(like, (batch,), "int32")

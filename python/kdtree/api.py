@@ -85,8 +85,10 @@ def _host_array(x, name: str) -> np.ndarray:
         return np.asarray(x)
     except (TypeError, RuntimeError) as exc:
         dtype = getattr(x, "dtype", None)
+        hint = ("detach it first (tensor.detach())" if getattr(x, "requires_grad", False)
+                else "convert it first (e.g. tensor.float())")
         raise TypeError(f"{name}: a host {type(x).__name__} of dtype {dtype} cannot be read as a numpy array "
-                        f"({exc}); convert it first (e.g. tensor.float()), or pass a GPU array") from None
+                        f"({exc}); {hint}, or pass a GPU array") from None
 
 
 def _float_array(x, name: str) -> np.ndarray:
@@ -367,9 +369,11 @@ def verify_greedy(
         trees: a :class:`TreeBatch` from :func:`build_trees`.
         target_tokens: integer ``[B, N+1]`` (or ``[N+1]`` when B = 1): the target's chosen
             token at every node (argmax of its logits, or a sample); padding rows ignored.
-        stop_tokens: token ids; an accepted stop token ends the walk with no bonus token.
+        stop_tokens: a sequence of token ids (None: none); an accepted stop token ends the
+            walk with no bonus token. A single int is a TypeError (write ``[eos_id]``).
         max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
-            each request may commit this round (remaining ``max_new_tokens``).
+            each request may commit this round (remaining ``max_new_tokens``). Any other
+            shape (a length-1 list for B > 1 included) is a ValueError.
         errors, stream: GPU only (trees on the GPU), as in :func:`build_trees`; with
             ``errors="status"`` the result's ``request_status`` holds per-request statuses.
 
@@ -398,12 +402,9 @@ def verify_greedy(
         target = target[None]
     if target.shape != (batch, rows):
         raise ValueError(f"target_tokens must have shape ({batch}, {rows}), got {np.shape(target_tokens)}")
-    stop_list = list(stop_tokens)
+    stop_list = _stop_token_list(stop_tokens)
     stops = _int_array(stop_list if stop_list else np.zeros(0, np.int32), "stop_tokens").reshape(-1)
-    caps = None
-    if max_commit is not None:
-        caps = _int_array(np.broadcast_to(np.asarray(max_commit), (batch,)), "max_commit", np.int64)
-        _check_caps(max_commit, caps)
+    caps = None if max_commit is None else _commit_caps(max_commit, batch)
     width = trees.depth + 1
     accepted = np.empty((batch, width), np.int32)
     length = np.empty(batch, np.int32)
@@ -543,7 +544,8 @@ def tree_attention_mask(
             0 visible, the dtype's lowest finite value hidden) or ``"flashinfer"`` (uint8,
             each request's ``[N+1, p+N+1]`` mask flattened and packed 8 per byte,
             little-endian, as FlashInfer's ``segment_packbits``; with ``mask_indptr``).
-        dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (on the CPU via ml_dtypes).
+        dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (on the CPU via
+            ml_dtypes), or the same as a numpy / ml_dtypes / torch dtype; ignored by the other kinds.
         columns: C for the dense kinds (default ``max(p) + N + 1``); must be None for
             ``"flashinfer"``.
         errors, stream: GPU only, as :func:`build_trees`.
@@ -561,6 +563,7 @@ def tree_attention_mask(
         raise TypeError(f"trees must be a TreeBatch, got {type(trees).__name__}")
     if columns is not None:
         columns = _int_scalar(columns, "columns", 0, 2**62)
+    dtype = _dtype_name(dtype)
     if _device.is_device_array(trees.num_nodes):
         return _gpu().tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns,
                                           errors=errors, stream=stream)
@@ -620,7 +623,8 @@ def tree_attention_mask(
         return (np.ascontiguousarray(bits).view("<u4").reshape(batch, rows, words), None, positions, *status)
     if kind == "additive":
         if dtype not in _ADDITIVE_LOWEST:
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+            raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16' (a name, or a numpy or torch "
+                             f"dtype), got {dtype!r}")
         np_dtype = dtype
         if dtype == "bfloat16":
             import ml_dtypes  # a dependency of the package (noxfile); numpy has no bfloat16
@@ -653,6 +657,46 @@ def _per_request(values, name: str, batch: int, dtype=np.int32, batch_from: str 
         origin = f" (one per request; B = {batch} from {batch_from})" if batch_from else ""
         raise ValueError(f"{name} must have shape ({batch},){origin}, got {np.shape(values)}")
     return a.reshape(-1)
+
+
+def _dtype_name(dtype):
+    """A dtype given as a name, a numpy / ml_dtypes dtype or scalar type, or a torch dtype,
+    as its name ("float16"); anything else is returned as given, for the caller to reject."""
+    if isinstance(dtype, str):
+        return dtype
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return dtype
+
+
+def _stop_token_list(stop_tokens) -> list:
+    """stop_tokens as a list: None (no stop tokens) or any iterable of token ids. A single
+    int, a string or a 0-d array is a TypeError that names the argument (not Python's
+    "'int' object is not iterable")."""
+    if stop_tokens is None:
+        return []
+    if (isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable)
+            or (isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 0)):
+        raise TypeError(f"stop_tokens must be a sequence of token ids (for example [eos_id]) or None, "
+                        f"got {type(stop_tokens).__name__}")
+    return list(stop_tokens)
+
+
+def _commit_caps(max_commit, batch: int) -> np.ndarray:
+    """max_commit as int64 [B]: an int (the same cap for every request) or one int per
+    request. Any other shape is a ValueError naming max_commit (a length-1 list is not
+    broadcast to B > 1 requests); negative caps are rejected by _check_caps."""
+    shape = np.shape(max_commit)
+    if shape not in ((), (batch,)):
+        raise ValueError(f"max_commit must be None, an int, or one int per request (shape ({batch},)), "
+                         f"got shape {shape}")
+    caps = _int_array(np.broadcast_to(np.asarray(max_commit), (batch,)), "max_commit", np.int64)
+    _check_caps(max_commit, caps)
+    return caps
 
 
 def _check_caps(given, caps: np.ndarray) -> None:
