@@ -88,11 +88,11 @@ constexpr int64_t kSeparateMasksMinBudget = 256;
 // Trees of up to this many rows have their masks staged in shared memory (5 words a row).
 constexpr size_t kStagedMaskMaxRows = 160;
 constexpr size_t kStagedMaskMaxWords = (kStagedMaskMaxRows + 31) / 32;
-// From this budget the parallel expansion (versions 4 and 3) runs; below it the heap. At
-// every budget: one thread's heap was 2-2.5x slower than the block's parallel expansion
-// even at N = 2 (H200, B = 64, the round's top-k, graph: N = 2 / 8 / 15 34.1 / 40.2 /
-// 45.0 us against 16.1 / 18.0 / 22.2; the heap's ~3,300 inlined instructions run once,
-// by one warp, fetched cold).
+// From this budget the parallel expansion (versions 4 and 3) runs, the heap being its
+// fallback; below it (budget 0) the heap. Every budget: one thread's heap was 2-2.5x
+// slower than the block's parallel expansion even at N = 2 (H200, B = 64, the round's
+// top-k, graph: N = 2 / 8 / 15 34.1 / 40.2 / 45.0 us against 16.1 / 18.0 / 22.2; the
+// heap's ~3,300 inlined instructions run once, by one warp, fetched cold).
 constexpr int64_t kParallelMinBudget = 1;
 // Up to this budget version 4 resumes a round's chains one warp per owner; above it one
 // thread per owner (H200: N = 64 37.1 vs 39.9 us, N = 256 63.2 vs 63.9, N = 1024 200.1 vs
@@ -1118,9 +1118,6 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         int hi = s_overflow ? lo : min(*s_count, c.cap);  // round 0: every candidate (and the root)
         __syncthreads();  // everyone has read the count before round 0 adds to it
         while (lo < hi) {
-            // Consecutive owners go to different warps (owner k to warp k % 16): a warp runs
-            // its lanes' diverging chain walks one after another, so a round of a few
-            // owners packed into one warp took as long as their sum (H200 profile).
             if (warp_rounds) {
                 // One warp per owner whose chain head is >= T, one lane per candidate
                 // (resume_chain_warp). The heads are read one owner per thread (most owners
@@ -1162,6 +1159,10 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                     if (base + chunk < hi) __syncthreads();
                 }
             } else {
+                // One thread per owner. Consecutive owners go to different warps (owner k to
+                // warp k % 16): a warp runs its lanes' diverging chain walks one after
+                // another, so a round of a few owners packed into one warp took as long as
+                // their sum (H200 profile).
                 for (int i = lo + spread; i < hi; i += blockDim.x) {
                     resume_chain(c, lp_s, L, kp, i, T, s_count, &s_pruned, &s_overflow, &s_root_next, &s_root_last,
                                  s_root_fc, depth_first, walk);
