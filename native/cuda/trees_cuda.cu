@@ -99,6 +99,11 @@ constexpr int64_t kParallelMinBudget = 1;
 // 189.8, where rounds hold hundreds of owners).
 constexpr int64_t kWarpChainsMaxBudget = 512;
 
+// Shared-memory layout of build_kernel_smem for one request (byte offsets).
+struct SmemLayout {
+    size_t lp, heap, tables, logw, links, hash, cands, total;
+};
+
 struct BuildParams {
     kdt_draft draft;  // device pointers inside
     kdt_trees out;    // device pointers inside
@@ -115,6 +120,9 @@ struct BuildParams {
     int32_t walk;           // 1: version 4 walks first children at once (walk_first_children)
     int32_t counting;       // 1: small candidate sets sorted, and small thresholds selected, by counting
     int32_t ids_distinct;   // 1: the caller guarantees distinct ids per row (no duplicate-id check)
+    // build_kernel_smem's layout, from the host (computed by each thread it was ~900 warp
+    // instructions a block at N = 64, H200 ncu).
+    SmemLayout lay;
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -558,8 +566,10 @@ __device__ inline void warp_find_bin(const unsigned* bins, int* k, int* bin) {
 
 // Up to this many candidates (and blockDim.x), parallel_expand orders them by counting.
 constexpr int kCountSortMax = 256;
-// More candidates than this with exactly equal scores send the set to the bitonic network.
-constexpr int kCountSortMaxTies = 8;
+// Up to this many candidates whose score equals an earlier-listed one's (a group of g equal
+// scores counts g - 1), the counting sort orders each group by walking rank paths; beyond
+// it by 128-bit path keys where they fit, else the bitonic network sorts the set.
+constexpr int kCountSortMaxTies = 4;
 // Up to this many values (and blockDim.x), block_threshold selects exactly by counting.
 constexpr int kCountSelectMax = 256;
 
@@ -1391,7 +1401,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         // (scores compared eight at a time from 16-byte loads, no branch), then every
         // candidate is written at its position. Candidates with an exactly equal score
         // then scan again, comparing rank paths with each equal one: by walking the paths
-        // up to kCountSortMaxTies tied candidates, beyond that by 128-bit path keys made
+        // up to kCountSortMaxTies ties (below), beyond that by 128-bit path keys made
         // once per candidate when L x bits(K') <= 128, else the bitonic network below runs
         // instead (the same order): the rank-path walks diverge across lanes (H200: a flat
         // drafter's many equal log-probs made N = 64 38.5 -> 45.3 us). (The network is latency-bound
@@ -1400,9 +1410,9 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         // keep the network.)
         __shared__ int s_ties;
         // Candidates of equal score hold positions gt .. ge - 1 of the order (the same gt and
-        // ge for each of them): they list themselves there (s_member, s_fill counting the
-        // members placed by group start), so each compares its rank path with its group's
-        // only. (A scan of all M candidates, one shared-memory round trip each, was ~2.8 us
+        // ge for each of them): every candidate lists itself from its gt on (s_member, s_fill
+        // counting the members placed by group start), so a group's size is s_fill[gt] and
+        // each tied candidate compares its rank path with its group's only. (A scan of all M candidates, one shared-memory round trip each, was ~2.8 us
         // of the round's build on an H200.)
         // Both live in s_bins (no static shared memory of their own: 2 KB more moved some
         // budgets near the shared-memory limit to slower paths). s_bins is free here: its
@@ -1420,8 +1430,8 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
         const int M8 = M & ~7;  // whole groups of eight; the rest one by one
         double wi = 0.0;
         int at = 0;
-        bool tied = false;
-        int gt = 0, ge = 0;
+        bool joined = false;  // not the first of its group to list itself
+        int gt = 0;
         if (i < M) {
             wi = c.logw[i];  // finite: every candidate was admitted at a finite T
             for (int j = 0; j < M8 / 2; j += 4) {
@@ -1429,23 +1439,22 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
 #pragma unroll
                 for (int u = 0; u < 4; u++) q[u] = w2[j + u];
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    gt += (q[u].x > wi) + (q[u].y > wi);
-                    ge += (q[u].x >= wi) + (q[u].y >= wi);
-                }
+                for (int u = 0; u < 4; u++) gt += (q[u].x > wi) + (q[u].y > wi);
             }
-            for (int j = M8; j < M; j++) {
-                const double u = c.logw[j];
-                gt += u > wi;
-                ge += u >= wi;
-            }
+            for (int j = M8; j < M; j++) gt += c.logw[j] > wi;
             at = gt;
-            tied = ge - gt > 1;  // itself counts once
-            if (tied) s_member[gt + atomicAdd(&s_fill[gt], 1)] = i;
+            // Every candidate lists itself in its group (one member for most); the group's
+            // size, read after the barrier, replaces a second count of the scores >= its
+            // own (~1,900 warp instructions a block at N = 64, H200 ncu).
+            const int k = atomicAdd(&s_fill[gt], 1);
+            s_member[gt + k] = i;
+            joined = k > 0;
         }
-        const unsigned tied_lanes = __ballot_sync(kFullMask, tied);
-        if ((threadIdx.x & 31) == 0 && tied_lanes) atomicAdd(&s_ties, __popc(tied_lanes));
+        const unsigned joined_lanes = __ballot_sync(kFullMask, joined);
+        if ((threadIdx.x & 31) == 0 && joined_lanes) atomicAdd(&s_ties, __popc(joined_lanes));
         __syncthreads();
+        const int ge = i < M ? gt + s_fill[gt] : 0;
+        const bool tied = ge - gt > 1;
         KDT_V3_PROF(if (threadIdx.x == 0 && blockIdx.x < 4096) {
             kdt_prof_tie[blockIdx.x][0] = clock64();
             kdt_prof_tie[blockIdx.x][3] = s_ties;
@@ -1603,12 +1612,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     return n;
 }
 
-// Shared-memory layout of build_kernel_smem for one request.
-struct SmemLayout {
-    size_t lp, heap, tables, logw, links, hash, cands, total;
-};
-
-__host__ __device__ inline SmemLayout smem_layout(int64_t L, int64_t kp, int64_t N, int64_t cap, int64_t hash_slots) {
+inline SmemLayout smem_layout(int64_t L, int64_t kp, int64_t N, int64_t cap, int64_t hash_slots) {
     SmemLayout s;
     s.heap = 0;
     s.logw = align_up((size_t)(cap + 2) * sizeof(kdt_cand), 16);
@@ -1653,22 +1657,23 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     const size_t rows = (size_t)N + 1;
     const size_t words = (rows + 31) / 32;
     const size_t base = (size_t)b * rows;
-    const SmemLayout lay = smem_layout(L, kp, N, p.cap, p.hash_slots);
+    const SmemLayout& lay = p.lay;
     float* lp_s = reinterpret_cast<float*>(smem + lay.lp);
     int32_t* tables = reinterpret_cast<int32_t*>(smem + lay.tables);
     double* logw_s = reinterpret_cast<double*>(smem + lay.logw);
     int32_t* fc_s = reinterpret_cast<int32_t*>(smem + lay.links);
     int32_t* ns_s = fc_s + rows;
     int32_t* hash = reinterpret_cast<int32_t*>(smem + lay.hash);
-    __shared__ int s_bad;
     __shared__ int64_t s_n;
     __shared__ int32_t s_root_tok;
     __shared__ int64_t s_root_pos;
 
     const float* lp = d.logprobs ? d.logprobs + (size_t)b * L * K : nullptr;
     const int32_t* ids = d.token_ids ? d.token_ids + (size_t)b * L * K : nullptr;
+    // Any invalid input in the request: the root's position and token (thread 0), the rows
+    // (below); one __syncthreads_or after the rows gives every thread the verdict.
+    int bad = 0;
     if (threadIdx.x == 0) {
-        int bad = 0;
         if (d.root_positions) {
             const int64_t rp = d.root_positions[b];
             bad |= rp < 0 || rp > INT64_MAX - L;
@@ -1677,9 +1682,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
             const int32_t rt = d.root_tokens[b];
             bad |= rt < 0 || (d.vocab_size > 0 && rt >= d.vocab_size);
         }
-        s_bad = bad;
     }
-    __syncthreads();
     KDT_PROBE(4);
     // Load the used part [L, K'] (row stride K' in shared memory) and check it. The rows go
     // in groups of G, each row of a group with its own hash set of ids (-1: empty) for
@@ -1691,7 +1694,6 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     // probes of the hash sets run under a warp vote: lanes left to loop on their own never
     // reconverged, and the warp ran them one by one (H200 profile, N = 1024: 1-2 active
     // threads per instruction, the validation 125 us).
-    int bad = 0;
     {
         const uint32_t ukp = (uint32_t)kp, slots = (uint32_t)p.hash_slots;
         const size_t cand_bytes = p.cap3 > 0 ? cands_bytes(p.cap3) : 0;
@@ -1778,23 +1780,19 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
             if (g0 == 0) KDT_PROBE(5);
         }
     }
-    if (bad) atomicOr(&s_bad, 1);
-    __syncthreads();
+    const bool any_bad = __syncthreads_or(bad) != 0;
 
-    // Version 3 first (valid requests only); -1 sends the request to the heap below.
+    // The parallel expansion first (valid requests only); -1 sends the request to the heap
+    // below. (Its result is the same in every thread, and it ends with a barrier.)
     KDT_PROBE(1);
-    __shared__ int64_t s_par_n;
-    if (threadIdx.x == 0) s_par_n = -1;
-    __syncthreads();
-    if (!s_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
-        const int64_t pn = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s,
-                                           tables, tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent,
-                                           p.walk != 0, p.counting != 0);
-        if (threadIdx.x == 0) s_par_n = pn;
-        __syncthreads();
+    int64_t par_n = -1;
+    if (!any_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
+        par_n = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s, tables,
+                                tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent, p.walk != 0,
+                                p.counting != 0);
     }
-    if (threadIdx.x == 0 && s_par_n >= 0) {
-        const int64_t n = s_par_n;
+    if (threadIdx.x == 0 && par_n >= 0) {
+        const int64_t n = par_n;
         p.out.num_nodes[b] = (int32_t)n;
         p.status[b] = KDT_OK;
         s_n = n;
@@ -1802,7 +1800,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
         s_root_pos = d.root_positions ? d.root_positions[b] : 0;
     } else if (threadIdx.x == 0) {
         int32_t status = KDT_OK;
-        if (s_bad) status = exact_status(d, b, kp);
+        if (any_bad) status = exact_status(d, b, kp);
         const bool ok = status == KDT_OK;
         kdt_expand_scratch s;
         s.heap = reinterpret_cast<kdt_cand*>(smem + lay.heap);
@@ -1881,8 +1879,10 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
             for (size_t k = threadIdx.x; k < rows * words; k += blockDim.x) dst[k] = s_bits[k];
         }
         if (p.out.visibility) {
-            // Four bytes a store between an unaligned head and tail (byte stores, one
-            // division each, were most of this phase's instructions).
+            // Four bytes a store between an unaligned head and tail. Each thread keeps the
+            // (row, column) of its word's first byte and steps it by a fixed amount: a
+            // division per word, and four bit extractions, were most of this phase's
+            // instructions (H200 ncu, N = 64).
             uint8_t* dst = p.out.visibility + base * rows;
             const uint32_t urows = (uint32_t)rows, total = urows * urows;
             const uint32_t head = min(total, (uint32_t)((4u - ((uintptr_t)dst & 3u)) & 3u));
@@ -1890,18 +1890,45 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
             auto bit = [&](uint32_t i, uint32_t j) { return (s_bits[i * words + (j >> 5)] >> (j & 31)) & 1u; };
             if (threadIdx.x < head) dst[threadIdx.x] = (uint8_t)bit(threadIdx.x / urows, threadIdx.x % urows);
             uint32_t* dw = reinterpret_cast<uint32_t*>(dst + head);
-            for (uint32_t w = threadIdx.x; w < nw; w += blockDim.x) {
-                const uint32_t k = head + 4u * w;
-                uint32_t i = k / urows, j = k - i * urows, v = 0u;
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    v |= bit(i, j) << (8 * q);
-                    if (++j == urows) {
-                        j = 0;
+            if (urows >= 4u) {
+                // The word's four bytes are columns j .. j + 3 of row i, the last 4 - rem of
+                // them (rem = rows - j < 4) columns 0 .. of row i + 1: four mask bits taken
+                // at once (a funnel shift across the row's words; bits past a row's end
+                // are 0), spread one to a byte by a multiply.
+                const uint32_t last = (uint32_t)(rows * words) - 1u;  // s_bits' last word in use
+                const uint32_t step = 4u * blockDim.x, di = step / urows, dj = step - di * urows;
+                uint32_t i = (head + 4u * threadIdx.x) / urows, j = head + 4u * threadIdx.x - i * urows;
+                for (uint32_t w = threadIdx.x; w < nw; w += blockDim.x) {
+                    const uint32_t at = i * (uint32_t)words + (j >> 5);
+                    const uint32_t lo = s_bits[at], hi = s_bits[min(at + 1u, last)];
+                    const uint32_t rem = urows - j;  // columns left in row i, >= 1
+                    uint32_t nib = __funnelshift_r(lo, hi, j) & 0xFu;
+                    if (rem < 4u) {
+                        const uint32_t next = s_bits[min((i + 1u) * (uint32_t)words, last)];
+                        nib = (nib & ((1u << rem) - 1u)) | ((next << rem) & 0xFu);
+                    }
+                    dw[w] = (nib * 0x00204081u) & 0x01010101u;
+                    j += dj;
+                    i += di;
+                    if (j >= urows) {
+                        j -= urows;
                         i++;
                     }
                 }
-                dw[w] = v;
+            } else {
+                for (uint32_t w = threadIdx.x; w < nw; w += blockDim.x) {
+                    const uint32_t k = head + 4u * w;
+                    uint32_t i = k / urows, j = k - i * urows, v = 0u;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        v |= bit(i, j) << (8 * q);
+                        if (++j == urows) {
+                            j = 0;
+                            i++;
+                        }
+                    }
+                    dw[w] = v;
+                }
             }
             for (uint32_t k = head + 4u * nw + threadIdx.x; k < total; k += blockDim.x) {
                 dst[k] = (uint8_t)bit(k / urows, k % urows);
@@ -2049,6 +2076,7 @@ kdt_status kdt::build_trees_cuda(const kdt_draft* draft, kdt_trees* out, int32_t
     // Version 2 (everything the expansion touches in shared memory) when it fits the
     // device's per-block limit; version 1 (global memory) otherwise.
     const SmemLayout sl = smem_layout(L, p.eff_width, N, p.cap, p.hash_slots);
+    p.lay = sl;
     // The device's per-block shared-memory limit and the kernel's raised limit are cached
     // per device: those runtime calls cost tens of microseconds, more than small builds.
     int dev = 0, smem_max = 0;
