@@ -7,6 +7,7 @@
 // construction; the single-thread expansion is the part a later version parallelises.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -64,6 +65,7 @@ constexpr int kThreads = 256;
 // H200 (N = 256: 88 -> 77 us, N = 1024: 282 -> 238 us; its validation, thresholds and
 // sort are instruction-bound with one block per SM).
 constexpr int kSmemThreads = 512;
+static_assert((kSmemThreads & (kSmemThreads - 1)) == 0, "the validation plan takes a power-of-two block");
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_smem_max[kMaxDevices];  // cudaDevAttrMaxSharedMemoryPerBlockOptin, 0: unknown
 std::atomic<int> g_smem_set[kMaxDevices];  // dynamic shared memory build_kernel_smem may use
@@ -104,6 +106,16 @@ struct SmemLayout {
     size_t lp, heap, tables, logw, links, hash, cands, total;
 };
 
+// build_kernel_smem's validation plan (see there), from the host.
+struct ValidationPlan {
+    size_t tab_offset;   // shared-memory byte offset of the rows' hash sets of ids
+    uint32_t group;      // rows checked at a time (their hash sets fit at once)
+    int32_t slot_bits;   // log2 of the hash slots per row
+    int32_t tpr_bits;    // log2 of the threads per row: min(ceil_log2(K'), log2(block))
+    int32_t rpt_bits;    // log2 of the rank slots per thread and row: ceil_log2(K') - tpr_bits, >= 0
+    int32_t rows_par_bits;  // log2 of the rows taken at a time: log2(block) - tpr_bits
+};
+
 struct BuildParams {
     kdt_draft draft;  // device pointers inside
     kdt_trees out;    // device pointers inside
@@ -120,14 +132,23 @@ struct BuildParams {
     int32_t walk;           // 1: version 4 walks first children at once (walk_first_children)
     int32_t counting;       // 1: small candidate sets sorted, and small thresholds selected, by counting
     int32_t ids_distinct;   // 1: the caller guarantees distinct ids per row (no duplicate-id check)
-    // build_kernel_smem's layout, from the host (computed by each thread it was ~900 warp
-    // instructions a block at N = 64, H200 ncu).
+    // build_kernel_smem's layout and validation plan, from the host (computed by each
+    // thread they were ~1,900 warp instructions a block at N = 64, H200 ncu).
     SmemLayout lay;
+    ValidationPlan val;
+    // The staged bool mask's word walk (budget + 1 = rows >= 4): floor(2^32 / rows) + 1 (k /
+    // rows = umulhi(k, magic) for k < 2^32 / rows), and the row and column steps of
+    // 4 x kSmemThreads bytes.
+    uint32_t mask_magic, mask_di, mask_dj;
 };
 
 __host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // The smallest b with 2^b >= x (0 for x <= 1).
-__device__ inline int ceil_log2(uint32_t x) { return x <= 1u ? 0 : 32 - __clz((int)(x - 1u)); }
+inline int ceil_log2(uint64_t x) {
+    int b = 0;
+    while (b < 63 && (uint64_t{1} << b) < x) b++;
+    return b;
+}
 
 // Node capacity: min(N, K' + K'^2 + ... + K'^L), as in trees.c.
 int64_t node_capacity(int64_t budget, int64_t depth, int64_t eff_width) {
@@ -372,6 +393,7 @@ struct Cands {
     int32_t* order;   // [pow2 >= cap] sort order
     int32_t* pos;     // position of each candidate in the order
     int32_t cap;      // power of two
+    double* lp0;      // [L] the rank-0 log-prob of each depth as a double (version 4's walk)
 };
 
 __device__ inline bool cand_path_before(const Cands& c, int32_t a, int32_t b) {
@@ -749,12 +771,25 @@ __device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L
     }
 }
 
+// atomicAdd on a shared-memory int by one thread, as one ATOMS: where the compiler cannot
+// tell that a single lane calls atomicAdd, it emits a warp-aggregated form (~17
+// instructions and a vote before the atomic; ~1,000 warp instructions a block at N = 64,
+// H200 ncu). `addr` must point into shared memory.
+__device__ inline int shared_atomic_add(int* addr, int v) {
+    int old;
+    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
+                 : "=r"(old)
+                 : "r"((unsigned)__cvta_generic_to_shared(addr)), "r"(v)
+                 : "memory");
+    return old;
+}
+
 // n > 0 consecutive candidate slots for the calling warp (every lane calls it with the same
 // n): lane 0 takes them with one atomic; returns the first on every lane, or -1 with
 // *overflow set when they do not fit (the pass is then rolled back).
 __device__ inline int warp_take_slots(int* count, int n, int cap, int* overflow) {
     int slot0 = 0;
-    if ((threadIdx.x & 31) == 0) slot0 = atomicAdd(count, n);
+    if ((threadIdx.x & 31) == 0) slot0 = shared_atomic_add(count, n);
     slot0 = __shfl_sync(kFullMask, slot0, 0);
     if (slot0 + n > cap) {
         if ((threadIdx.x & 31) == 0) *overflow = 1;
@@ -779,12 +814,26 @@ __device__ void walk_first_children_warp(const Cands& c, const float* lp_s, int6
     const int32_t d0 = c.depth[node];
     const int steps = (int)min((int64_t)32, L - d0);
     if (steps <= 0) return;
+    const double* col = c.lp0 + d0;  // lp[d][0] for d = d0, d0 + 1, ...
     double w = c.logw[node];
-#pragma unroll 4
-    for (int j = 0; j < steps; j++) {
-        const double v = (double)lp_s[(int64_t)(d0 + j) * kp];
-        if (j <= lane) w = w + v;
+    // Four steps at a time. Lanes up to a chunk's last step then hold their final scores,
+    // and the walk ends at its first refused step: once one is refused, later steps are not
+    // needed (all 16 steps of every walk were ~3,500 warp instructions a block at N = 64,
+    // H200 ncu; most walks end in their first chunk).
+    for (int j0 = 0; j0 < steps; j0 += 4) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = j0 + u;
+            if (j < steps) {
+                const double v = col[j];
+                if (j <= lane) w = w + v;
+            }
+        }
+        const bool refused_here = lane <= min(j0 + 3, steps - 1) && !(!isinf(w) && w >= T);
+        if (__any_sync(kFullMask, refused_here)) break;
     }
+    // (Lanes past the chunk where the loop stopped hold partial sums, but lie after the
+    // first refused step: they are not taken.)
     const bool admitted = lane < steps && !isinf(w) && w >= T;
     const unsigned refused = __ballot_sync(kFullMask, !admitted);
     const int n = refused ? __ffs(refused) - 1 : 32;
@@ -1029,7 +1078,8 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, i
 }
 
 // Version 4 (above). Returns |P_T| >= 0 with the candidates, links and *root_fc filled,
-// or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite.
+// or -1 for version 3. Block-wide; kp > 0, L > 0, N > 0, lp_s[0] finite; c.lp0 is
+// `spine`'s array (it holds the walks' rank-0 column once the first threshold is chosen).
 __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N, int* s_count,
                                  int* s_root_fc, unsigned* bins, double* spine, int* passes, bool depth_first,
                                  bool warp_chains, bool walk_switch, bool counting) {
@@ -1097,6 +1147,11 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         if (s_bin >= 0) T = top - (double)(s_bin + 1) / scale;
     }
     if (!(T > -INFINITY)) T = -DBL_MAX;
+    // The spine's scores are dead (their last reads are behind a barrier above): the same
+    // array now holds lp[d][0] as doubles for the first-child walks, which start after the
+    // barrier at the top of the first pass. (No static shared memory of its own: more
+    // moves budgets near the shared-memory limit to slower paths.)
+    for (int i = threadIdx.x; i < L; i += blockDim.x) c.lp0[i] = (double)lp_s[(int64_t)i * kp];
     KDT_V4_PROF(kdt_prof_v4_mark(stamp++);)
     int kept = 0;               // candidates after the last pass that fit (and ended below N)
     double t_kept = top;        // its threshold (before any pass: lp[0][0], which admits few)
@@ -1151,7 +1206,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                     }
                     const unsigned m = __ballot_sync(kFullMask, go);
                     int at = 0;
-                    if (lane == 0 && m) at = (int)atomicAdd(&s_ngo[go_parity], (unsigned)__popc(m));
+                    if (lane == 0 && m) at = shared_atomic_add(reinterpret_cast<int*>(&s_ngo[go_parity]), __popc(m));
                     at = __shfl_sync(kFullMask, at, 0) + __popc(m & ((1u << lane) - 1u));
                     if (go) bins[at] = (unsigned)i;
                     __syncthreads();
@@ -1378,7 +1433,9 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     int M = -1;
     if (descent && L <= kDescentMaxDepth) {
         int passes = 0;
-        M = descend_threshold(c, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2,
+        Cands cw = c;
+        cw.lp0 = s_spine;  // the spine's array, after the first threshold (descend_threshold)
+        M = descend_threshold(cw, lp_s, L, kp, N, &s_count, &s_root_fc, s_bins, s_spine, &passes, descent == 2,
                               descent == 1, walk, counting);
         if (M >= 0) prof_passes_any = 1000 + passes;
     }
@@ -1612,6 +1669,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     return n;
 }
 
+// build_kernel_smem's shared-memory layout for one request (passed in BuildParams::lay).
 inline SmemLayout smem_layout(int64_t L, int64_t kp, int64_t N, int64_t cap, int64_t hash_slots) {
     SmemLayout s;
     s.heap = 0;
@@ -1628,6 +1686,26 @@ inline SmemLayout smem_layout(int64_t L, int64_t kp, int64_t N, int64_t cap, int
 // Bytes of the version-3 candidate arrays for `cap3` (a power of two) candidates.
 __host__ __device__ inline size_t cands_bytes(int64_t cap3) { return (size_t)cap3 * (8 + 8 * 4); }
 
+// build_kernel_smem's validation plan for `threads` (a power of two) threads. The rows' hash
+// sets of ids go in the idle candidate arrays when those are larger than one row's set,
+// else in the layout's own set; as many rows are checked at a time as have sets there.
+ValidationPlan validation_plan(const SmemLayout& lay, int64_t L, int64_t kp, int64_t hash_slots, int32_t cap3,
+                               int threads) {
+    ValidationPlan v;
+    const size_t slots = (size_t)hash_slots;
+    const size_t cand_bytes = cap3 > 0 ? cands_bytes(cap3) : 0;
+    const bool in_cands = cand_bytes > slots * 4;
+    v.tab_offset = in_cands ? lay.cands : lay.hash;
+    const size_t tab_slots = (in_cands ? cand_bytes : slots * 4) / 4;
+    v.group = slots > 0 ? (uint32_t)std::min((int64_t)(tab_slots / slots), L) : 1u;
+    v.slot_bits = ceil_log2(slots);  // slots: a power of two
+    const int block_bits = ceil_log2((uint64_t)threads);
+    v.tpr_bits = std::min(ceil_log2((uint64_t)kp), block_bits);
+    v.rpt_bits = std::max(0, ceil_log2((uint64_t)kp) - v.tpr_bits);
+    v.rows_par_bits = block_bits - v.tpr_bits;
+    return v;
+}
+
 __device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
     Cands c;
     c.logw = reinterpret_cast<double*>(base);
@@ -1641,6 +1719,7 @@ __device__ inline Cands cands_at(unsigned char* base, int32_t cap3) {
     c.order = ints + 6 * cap3;
     c.pos = ints + 7 * cap3;
     c.cap = cap3;
+    c.lp0 = nullptr;  // set by parallel_expand
     return c;
 }
 
@@ -1663,7 +1742,6 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     double* logw_s = reinterpret_cast<double*>(smem + lay.logw);
     int32_t* fc_s = reinterpret_cast<int32_t*>(smem + lay.links);
     int32_t* ns_s = fc_s + rows;
-    int32_t* hash = reinterpret_cast<int32_t*>(smem + lay.hash);
     __shared__ int64_t s_n;
     __shared__ int32_t s_root_tok;
     __shared__ int64_t s_root_pos;
@@ -1696,27 +1774,28 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     // threads per instruction, the validation 125 us).
     {
         const uint32_t ukp = (uint32_t)kp, slots = (uint32_t)p.hash_slots;
-        const size_t cand_bytes = p.cap3 > 0 ? cands_bytes(p.cap3) : 0;
-        const bool in_cands = cand_bytes > (size_t)slots * 4;
-        int32_t* tab = in_cands ? reinterpret_cast<int32_t*>(smem + lay.cands) : hash;
-        const uint32_t tab_slots = (uint32_t)((in_cands ? cand_bytes : (size_t)slots * 4) / 4);
-        const uint32_t group = slots > 0 ? (uint32_t)min((int64_t)(tab_slots / slots), L) : 1u;
-        // (Closed forms of the smallest powers of two: the loops that counted them up ran
-        // ~1,500 warp instructions a block at N = 64, H200 ncu.)
-        const int slot_bits = ceil_log2(slots);  // slots: a power of two
-        const int tpr_bits = min(ceil_log2(ukp), ceil_log2(blockDim.x));
-        const uint32_t tpr = 1u << tpr_bits, rows_par = blockDim.x >> tpr_bits;
-        // Rank slots per thread and row: tpr << rpt_bits >= K'.
-        const int rpt_bits = max(0, ceil_log2(ukp) - tpr_bits);
+        // The plan (hash sets, group size, thread layout) from the host: computed by every
+        // thread it was ~1,000 warp instructions a block at N = 64 (H200 ncu), ahead of the
+        // first loads.
+        const ValidationPlan& vp = p.val;
+        int32_t* tab = reinterpret_cast<int32_t*>(smem + vp.tab_offset);
+        const uint32_t group = vp.group;
+        const int slot_bits = vp.slot_bits, tpr_bits = vp.tpr_bits, rpt_bits = vp.rpt_bits;
+        const uint32_t tpr = 1u << tpr_bits;
         const uint32_t rr = threadIdx.x >> tpr_bits, rs = threadIdx.x & (tpr - 1), lane = threadIdx.x % 32;
         const bool prev_by_shuffle = lane > 0 && rs > 0;  // lane - 1 holds rank r - 1 of the same row
         for (uint32_t g0 = 0; g0 < (uint32_t)L && kp > 0; g0 += group) {
             const uint32_t g1 = min((uint32_t)L, g0 + group);
-            if (!p.ids_distinct) {
-                for (uint32_t i = threadIdx.x; i < (g1 - g0) * slots; i += blockDim.x) tab[i] = -1;
+            // The group's hash sets are cleared after its first entries' loads are issued
+            // (in check_entries), so the barrier overlaps their latency.
+            auto clear_sets = [&]() {
+                const uint32_t n = (g1 - g0) * slots, n4 = n / 4;
+                int4* tab4 = reinterpret_cast<int4*>(tab);  // 16-byte aligned (the layout)
+                for (uint32_t i = threadIdx.x; i < n4; i += blockDim.x) tab4[i] = make_int4(-1, -1, -1, -1);
+                for (uint32_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) tab[i] = -1;
                 __syncthreads();
-            }
-            const uint32_t items = ((g1 - g0 + rows_par - 1) / rows_par) << rpt_bits;  // the same for all threads
+            };
+            const uint32_t items = ((g1 - g0 + (1u << vp.rows_par_bits) - 1) >> vp.rows_par_bits) << rpt_bits;
             // U entries at a time, U = 2, 4 or 8 by `items` (U = 8 throughout ran four times
             // the instructions needed at N = 64, where every thread has two entries: ~6,000
             // warp instructions a block, H200 ncu).
@@ -1729,7 +1808,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         const uint32_t t = t0 + (uint32_t)u;
-                        row[u] = g0 + rr + rows_par * (t >> rpt_bits);
+                        row[u] = g0 + rr + ((t >> rpt_bits) << vp.rows_par_bits);
                         rank[u] = rs + ((t & ((1u << rpt_bits) - 1)) << tpr_bits);
                         const bool ok = t < items && row[u] < g1 && rank[u] < ukp;
                         if (!ok) row[u] = UINT32_MAX;
@@ -1744,6 +1823,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
                         id[u] = ok ? ids[src] : -1;
                         before[u] = ok && rank[u] > 0 && !prev_by_shuffle ? lp[src - 1] : 0.0f;
                     }
+                    if (t0 == 0 && !p.ids_distinct) clear_sets();  // (uniform: items is)
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         const float up = __shfl_up_sync(kFullMask, v[u], 1);
@@ -1896,8 +1976,9 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
                 // at once (a funnel shift across the row's words; bits past a row's end
                 // are 0), spread one to a byte by a multiply.
                 const uint32_t last = (uint32_t)(rows * words) - 1u;  // s_bits' last word in use
-                const uint32_t step = 4u * blockDim.x, di = step / urows, dj = step - di * urows;
-                uint32_t i = (head + 4u * threadIdx.x) / urows, j = head + 4u * threadIdx.x - i * urows;
+                const uint32_t di = p.mask_di, dj = p.mask_dj;  // the step: 4 x blockDim.x bytes
+                const uint32_t k0 = head + 4u * threadIdx.x;      // < 2^32 / rows
+                uint32_t i = __umulhi(k0, p.mask_magic), j = k0 - i * urows;
                 for (uint32_t w = threadIdx.x; w < nw; w += blockDim.x) {
                     const uint32_t at = i * (uint32_t)words + (j >> 5);
                     const uint32_t lo = s_bits[at], hi = s_bits[min(at + 1u, last)];
@@ -2132,6 +2213,14 @@ kdt_status kdt::build_trees_cuda(const kdt_draft* draft, kdt_trees* out, int32_t
         const bool any_mask = out->visibility != NULL || out->visibility_bits != NULL;
         p.masks_separate = any_mask && N >= kSeparateMasksMinBudget && B <= 65535 &&
                            !sw.inline_masks;
+        p.val = validation_plan(sl, L, p.eff_width, p.hash_slots, p.cap3, kSmemThreads);
+        p.mask_magic = p.mask_di = p.mask_dj = 0;
+        if (N + 1 >= 4 && N + 1 <= (int64_t)kStagedMaskMaxRows) {
+            const uint32_t rows = (uint32_t)(N + 1), step = 4u * (uint32_t)kSmemThreads;
+            p.mask_magic = (uint32_t)((uint64_t{1} << 32) / rows) + 1u;
+            p.mask_di = step / rows;
+            p.mask_dj = step - p.mask_di * rows;
+        }
         build_kernel_smem<<<(unsigned)B, kSmemThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
         if (p.masks_separate) {
             err = cudaGetLastError();
