@@ -771,25 +771,12 @@ __device__ void walk_first_children(const Cands& c, const float* lp_s, int64_t L
     }
 }
 
-// atomicAdd on a shared-memory int by one thread, as one ATOMS: where the compiler cannot
-// tell that a single lane calls atomicAdd, it emits a warp-aggregated form (~17
-// instructions and a vote before the atomic; ~1,000 warp instructions a block at N = 64,
-// H200 ncu). `addr` must point into shared memory.
-__device__ inline int shared_atomic_add(int* addr, int v) {
-    int old;
-    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
-                 : "=r"(old)
-                 : "r"((unsigned)__cvta_generic_to_shared(addr)), "r"(v)
-                 : "memory");
-    return old;
-}
-
 // n > 0 consecutive candidate slots for the calling warp (every lane calls it with the same
 // n): lane 0 takes them with one atomic; returns the first on every lane, or -1 with
 // *overflow set when they do not fit (the pass is then rolled back).
 __device__ inline int warp_take_slots(int* count, int n, int cap, int* overflow) {
     int slot0 = 0;
-    if ((threadIdx.x & 31) == 0) slot0 = shared_atomic_add(count, n);
+    if ((threadIdx.x & 31) == 0) slot0 = atomicAdd(count, n);
     slot0 = __shfl_sync(kFullMask, slot0, 0);
     if (slot0 + n > cap) {
         if ((threadIdx.x & 31) == 0) *overflow = 1;
@@ -1206,7 +1193,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
                     }
                     const unsigned m = __ballot_sync(kFullMask, go);
                     int at = 0;
-                    if (lane == 0 && m) at = shared_atomic_add(reinterpret_cast<int*>(&s_ngo[go_parity]), __popc(m));
+                    if (lane == 0 && m) at = (int)atomicAdd(&s_ngo[go_parity], (unsigned)__popc(m));
                     at = __shfl_sync(kFullMask, at, 0) + __popc(m & ((1u << lane) - 1u));
                     if (go) bins[at] = (unsigned)i;
                     __syncthreads();
