@@ -387,7 +387,10 @@ KDT_API kdt_status kdt_topk_logprobs_cuda_workspace_bytes(int64_t rows, int64_t 
  * row_status:    device int32 [B, L]: KDT_OK, or KDT_ERR_VALUE when the row holds a NaN or
  *                a +inf logit or every logit is -inf. Such a row's log-probs are all NaN
  *                and its ids 0 .. k-1 (so a tree built from it fails with KDT_ERR_VALUE).
- *                A -inf logit in a valid row gives a -inf log-prob.
+ *                A -inf logit in a valid row gives a -inf log-prob. KDT_ERR_INTERNAL marks
+ *                a row where an internal check failed (a bug in kdtree; please report
+ *                it): the entries it affected hold a NaN log-prob (and id 0, or the ids
+ *                0 .. k-1 when the whole row is), so a tree built from it fails too.
  * workspace:     device, kdt_topk_logprobs_cuda_workspace_bytes(B * L, V, k) bytes,
  *                256-byte aligned, contents need not be initialised.
  *

@@ -48,10 +48,14 @@ int main(void) {
     /* (sizes: kdt_trees_field_bytes(B, N, KDT_FIELD_..., &bytes); NULL fields are skipped) */
     if (kdt_trees_build_cpu(&draft, &out, NULL, 0) != KDT_OK) {
         fprintf(stderr, "%s\n", kdt_last_error());   /* "request 3, depth 2, rank 5: NaN ..." */
+        return 1;
     }
     /* target_tokens[b][i]: the target's choice at node i */
-    kdt_verify_greedy_cpu(&out, target_tokens, NULL, 0, NULL, L + 1,
-                          accepted_nodes, accept_length, bonus_token);
+    if (kdt_verify_greedy_cpu(&out, target_tokens, NULL, 0, NULL, L + 1,
+                              accepted_nodes, accept_length, bonus_token) != KDT_OK) {
+        fprintf(stderr, "%s\n", kdt_last_error());
+        return 1;
+    }
     /* ---- end of the snippet ---- */
 
     const int32_t want_tokens[B * (N + 1)] = {5, 10, 20, 30, 21, 6, 40, 41, 50, 51};

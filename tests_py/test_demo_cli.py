@@ -174,6 +174,17 @@ def test_main_in_process_help(capsys):
     assert "--model {transformer,ngram}" in flat and "(default: transformer)" in flat
 
 
+def test_version_flag(capsys):
+    sys.path.insert(0, str(PYTHON_DIR))
+    import kdtree
+    from kdtree import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kdtree {kdtree.__version__}"
+
+
 def test_run_markers_fall_back_to_ascii():
     import io
 

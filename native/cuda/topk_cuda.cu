@@ -769,11 +769,14 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
                     const uint64_t key = s.sorted[i];
                     const float x = kdt::float_from_order_key((uint32_t)(key >> 32));
                     uint32_t id = ~(uint32_t)key;
-                    if ((key >> 32) < kNegInfKey || id >= V) {  // cannot happen: a bug
+                    const bool broken = (key >> 32) < kNegInfKey || id >= V;  // cannot happen: a bug
+                    if (broken) {
+                        // The entry is marked unusable (NaN, id 0), as a bad row's are, so a
+                        // tree built from it fails even where the status is not read.
                         p.row_status[row] = KDT_ERR_INTERNAL;
                         id = 0;
                     }
-                    lp[i] = __fsub_rn(__fsub_rn(x, rmax), log_sum);
+                    lp[i] = broken ? __int_as_float(0x7FC00000) : __fsub_rn(__fsub_rn(x, rmax), log_sum);
                     ids[i] = (int32_t)id;
                 }
             }
@@ -1197,7 +1200,7 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     if (k == 0) return;
     float* lp = p.out_logprobs + row * (int64_t)k;
     int32_t* ids = p.out_ids + row * (int64_t)k;
-    if (bad) {
+    if (bad || s.overflow) {  // (an overflow is a bug's tripwire: the selection may be wrong)
         for (int i = tid; i < (int)k; i += NT) {
             lp[i] = __int_as_float(0x7FC00000);
             ids[i] = i;
@@ -1280,11 +1283,12 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
         if (rank >= k) continue;
         const float xv = kdt::float_from_order_key((uint32_t)(key >> 32));
         uint32_t id = ~(uint32_t)key;
-        if ((key >> 32) < kNegInfKey || id >= V) {  // cannot happen: a bug
+        const bool broken = (key >> 32) < kNegInfKey || id >= V;  // cannot happen: a bug
+        if (broken) {  // (NaN and id 0, as in the finish kernel)
             p.row_status[row] = KDT_ERR_INTERNAL;
             id = 0;
         }
-        lp[rank] = __fsub_rn(__fsub_rn(xv, rmax), log_sum);
+        lp[rank] = broken ? __int_as_float(0x7FC00000) : __fsub_rn(__fsub_rn(xv, rmax), log_sum);
         ids[rank] = (int32_t)id;
     }
 }

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kdtree",
         description="kdtree: native core for DDTree speculative decoding "
                     "(Ringel & Romano, arXiv 2604.12989).")
+    from . import __version__  # (the package's; the native library's is kdtree.library_version())
+
+    parser.add_argument("--version", action="version", version=f"kdtree {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
