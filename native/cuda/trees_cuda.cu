@@ -1850,7 +1850,8 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     const bool any_bad = __syncthreads_or(bad) != 0;
 
     // The parallel expansion first (valid requests only); -1 sends the request to the heap
-    // below. (Its result is the same in every thread, and it ends with a barrier.)
+    // below. (Its result is the same in every thread; when it succeeds it has ended with a
+    // barrier after writing the node tables.)
     KDT_PROBE(1);
     int64_t par_n = -1;
     if (!any_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
