@@ -345,6 +345,16 @@ def test_host_arrays_numpy_cannot_read_get_a_clear_error():
     y = torch.zeros((2, 50), requires_grad=True)  # the hint is then to detach, not to convert
     with raises(TypeError, "logits", "requires grad", "tensor.detach()"):
         kdtree.topk_logprobs(y, 4)
+    m = torch.zeros((2, 50), device="meta")  # no data at all: neither hint applies
+    with raises(TypeError, "logits", "meta tensor holds no data"):
+        kdtree.topk_logprobs(m, 4)
+    # The verify functions' target logits get the same message (they called np.asarray).
+    trees = kdtree.build_trees(np.log(np.full((1, 2, 3), 1 / 3, np.float32)), np.arange(6).reshape(1, 2, 3), 4)
+    target = torch.zeros((1, 5, 50), dtype=torch.bfloat16)
+    with raises(TypeError, "target_logits", "torch.bfloat16", "tensor.float()"):
+        kdtree.verify_greedy_from_logits(trees, target)
+    with raises(TypeError, "target_logits", "torch.bfloat16", "tensor.float()"):
+        kdtree.verify_sample_from_logits(trees, target, 1.0, seed=1, offset=0)
 
 
 def test_float_root_tokens_rejected():
@@ -798,3 +808,20 @@ def test_infinite_target_logits_are_ordinary_values_for_the_argmax():
     acc = kdtree.verify_greedy_from_logits(trees, x)
     assert acc.accept_length.tolist() == [0, 0]
     assert acc.bonus_token.tolist() == [0, 7]
+
+
+def test_compact_kv_single_array_for_the_layers():
+    trees = kdtree.build_trees(np.log(np.full((1, 2, 3), 1 / 3, np.float32)), np.arange(6).reshape(1, 2, 3), 4)
+    acc = kdtree.verify_greedy(trees, np.zeros((1, 5), np.int32))
+    k = np.zeros((1, 2, 20, 4), np.float32)
+    with raises(TypeError, "k_layers", "sequence of per-layer", "4-D ndarray", "(1, 2, 20, 4)", "[tensor]"):
+        kdtree.compact_kv(k, [k.copy()], [3], acc)
+    with raises(TypeError, "v_layers", "sequence of per-layer"):
+        kdtree.compact_kv([k], k.copy(), [3], acc)
+
+
+def test_out_of_another_shape_names_the_shapes():
+    lp, ids = good()
+    out = kdtree.build_trees(lp, ids, 4)
+    with raises(ValueError, "out.tokens", "int32 of shape (3, 9)", "int32 of shape (3, 5)", "empty_trees"):
+        kdtree.build_trees(lp, ids, 8, out=out)

@@ -85,8 +85,12 @@ def _host_array(x, name: str) -> np.ndarray:
         return np.asarray(x)
     except (TypeError, RuntimeError) as exc:
         dtype = getattr(x, "dtype", None)
-        hint = ("detach it first (tensor.detach())" if getattr(x, "requires_grad", False)
-                else "convert it first (e.g. tensor.float())")
+        if getattr(x, "is_meta", False):
+            hint = "a meta tensor holds no data: pass one with values"
+        elif getattr(x, "requires_grad", False):
+            hint = "detach it first (tensor.detach())"
+        else:
+            hint = "convert it first (e.g. tensor.float())"
         raise TypeError(f"{name}: a host {type(x).__name__} of dtype {dtype} cannot be read as a numpy array "
                         f"({exc}); {hint}, or pass a GPU array") from None
 
@@ -227,8 +231,9 @@ def _check_out(out: TreeBatch, batch: int, budget: int) -> None:
         a = getattr(out, name)
         want = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows if name == "visibility" else words)}[ndim]
         if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != want:
-            got = (a.dtype, a.shape) if isinstance(a, np.ndarray) else type(a).__name__
-            raise ValueError(f"out.{name} must be {np.dtype(dtype)} {want}, got {got}")
+            got = f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValueError(f"out.{name} must be {np.dtype(dtype)} of shape {want} (out= must come from a call "
+                             f"with the same batch and budget, or kdtree.empty_trees), got {got}")
         if not a.flags.c_contiguous or not a.flags.writeable:
             raise ValueError(f"out.{name} must be C-contiguous and writeable")
 
@@ -637,7 +642,7 @@ def tree_attention_mask(
 
 def _target_logits(trees: TreeBatch, target_logits, name: str) -> np.ndarray:
     """Host target logits as float [B, N+1, V] ([N+1, V] for B = 1), shape-checked."""
-    x = np.asarray(target_logits)
+    x = _host_array(target_logits, name)
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a floating array, got dtype {x.dtype}")
     if x.ndim == 2:
@@ -930,7 +935,14 @@ def compact_kv(
 
     GPU tensors: one launch for all layers (``kdt_compact_kv_cuda``); host tensors (numpy
     or CPU torch): a row copy per accepted node.
+
+    Raises TypeError when ``k_layers`` or ``v_layers`` is a single tensor, not a sequence.
     """
+    for name, layers in (("k_layers", k_layers), ("v_layers", v_layers)):
+        if hasattr(layers, "ndim") and hasattr(layers, "shape"):  # one array, not a sequence of them
+            raise TypeError(f"{name} must be a sequence of per-layer tensors (one [B, H, S, D] or [B, S, H, D] "
+                            f"tensor per layer), got a single {layers.ndim}-D {type(layers).__name__} of shape "
+                            f"{tuple(layers.shape)}; pass [tensor] for one layer")
     k_layers = list(k_layers)
     if k_layers and _device.is_device_array(k_layers[0]):
         return _gpu().compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
