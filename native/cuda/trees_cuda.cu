@@ -795,7 +795,7 @@ __device__ inline int warp_take_slots(int* count, int n, int cap, int* overflow)
 // one-thread walk cost ~0.1 us a step on an H200). On overflow nothing is written (the
 // pass is rolled back). At most 32 steps: a longer path goes on in the next round, where
 // the last node's run starts at rank 0 and walks again.
-__device__ void walk_first_children_warp(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int32_t node,
+__device__ void walk_first_children_warp(const Cands& c, int64_t L, int32_t node,
                                          double T, int* count, int* overflow) {
     const int lane = threadIdx.x & 31;
     const int32_t d0 = c.depth[node];
@@ -1000,7 +1000,7 @@ __device__ void resume_chain_warp(const Cands& c, const float* lp_s, int64_t L, 
     }
     if (walk && walk_from >= 0) {  // (warp-uniform: from the broadcast slot)
         __syncwarp();  // walk_from's fields, written by lane 0, are read by every lane
-        walk_first_children_warp(c, lp_s, L, kp, walk_from, T, count, overflow);
+        walk_first_children_warp(c, L, walk_from, T, count, overflow);
     }
 }
 
@@ -1059,7 +1059,7 @@ __device__ void root_chain_block(const Cands& c, const float* lp_s, int64_t L, i
     }
     __syncthreads();
     if (walk && r0 == 0 && n > 0) {  // the spine below the root's first child
-        if (threadIdx.x < 32) walk_first_children_warp(c, lp_s, L, kp, slot0, T, count, overflow);
+        if (threadIdx.x < 32) walk_first_children_warp(c, L, slot0, T, count, overflow);
         __syncthreads();
     }
 }
