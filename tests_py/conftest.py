@@ -1,6 +1,6 @@
 """Shared pytest fixtures for the Python tests of kdtree.
 
-The native library is found only through the package loader (``kdtree._lib.load()``:
+The native library is found only through the package loader (``kdtree._native.load()``:
 ``KDTREE_LIBRARY``, then ``<repo>/build``, then the package folder); tests that need it
 use the ``lib`` fixture (or ``pytestmark = pytest.mark.usefixtures("lib")``) and are
 skipped, with the loader's message, when it is not built.
@@ -21,9 +21,34 @@ except ImportError:  # pragma: no cover - depends on how pytest is launched
     sys.path.insert(0, str(ROOT / "python"))
 
 
+# Markers (``pytest -m "not models and not slow"`` runs the quick core tests):
+#   gpu     needs a CUDA GPU (the tests using the ``cuda_device`` fixture)
+#   models  loads torch / transformers models (the transformer engine, drafter, apps)
+#   slow    takes tens of seconds or more (training smoke test, packaging)
+MODEL_MODULES = {"test_hf", "test_drafter", "test_generate_cli", "test_train_smoke"}
+SLOW_MODULES = {"test_train_smoke", "test_packaging"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with the reason where there is none)")
+    config.addinivalue_line("markers", "models: loads torch / transformers models")
+    config.addinivalue_line("markers", "slow: takes tens of seconds or more")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if "cuda_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
+        if module in MODEL_MODULES:
+            item.add_marker(pytest.mark.models)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 def _load_native():
     """(library, None) or (None, reason) without raising."""
-    from kdtree import _lib
+    from kdtree import _native as _lib
 
     try:
         return _lib.load(), None

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import kdtree
-from kdtree import _lib, api
+from kdtree import _native as _lib
 from kdtree import reference as ref
+from kdtree.core.types import TREE_FIELDS
 
 pytestmark = pytest.mark.usefixtures("lib")
 
@@ -51,7 +52,7 @@ def test_colliding_ids_build_the_reference_tree():
     row = colliding_ids(512)
     lp, ids = _draft(row)
     got, want = kdtree.build_trees(lp, ids, 700), ref.build_trees(lp, ids, 700)
-    for f in api._TREE_FIELDS:
+    for f in TREE_FIELDS:
         assert np.array_equal(getattr(got, f), getattr(want, f)), f
 
 

@@ -33,14 +33,24 @@ def good():
     return lp, ids
 
 
+# Every check raises kdtree's own error type, carrying a status (kdtree.core.api): a
+# ValueError is a KdtreeError, a TypeError a KdtreeTypeError, a MemoryError a KdtreeMemoryError.
+KDTREE_KIND = {ValueError: kdtree.KdtreeError, TypeError: kdtree.KdtreeTypeError,
+               MemoryError: kdtree.KdtreeMemoryError}
+
+
 @contextlib.contextmanager
 def raises(kind, *fragments, status=None):
-    """Like pytest.raises, but the exception must be exactly `kind` (not a subclass), its
-    message must hold every fragment, and (for KdtreeError) its status_name must match."""
+    """Like pytest.raises, but the exception must be exactly kdtree's type for `kind` (see
+    KDTREE_KIND), its message must hold every fragment, and its status_name must match
+    `status` when given."""
+    kind = KDTREE_KIND.get(kind, kind)
     with pytest.raises(kind) as info:
         yield info
     err = info.value
     assert type(err) is kind, f"expected {kind.__name__}, got {type(err).__name__}: {err}"
+    if kind in KDTREE_KIND.values():
+        assert err.status_name.startswith("KDT_"), err.status_name
     for frag in fragments:
         assert frag in str(err), f"{frag!r} not in {str(err)!r}"
     if status is not None:
@@ -247,7 +257,7 @@ def test_budget_over_the_process_memory_limit_says_so(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "budget 80000" in r.stdout and "4.0 GiB of memory this process may use" in r.stdout
+    assert "budget 80000" in r.stdout and "of the 4.0 GiB of memory this process can get now" in r.stdout
 
 
 @pytest.mark.parametrize("budget", [2.0, "4", None, True, np.float64(3), np.bool_(True)])

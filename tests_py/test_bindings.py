@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kdtree import _lib
+from kdtree import _native as _lib
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "include" / "kdtree.h"
@@ -270,7 +270,7 @@ def _run(code: str, pythonpath: Path, library: str | None, cwd: Path) -> subproc
 
 LOAD_AND_REPORT = """
     import kdtree                      # must import without the library
-    from kdtree import _lib
+    from kdtree import _native as _lib
     try:
         _lib.load()
     except kdtree.LibraryNotFoundError as exc:
@@ -320,7 +320,7 @@ def test_loader_error_names_a_broken_library(tmp_path):
 
 def test_loader_rejects_abi_mismatch(lib, tmp_path):
     code = """
-        from kdtree import _lib
+        from kdtree import _native as _lib
         _lib.ABI_VERSION = 999
         try:
             _lib.load()
@@ -338,7 +338,7 @@ def test_reference_and_kdtr_work_without_the_library(tmp_path):
         import numpy as np
         import kdtree.reference as reference
         import kdtree.kdtr as kdtr
-        from kdtree import _lib
+        from kdtree import _native as _lib
         lp = np.log(np.array([[[.5, .4, .1], [.5, .3, .2]]], np.float32))
         ids = np.array([[[1, 2, 3], [4, 5, 6]]], np.int32)
         t = reference.build_trees(lp, ids, 3)

@@ -154,7 +154,7 @@ def test_draft_order_above_order_rejected(tmp_path):
 
 def test_main_in_process_help(capsys):
     sys.path.insert(0, str(PYTHON_DIR))
-    from kdtree import cli
+    from kdtree.apps import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["demo", "--help"])
@@ -177,7 +177,7 @@ def test_main_in_process_help(capsys):
 def test_version_flag(capsys):
     sys.path.insert(0, str(PYTHON_DIR))
     import kdtree
-    from kdtree import cli
+    from kdtree.apps import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
@@ -189,7 +189,7 @@ def test_run_markers_fall_back_to_ascii():
     import io
 
     sys.path.insert(0, str(PYTHON_DIR))
-    from kdtree import demo
+    from kdtree.apps import demo
 
     assert demo._marks(io.TextIOWrapper(io.BytesIO(), encoding="ascii")) == ("<<", ">>")
     assert demo._marks(io.TextIOWrapper(io.BytesIO(), encoding="utf-8")) == ("\u27e8", "\u27e9")

@@ -12,8 +12,8 @@ SHARED = ROOT.parent / "shared" / "spec" / "ddtree-tree-build.md"
 
 def test_spec_copy_matches_shared_spec():
     if not SHARED.is_file():
-        pytest.skip("maintainers only: compares docs/spec with the team's spec, which is kept next to the "
-                    f"development checkout ({SHARED} is not there; nothing is wrong with this clone)")
+        pytest.skip("maintainers only: compares docs/spec with the team's copy of the spec, which this "
+                    "clone does not have (nothing is wrong with it)")
     copy = ROOT / "docs" / "spec" / "ddtree-tree-build.md"
     assert copy.read_text() == SHARED.read_text(), (
         "docs/spec/ddtree-tree-build.md differs from the shared spec: copy it again")

@@ -9,11 +9,12 @@ import pytest
 
 import kdtree
 from kdtree import engine, ngram, reference
+from kdtree.apps import text as display
 
 
 def _native_ok() -> bool:
     try:
-        from kdtree import _lib
+        from kdtree import _native as _lib
 
         _lib.load()
         return True
@@ -165,19 +166,19 @@ def test_render_tree_marks_accepted_path(models):
     acc = snap.acceptance
     k = int(acc.accept_length[0])
     path = [int(i) for i in acc.accepted_nodes[0, 1:1 + k]]
-    text = engine.render_tree(snap.trees, 0, acc, max_nodes=1000)
+    text = display.render_tree(snap.trees, 0, acc, max_nodes=1000)
     lines = text.splitlines()
     starred = [ln for ln in lines if ln.lstrip().startswith("*")]
     assert len(starred) == k + 1  # root + accepted nodes
     for i in path:
-        tok = engine.escape_token(int(snap.trees.tokens[0, i]))
+        tok = display.escape_token(int(snap.trees.tokens[0, i]))
         assert any(ln.endswith(f"#{i}") and tok in ln for ln in starred)
     # indentation grows by two spaces per depth along the accepted path
     depths = [(len(ln) - len(ln.lstrip())) // 2 for ln in starred]
     assert depths == list(range(k + 1))
     assert f"accepted path: {k} draft node(s)" in text
     # A small drawing keeps the best 5 nodes and the whole accepted path wherever it ranks.
-    small = engine.render_tree(snap.trees, 0, acc, max_nodes=5)
+    small = display.render_tree(snap.trees, 0, acc, max_nodes=5)
     n = int(snap.trees.num_nodes[0])
     extra = sum(1 for i in path if i > 5)
     also = f" and the {extra} accepted beyond them" if extra else ""
@@ -188,24 +189,24 @@ def test_render_tree_marks_accepted_path(models):
 
 
 def test_escape_and_printable():
-    assert engine.escape_token(ord("a")) == "'a'"
-    assert engine.escape_token(10) == "'\\n'"
-    assert engine.escape_token(0) == "'\\x00'"
-    assert engine.escape_token(200) == "'\\xc8'"
-    assert engine.printable(b"a\tb\nc\x00\xff") == "a\tb\nc\\x00\\xff"
+    assert display.escape_token(ord("a")) == "'a'"
+    assert display.escape_token(10) == "'\\n'"
+    assert display.escape_token(0) == "'\\x00'"
+    assert display.escape_token(200) == "'\\xc8'"
+    assert display.printable(b"a\tb\nc\x00\xff") == "a\tb\nc\\x00\\xff"
 
 
 def test_printable_marks_long_runs():
     data = b"ab" + b" " * 240 + b"\n" * 3 + b"x\x00" + b"\x00" * 7 + b"=" * 7
-    assert engine.byte_runs(data, 8) == [(2, 240, 32), (246, 8, 0)]
-    assert engine.byte_runs(b"", 8) == [] and engine.byte_runs(b"a" * 9, 9) == [(0, 9, 97)]
-    assert engine.printable(data, min_run=8) == \
+    assert display.byte_runs(data, 8) == [(2, 240, 32), (246, 8, 0)]
+    assert display.byte_runs(b"", 8) == [] and display.byte_runs(b"a" * 9, 9) == [(0, 9, 97)]
+    assert display.printable(data, min_run=8) == \
         "ab\u27e8' ' x 240\u27e9\n\n\nx\u27e8'\\x00' x 8\u27e9" + "=" * 7
-    assert engine.printable(b"\n" * 20 + b"z", min_run=16, marks=("<<", ">>")) == \
+    assert display.printable(b"\n" * 20 + b"z", min_run=16, marks=("<<", ">>")) == \
         "<<'\\n' x 20>>z"
-    assert engine.printable(data) == engine.printable(data, min_run=None)  # unchanged default
+    assert display.printable(data) == display.printable(data, min_run=None)  # unchanged default
     with pytest.raises(ValueError, match="min_run"):
-        engine.byte_runs(data, 1)
+        display.byte_runs(data, 1)
 
 
 def test_stage_names_follow_the_library():
@@ -215,7 +216,7 @@ def test_stage_names_follow_the_library():
 
 def test_tree_layout_draws_the_accepted_path_beyond_the_best_nodes(models):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (nox -s test installs it)")
-    from kdtree.plots import tree_layout
+    from kdtree.apps.plots import tree_layout
 
     target, drafter = models
     sp = engine.speculative_generate(target, drafter, PROMPTS[1], 60, budget=64, depth=15)

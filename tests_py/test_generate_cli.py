@@ -119,7 +119,7 @@ def test_a_prompt_too_long_for_the_target_is_refused_before_tokenizing(tmp_path)
 
 def test_repeated_share():
     sys.path.insert(0, str(PYTHON_DIR))
-    from kdtree.generate import repeated_share
+    from kdtree.apps.generate import repeated_share
 
     assert repeated_share([], [1, 2]) == 0.0
     assert repeated_share([1, 2, 3, 4], [9, 9, 9], window=2) == 0.0

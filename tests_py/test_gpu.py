@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kdtree
-from kdtree import _lib
+from kdtree import _native as _lib
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the GPU tests use torch tensors)")
 
@@ -94,7 +94,9 @@ def test_topk_row_status_and_strided_input(cuda):
     bad[2, 0, :] = float("-inf")
     with pytest.raises(kdtree.KdtreeError, match=r"request 1, position 2 \(logits\[1, 2\], row 6\)"):
         kdtree.topk_logprobs(bad, 10)
-    lp, ids, status = kdtree.topk_logprobs(bad, 10, errors="status")
+    top = kdtree.topk_logprobs(bad, 10, errors="status")
+    lp, ids = top
+    status = top.row_status
     s = host(status)
     assert s[1, 2] == 4 and s[2, 0] == 4 and (s != 0).sum() == 2
     assert np.isnan(host(lp)[1, 2]).all() and host(ids)[1, 2].tolist() == list(range(10))

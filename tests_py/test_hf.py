@@ -396,7 +396,7 @@ def test_positions_beyond_the_model_and_sliding_windows_are_refused():
 def test_cuda_compaction_is_kdtree_compact_kv(cuda_device, dtype, monkeypatch):
     """On the GPU, commit moves the accepted rows with kdt_compact_kv_cuda: the cache after
     the commit equals an index-select of the cache the tree forward left, bit for bit."""
-    from kdtree import api
+    from kdtree.core import api
 
     calls = []
     real = api.compact_kv

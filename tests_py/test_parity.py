@@ -573,7 +573,7 @@ def _raw_build(lib, kw: dict, workspace: np.ndarray | None, offset: int = 0, kee
     `workspace`, so possibly unaligned) and only the fields in `keep` (others NULL)."""
     import ctypes
 
-    from kdtree import _lib
+    from kdtree import _native as _lib
 
     lp = np.ascontiguousarray(kw["logprobs"], np.float32)
     ids = np.ascontiguousarray(kw["token_ids"], np.int32)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kdtree
-from kdtree.api import gumbel_draws, philox4x32_10
+from kdtree.core.sampling import gumbel_draws, philox4x32_10
 
 pytestmark = pytest.mark.usefixtures("lib")
 
@@ -133,7 +133,7 @@ def test_mask_rejects_bad_arguments():
     t = chain_and_sibling_tree()
     with pytest.raises(ValueError, match="exceeds columns"):
         kdtree.tree_attention_mask(t, [5], columns=8)
-    with pytest.raises(ValueError, match="prefix_lengths must be >= 0"):
+    with pytest.raises(ValueError, match=r"prefix_lengths\[0\] = -1 is negative"):
         kdtree.tree_attention_mask(t, [-1])
     with pytest.raises(ValueError, match="kind must be"):
         kdtree.tree_attention_mask(t, [0], kind="dense")
@@ -196,9 +196,13 @@ def test_cpu_compact_kv_checks_every_request_before_moving_anything():
 
 def test_status_mode_unpacks_the_same_on_the_cpu():
     t = chain_and_sibling_tree()
-    mask, indptr, positions, status = kdtree.tree_attention_mask(t, [2], errors="status")
+    masks = kdtree.tree_attention_mask(t, [2], errors="status")
+    mask, indptr, positions = masks
+    status = masks.request_status
     assert status.tolist() == [0]
-    lp, ids, row_status = kdtree.topk_logprobs(np.zeros((2, 5), np.float32), 3, errors="status")
+    top = kdtree.topk_logprobs(np.zeros((2, 5), np.float32), 3, errors="status")
+    lp, ids = top
+    row_status = top.row_status
     assert row_status.tolist() == [0, 0]
     t.num_nodes[0] = 99
     with pytest.raises(ValueError, match="num_nodes 99"):

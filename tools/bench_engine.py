@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-from kdtree.cli import int_in  # noqa: E402
+from kdtree.apps.cli import int_in  # noqa: E402
 
 
 def prompts(tok, n: int, chars: int) -> list[list[int]]:
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     import torch
 
     from kdtree import engine
+    from kdtree.apps.generate import load_pair, repeated_share
     from kdtree.drafter import BlockDrafterRunner
-    from kdtree.generate import load_pair, repeated_share
     from kdtree.hf import HFTarget
 
     tok, target_model, drafter_model = load_pair(args.models, args.device, args.dtype)

@@ -110,7 +110,7 @@ def bench_topk(gen, repeats: int) -> dict:
     ours_eager = cuda_median_us(lambda x: kdtree.topk_logprobs(x, K, errors="status"), inputs, repeats)
     theirs = cuda_median_us(lambda x: torch_topk(x, K), inputs, repeats)
     # agreement on one input
-    lp, ids, _ = kdtree.topk_logprobs(inputs[0], K, errors="status")
+    lp, ids = kdtree.topk_logprobs(inputs[0], K, errors="status")
     tlp, tids = torch_topk(inputs[0], K)
     same_ids = float((ids.long() == tids).float().mean())
     max_err = float((lp - tlp).abs().max())

@@ -29,7 +29,10 @@ import time
 import numpy as np
 
 import kdtree
-from kdtree import _lib, api, reference
+from kdtree import _native as _lib
+from kdtree import reference
+from kdtree.core import host
+from kdtree.core.types import TREE_FIELDS
 
 BUDGETS = (16, 64, 256, 1024)
 DEPTH = 15
@@ -85,12 +88,12 @@ def main() -> None:
             # C: arguments prepared once, then raw calls.
             # One output buffer reused by every call, as an engine reuses its tree buffer;
             # the inputs rotate over 64 requests.
-            out = api.empty_trees(1, budget, DEPTH)
+            out = kdtree.empty_trees(1, budget, DEPTH)
             singles = []
             for b in range(BATCH):
                 draft = _lib.KdtDraft(1, DEPTH, budget, lp[b].ctypes.data, ids[b].ctypes.data,
                                       None, None, VOCAB, -1)
-                singles.append((ctypes.byref(draft), ctypes.byref(api._trees_struct(out)), draft, out))
+                singles.append((ctypes.byref(draft), ctypes.byref(host.trees_struct(out)), draft, out))
 
             def run_singles(singles=singles, fn=fn):
                 for d, t, _, _ in singles:
@@ -105,19 +108,19 @@ def main() -> None:
             api_ns = median_ns(run_api, max(3, args.repeats // 3)) / BATCH
             # Batching: one call for 64 requests vs 64 single calls writing the same
             # request rows of the same output buffer (equal work, equal memory).
-            out_b = api.empty_trees(BATCH, budget, DEPTH)
+            out_b = kdtree.empty_trees(BATCH, budget, DEPTH)
             draft_b = _lib.KdtDraft(BATCH, DEPTH, budget, lp.ctypes.data, ids.ctypes.data,
                                     None, None, VOCAB, -1)
-            tb = api._trees_struct(out_b)
+            tb = host.trees_struct(out_b)
             batch_args = (ctypes.byref(draft_b), ctypes.byref(tb), None, 0)
             batch_ns = median_ns(lambda a=batch_args, fn=fn: fn(*a), args.repeats)
             views = []
             for b in range(BATCH):
-                view = api.TreeBatch(**{f: getattr(out_b, f)[b:b + 1] for f in api._TREE_FIELDS},
+                view = kdtree.TreeBatch(**{f: getattr(out_b, f)[b:b + 1] for f in TREE_FIELDS},
                                      budget=budget, depth=DEPTH)
                 draft = _lib.KdtDraft(1, DEPTH, budget, lp[b].ctypes.data, ids[b].ctypes.data,
                                       None, None, VOCAB, -1)
-                views.append((ctypes.byref(draft), ctypes.byref(api._trees_struct(view)), draft, view))
+                views.append((ctypes.byref(draft), ctypes.byref(host.trees_struct(view)), draft, view))
 
             def run_into_batch(views=views, fn=fn):
                 for d, t, _, _ in views:
@@ -126,7 +129,7 @@ def main() -> None:
             split_ns = median_ns(run_into_batch, args.repeats)
             # Same trees either way.
             ref_tree = reference.build_trees(lp[0], ids[0], budget)
-            for f in api._TREE_FIELDS:
+            for f in TREE_FIELDS:
                 assert np.array_equal(getattr(ref_tree, f)[0], getattr(out_b, f)[0]), f
             print(f"{shape:8} {budget:5d} {ref_ns / 1e3:10.1f} {call_ns / 1e3:8.2f} "
                   f"{api_ns / 1e3:8.2f} {batch_ns / BATCH / 1e3:8.2f} "

@@ -9,9 +9,8 @@ Source: Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion
 Trees", arXiv 2604.12989; the exact rule is the project's spec, ``ddtree-tree-build.md``.
 """
 
-from ._lib import KdtreeError, LibraryNotFoundError
-from ._types import Acceptance, TreeBatch
-from .api import (
+from ._native import KdtreeError, KdtreeMemoryError, KdtreeTypeError, LibraryNotFoundError
+from .core.api import (
     build_trees,
     build_trees_from_logits,
     compact_kv,
@@ -22,13 +21,14 @@ from .api import (
     verify_greedy_from_logits,
     verify_sample_from_logits,
 )
+from .core.types import Acceptance, TopK, TreeBatch, TreeMask
 
 __version__ = "0.2.0"
 
 
 def library_version() -> str:
     """Version string of the loaded libkdtree (loads it)."""
-    from . import _lib
+    from . import _native as _lib
 
     return _lib.load().kdt_version().decode()
 
@@ -36,12 +36,18 @@ def library_version() -> str:
 __all__ = [
     "Acceptance",
     "KdtreeError",
+    "KdtreeMemoryError",
+    "KdtreeTypeError",
     "LibraryNotFoundError",
+    "TopK",
     "TreeBatch",
+    "TreeMask",
     "build_trees",
     "build_trees_from_logits",
     "compact_kv",
     "empty_trees",
+    "cuda_devices",
+    "library_path",
     "library_version",
     "topk_logprobs",
     "tree_attention_mask",

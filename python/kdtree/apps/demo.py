@@ -29,9 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import engine, ngram
+from ..engine import ngram
+from ..engine import rounds as engine
+from . import text
 from .cli import int_in as _int_in
 from .cli import plural as _plural
+from .cli import timed_pair, wall_text
 from .generate import PROMPT_CHARS, TREE_NODES
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
@@ -111,6 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(native when it loads, else the reference)")
     p.add_argument("--no-cache", action="store_true",
                    help="(ngram) estimate the n-gram counts without reading or writing the cache")
+    p.add_argument("--repeats", type=_int_in(1, 100), default=3,
+                   help="timed runs of each method, after an untimed warm-up (fewer once they have taken a "
+                        "minute; the wall-time line says how many ran)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     # test-only: a small corpus makes a cold start take well under a second
     p.add_argument("--corpus-bytes", type=_int_in(1), default=ngram.DEFAULT_CORPUS_BYTES,
@@ -133,10 +139,10 @@ def _ops(backend: str):
             if backend == "native":
                 raise UsageError(f"cannot load libkdtree: {exc}") from None
             note = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            from . import reference
+            from ..core import reference
 
             return reference, f"pure-Python reference (libkdtree did not load: {note})"
-    from . import reference
+    from ..core import reference
 
     return reference, "pure-Python reference"
 
@@ -151,24 +157,6 @@ def _read_prompt(args) -> tuple[bytes, Path, int]:
         offset = DEFAULT_OFFSET if args.prompt_file is None else 0
     offset = max(0, min(offset, len(data) - args.prompt_bytes))
     return data[offset: offset + args.prompt_bytes], path, offset
-
-
-def _progress(total: int, desc: str, disable: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional
-        return None
-    return tqdm(total=total, desc=desc, unit="B", file=sys.stderr, leave=False,
-                disable=True if disable else None, dynamic_ncols=True)
-
-
-def _run_with_bar(fn, total: int, desc: str, disable: bool, **kw):
-    bar = _progress(total, desc, disable)
-    try:
-        return fn(on_tokens=bar.update if bar is not None else None, **kw)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def _short(path: Path) -> str:
@@ -198,7 +186,7 @@ def _marks(stream) -> tuple[str, str]:
 
 def run_share(tokens) -> tuple[int, float]:
     """(bytes of ``tokens`` in runs of one byte >= MIN_RUN long, their share of all bytes)."""
-    n = sum(length for _, length, _ in engine.byte_runs(bytes(tokens), MIN_RUN))
+    n = sum(length for _, length, _ in text.byte_runs(bytes(tokens), MIN_RUN))
     return n, (n / len(tokens) if len(tokens) else 0.0)
 
 
@@ -244,6 +232,8 @@ def _run_transformer(args: argparse.Namespace) -> int:
         gargs.prompt_chars = args.prompt_chars
     gargs.plot = args.plot
     gargs.tree_nodes = args.tree_nodes
+    gargs.repeats = args.repeats
+    gargs.no_progress = args.no_progress
     return generate.run(gargs, header="kdtree demo")
 
 
@@ -326,25 +316,26 @@ def run(args: argparse.Namespace) -> int:
     engine.autoregressive_generate(target, prompt, 1)
     engine.speculative_generate(target, drafter, prompt, 1, budget=args.budget, depth=args.depth, ops=ops,
                                 snapshot=None)
-    ar = _run_with_bar(lambda **kw: engine.autoregressive_generate(
-        target, prompt, args.max_new_tokens, stop_tokens=args.stop_byte, **kw),
-        args.max_new_tokens, "greedy AR", args.no_progress)
-    sp = _run_with_bar(lambda **kw: engine.speculative_generate(
-        target, drafter, prompt, args.max_new_tokens, budget=args.budget, depth=args.depth,
-        stop_tokens=args.stop_byte, ops=ops, **kw),
-        args.max_new_tokens, "DDTree", args.no_progress)
+    results, walls, timing_note = timed_pair({
+        "greedy AR": lambda **kw: engine.autoregressive_generate(
+            target, prompt, args.max_new_tokens, stop_tokens=args.stop_byte, **kw),
+        "DDTree": lambda **kw: engine.speculative_generate(
+            target, drafter, prompt, args.max_new_tokens, budget=args.budget, depth=args.depth,
+            stop_tokens=args.stop_byte, ops=ops, **kw),
+    }, args.repeats, args.max_new_tokens, args.no_progress, "B")
+    ar, sp = results["greedy AR"], results["DDTree"]
 
     marks = _marks(out)
     shown = prompt[-DEFAULT_PROMPT_BYTES:]
     what = (_plural(len(prompt), "byte") if len(shown) == len(prompt)
             else f"last {len(shown)} of {len(prompt):,} bytes shown")
     print(f"\n---- prompt ({what}) " + "-" * 30, file=out)
-    print(engine.printable(shown), file=out)
+    print(text.printable(shown), file=out)
     run_bytes, share = run_share(sp.tokens)
     legend = (f"; {marks[0]}'c' x n{marks[1]} = byte c repeated n times" if run_bytes else "")
     print(f"---- continuation ({_plural(len(sp.tokens), 'byte')}, stop: {sp.stop_reason}"
           f"{legend}) " + "-" * 24, file=out)
-    print(engine.printable(sp.tokens, min_run=MIN_RUN, marks=marks), file=out)
+    print(text.printable(sp.tokens, min_run=MIN_RUN, marks=marks), file=out)
     print("-" * 66, file=out)
 
     same = sp.tokens == ar.tokens
@@ -367,9 +358,12 @@ def run(args: argparse.Namespace) -> int:
     if sp.accepted:
         print(f"accepted draft     : mean {sp.mean_accepted_draft_tokens:.3f}, max {max(sp.accepted)} "
               f"of L={args.depth} per round", file=out)
-    print(f"wall time          : AR {ar.wall:.3f} s, DDTree {sp.wall:.3f} s (the n-gram target "
-          f"is cheap, so on CPU the saving is in target calls, not seconds)", file=out)
-    print("\n".join(engine.stage_lines(sp)), file=out)
+    print(f"target rows        : AR {ar.target_rows}, DDTree {sp.target_rows} (the rows the target scores, "
+          f"prompt excluded: each round scores its whole tree)", file=out)
+    print(f"wall time          : AR {wall_text(walls['greedy AR'])}, DDTree {wall_text(walls['DDTree'])} "
+          f"({timing_note}; the n-gram target is cheap, so on CPU the saving is in target calls, not seconds)",
+          file=out)
+    print("\n".join(text.stage_lines(sp)), file=out)
     print("  (target = the target's one call scoring every tree node; verify = the walk along "
           "its choices, kdtree.verify_greedy; commit = append to the target's context)", file=out)
     print(f"  (AR: target forward {1e3 * ar.times['target']:.2f} ms, commit "
@@ -378,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     snap = sp.snapshot
     if snap is not None:
         print(f"\n---- draft tree of round {snap.index} of {sp.rounds} (commits "
-              f"{engine.printable(snap.committed)!r}; * = accepted path) ----", file=out)
-        print(engine.render_tree(snap.trees, 0, snap.acceptance, max_nodes=args.tree_nodes),
+              f"{text.printable(snap.committed)!r}; * = accepted path) ----", file=out)
+        print(text.render_tree(snap.trees, 0, snap.acceptance, max_nodes=args.tree_nodes),
               file=out)
     return 0 if same else 1

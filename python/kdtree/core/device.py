@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
+
 # DLPack (dlpack.h, v0.8 legacy capsule "dltensor").
 _KDLCUDA, _KDLCUDA_MANAGED = 2, 13
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
@@ -133,7 +135,7 @@ def view(obj, name: str, stream: int | None = None) -> DeviceArray:
             return _from_dlpack(obj, name, int(dev), stream)
     if hasattr(obj, "__cuda_array_interface__"):
         return _from_cai(obj, name)
-    raise TypeError(f"{name} must be a CUDA array (DLPack or __cuda_array_interface__), got {type(obj).__name__}")
+    raise checks.type_error(f"{name} must be a CUDA array (DLPack or __cuda_array_interface__), got {type(obj).__name__}")
 
 
 _TORCH_DTYPES = {"torch.bool": "bool", "torch.uint8": "uint8", "torch.int32": "int32", "torch.int64": "int64",
@@ -147,7 +149,7 @@ def _from_torch(t, name: str) -> DeviceArray:
     kernels see the tensor as the current stream does."""
     dtype = _TORCH_DTYPES.get(str(t.dtype))
     if dtype is None:
-        raise TypeError(f"{name} has an unsupported dtype {t.dtype}")
+        raise checks.type_error(f"{name} has an unsupported dtype {t.dtype}")
     return DeviceArray(int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), dtype, int(t.device.index or 0), t)
 
 
@@ -163,13 +165,13 @@ def _from_dlpack(obj, name: str, device: int, stream: int | None) -> DeviceArray
     ptr = _PyCapsule_GetPointer(capsule, b"dltensor")
     t = _DLTensor.from_address(ptr)  # DLManagedTensor starts with its DLTensor
     if t.device.device_type not in (_KDLCUDA, _KDLCUDA_MANAGED) or t.device.device_id != device:
-        raise TypeError(f"{name}: the DLPack tensor is on device ({t.device.device_type}, {t.device.device_id}), "
+        raise checks.type_error(f"{name}: the DLPack tensor is on device ({t.device.device_type}, {t.device.device_id}), "
                         f"not the CUDA device {device} its producer reported")
     if not 0 <= t.ndim <= 32 or (t.ndim and not t.shape):
-        raise TypeError(f"{name}: malformed DLPack tensor (ndim {t.ndim})")
+        raise checks.type_error(f"{name}: malformed DLPack tensor (ndim {t.ndim})")
     key = (t.dtype.code, t.dtype.bits)
     if t.dtype.lanes != 1 or key not in _BY_DLPACK:
-        raise TypeError(f"{name} has an unsupported DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits})")
+        raise checks.type_error(f"{name} has an unsupported DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits})")
     dtype = _BY_DLPACK[key]
     ndim = t.ndim
     shape = tuple(int(t.shape[i]) for i in range(ndim))
@@ -187,7 +189,7 @@ def _from_cai(obj, name: str) -> DeviceArray:
     cai = obj.__cuda_array_interface__
     typestr = cai["typestr"]
     if typestr not in _BY_TYPESTR:
-        raise TypeError(f"{name} has an unsupported dtype {typestr!r}")
+        raise checks.type_error(f"{name} has an unsupported dtype {typestr!r}")
     dtype = _BY_TYPESTR[typestr]
     shape = tuple(int(x) for x in cai["shape"])
     itemsize = _ITEMSIZE[dtype]
@@ -195,13 +197,13 @@ def _from_cai(obj, name: str) -> DeviceArray:
         strides = _contiguous_strides(shape)
     else:
         if len(cai["strides"]) != len(shape) or any(s % itemsize for s in cai["strides"]):
-            raise TypeError(f"{name} has strides that are not whole elements: {cai['strides']}")
+            raise checks.type_error(f"{name} has strides that are not whole elements: {cai['strides']}")
         strides = tuple(int(s) // itemsize for s in cai["strides"])
     if cai.get("mask") is not None:
-        raise TypeError(f"{name}: masked arrays are not supported")
+        raise checks.type_error(f"{name}: masked arrays are not supported")
     ptr = int(cai["data"][0] or 0)
     if not 0 <= ptr < 2**64:
-        raise TypeError(f"{name}: bad device pointer {ptr}")
+        raise checks.type_error(f"{name}: bad device pointer {ptr}")
     device = _cai_device(obj)
     return DeviceArray(ptr, shape, strides, dtype, device, obj, readonly=bool(cai["data"][1]))
 
@@ -236,7 +238,7 @@ def current_stream(like, stream=None) -> int:
                 return int(getattr(stream, attr))
         if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
             return int(stream)
-        raise TypeError(f"stream must be an int handle, a torch or a CuPy stream, got {type(stream).__name__}")
+        raise checks.type_error(f"stream must be an int handle, a torch or a CuPy stream, got {type(stream).__name__}")
     lib = _library(like)
     if lib == "torch":
         return int(sys.modules["torch"].cuda.current_stream(like.device).cuda_stream)
@@ -280,7 +282,7 @@ def empty(like, shape, dtype: str):
     if lib == "cupy":
         cupy = sys.modules["cupy"]
         return cupy.empty(shape, dtype="uint16" if dtype == "bfloat16" else dtype)
-    raise TypeError(
+    raise checks.type_error(
         f"kdtree allocates GPU outputs with torch or CuPy; {type(like).__name__} arrays need "
         "their outputs passed in (out=)"
     )
@@ -295,7 +297,7 @@ def to_host(obj) -> np.ndarray:
         return obj.get()
     if hasattr(obj, "copy_to_host"):  # numba
         return obj.copy_to_host()
-    raise TypeError(f"cannot copy a {type(obj).__name__} to the host")
+    raise checks.type_error(f"cannot copy a {type(obj).__name__} to the host")
 
 
 def from_host(like, array: np.ndarray):
@@ -306,4 +308,4 @@ def from_host(like, array: np.ndarray):
         return torch.from_numpy(np.array(array, copy=True, order="C")).to(like.device, non_blocking=False)
     if lib == "cupy":
         return sys.modules["cupy"].asarray(array)
-    raise TypeError(f"kdtree copies small inputs to the GPU with torch or CuPy, got {type(like).__name__}")
+    raise checks.type_error(f"kdtree copies small inputs to the GPU with torch or CuPy, got {type(like).__name__}")

@@ -6,6 +6,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# The arrays of a TreeBatch: name -> (dtype, dimensions), in kdt_trees order
+# (include/kdtree.h; kdt_trees_field values 0 .. 9).
+TREE_FIELDS = {
+    "num_nodes": ("int32", 1),
+    "tokens": ("int32", 2),
+    "depths": ("int32", 2),
+    "parents": ("int32", 2),
+    "logw": ("float64", 2),
+    "positions": ("int64", 2),
+    "visibility": ("bool", 3),
+    "visibility_bits": ("uint32", 3),
+    "first_child": ("int32", 2),
+    "next_sibling": ("int32", 2),
+}
+
+# The hidden value of the additive masks per dtype: the dtype's lowest finite value
+# (KDT_MASK_ADDITIVE_F32 / _F16 / _BF16 in include/kdtree.h); visible entries are 0.
+ADDITIVE_LOWEST = {"float32": -3.4028234663852886e38, "float16": -65504.0,
+                   "bfloat16": -3.3895313892515355e38}  # bfloat16's lowest finite (0xFF7F)
+
 
 @dataclass
 class TreeBatch:
@@ -104,7 +124,7 @@ class Acceptance:
         def host(a):
             if isinstance(a, np.ndarray):
                 return a[b]
-            from ._device import to_host
+            from .device import to_host
 
             return to_host(a[b])
 
@@ -115,3 +135,66 @@ class Acceptance:
         if bonus >= 0:
             out.append(bonus)
         return out
+
+
+class TopK(tuple):
+    """Result of :func:`kdtree.topk_logprobs`: unpacks as ``(logprobs, ids)``.
+
+    Fields:
+        logprobs    float32 [..., k]  log-probs, sorted descending (ties: lower id first)
+        ids         int32   [..., k]  their token ids
+        row_status  int32   [...]     KDT_OK (0) or the row's status (KDT_ERR_VALUE for a
+                                      row with a NaN or +inf logit, or only -inf logits);
+                    ([1] for 1-D logits)  always set; a failed row's outputs are undefined
+
+    Arrays are numpy arrays for host logits and the caller's GPU library's arrays for GPU
+    logits (where ``row_status`` is valid once the stream has run the call).
+    """
+
+    def __new__(cls, logprobs, ids, row_status):
+        self = super().__new__(cls, (logprobs, ids))
+        self.row_status = row_status
+        return self
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self.row_status)
+
+    @property
+    def logprobs(self):
+        return self[0]
+
+    @property
+    def ids(self):
+        return self[1]
+
+
+class TreeMask(tuple):
+    """Result of :func:`kdtree.tree_attention_mask`: unpacks as
+    ``(mask, mask_indptr, positions)``.
+
+    Fields:
+        mask            the mask in the layout asked for (see the function)
+        mask_indptr     int32 [B + 1] byte offsets for ``kind="flashinfer"``, else None
+        positions       int64 [B, N+1]  ``prefix_lengths[b] + depth`` (padding rows: the prefix)
+        request_status  int32 [B]  KDT_OK (0) or the request's status; always set
+    """
+
+    def __new__(cls, mask, mask_indptr, positions, request_status):
+        self = super().__new__(cls, (mask, mask_indptr, positions))
+        self.request_status = request_status
+        return self
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self[2], self.request_status)
+
+    @property
+    def mask(self):
+        return self[0]
+
+    @property
+    def mask_indptr(self):
+        return self[1]
+
+    @property
+    def positions(self):
+        return self[2]

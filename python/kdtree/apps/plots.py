@@ -97,7 +97,7 @@ def plot_round(result: Any, path: str | Path, *, token_str: Callable[[int], str]
         ax_t.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
         ax_t.set_ylim(max(ys) + 0.8, min(ys) - 0.8)
     fig.tight_layout()
-    from ._atomic import write_atomically
+    from ..core.files import write_atomically
 
     fmt = Path(path).suffix.lower().lstrip(".") or "png"
     try:

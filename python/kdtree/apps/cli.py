@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kdtree.demo", "DDTree speculative decoding of the shipped transformer pair (or, with "
+    "demo": ("kdtree.apps.demo", "DDTree speculative decoding of the shipped transformer pair (or, with "
                             "--model ngram, a byte n-gram model) on CPU, checked against greedy "
                             "autoregressive decoding"),
-    "generate": ("kdtree.generate", "DDTree decoding with a transformer target and block drafter "
+    "generate": ("kdtree.apps.generate", "DDTree decoding with a transformer target and block drafter "
                                     "(greedy or sampled, CPU or GPU)"),
 }
 
@@ -56,6 +56,82 @@ def float_in(lo: float, hi: float, lo_open: bool = False):
             raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
         return v
     return parse
+
+
+# Timed runs repeat up to --repeats times, but stop once they have taken this long: the
+# line says how many ran, so one slow run on a loaded machine is not mistaken for three.
+REPEAT_SECONDS = 60.0
+
+
+def progress_bar(total: int, desc: str, disable: bool, unit: str):
+    """A tqdm bar on stderr (None when tqdm is missing or the bar is disabled)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional
+        return None
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
+                disable=True if disable else None, dynamic_ncols=True)
+
+
+def run_with_bar(fn, total: int, desc: str, disable: bool, unit: str = "tok", **kw):
+    """fn(on_tokens=..., **kw) with a progress bar of `total` tokens."""
+    bar = progress_bar(total, desc, disable, unit)
+    try:
+        return fn(on_tokens=bar.update if bar is not None else None, **kw)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def timed_pair(runs: dict, repeats: int, total: int, disable_bars: bool, unit: str) -> tuple[dict, dict, str]:
+    """Runs each ``name -> fn(on_tokens=...)`` of `runs` in turn, `repeats` times (fewer
+    once REPEAT_SECONDS have passed). Returns (first result by name, wall times by name,
+    a note on how many runs the times are over)."""
+    first: dict = {}
+    walls: dict = {name: [] for name in runs}
+    spent = 0.0
+    done = 0
+    for i in range(repeats):
+        for name, fn in runs.items():
+            label = name if repeats == 1 else f"{name} ({i + 1}/{repeats})"
+            res = run_with_bar(fn, total, label, disable_bars, unit)
+            first.setdefault(name, res)
+            walls[name].append(res.wall)
+            spent += res.wall
+        done += 1
+        if spent > REPEAT_SECONDS and done < repeats:
+            break
+    if done == repeats:
+        note = "one run each" if repeats == 1 else f"median of {done} runs each, after a warm-up"
+    else:
+        note = (f"{plural(done, 'run')} each, not the {repeats} asked: the runs took {spent:.0f} s, past the "
+                f"{REPEAT_SECONDS:.0f} s a demo spends timing")
+    return first, walls, note
+
+
+def wall_text(walls: list[float]) -> str:
+    """'1.23 s' for one run, '1.23 s (1.20-1.31)' for the median of several."""
+    walls = sorted(walls)
+    median = walls[len(walls) // 2] if len(walls) % 2 else 0.5 * (walls[len(walls) // 2 - 1] + walls[len(walls) // 2])
+    return f"{median:.2f} s" if len(walls) == 1 else f"{median:.2f} s ({walls[0]:.2f}-{walls[-1]:.2f})"
+
+
+def tree_ops_text(device: str = "cpu") -> str:
+    """Which backend runs the tree operations: the native library (and where it was
+    loaded from) on the CPU, and whether KV compaction runs on the GPU."""
+    import kdtree
+
+    try:
+        lib = kdtree.library_version()
+        path = kdtree.library_path()
+    except ImportError as exc:
+        return f"libkdtree not loadable ({exc})"
+    text = f"libkdtree {lib} ({path}): top-k, tree build and verify in C on the CPU"
+    if str(device).split(":")[0] == "cuda":
+        cuda = kdtree.cuda_devices()
+        text += ("; KV compaction by its CUDA kernel" if cuda > 0
+                 else "; KV compaction in torch (the library was built without CUDA or sees no GPU)")
+    return text
 
 
 MAX_PROMPT_FILE_BYTES = 64 * 2**20
@@ -106,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kdtree",
         description="kdtree: native core for DDTree speculative decoding "
                     "(Ringel & Romano, arXiv 2604.12989).")
-    from . import __version__  # (the package's; the native library's is kdtree.library_version())
+    from .. import __version__  # (the package's; the native library's is kdtree.library_version())
 
     parser.add_argument("--version", action="version", version=f"kdtree {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -41,16 +41,57 @@ STATUS_NAMES = {
 }
 
 
+STATUS = {name: value for value, name in STATUS_NAMES.items()}  # "KDT_ERR_SHAPE" -> 3
+
+# kdt_dtype, kdt_mask_kind and kdt_trees_field values (include/kdtree.h); the bindings
+# tests compare them with the header's enums.
+DTYPE_CODES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint16": 7,
+               "uint32": 8, "uint64": 9, "float16": 10, "bfloat16": 11, "float32": 12, "float64": 13}
+MASK_CODES = {"bool": 0, "bits": 1, "additive_f32": 2, "additive_f16": 3, "additive_bf16": 4,
+              "flashinfer": 5}
+FIELD_CODES = {"num_nodes": 0, "tokens": 1, "depths": 2, "parents": 3, "logw": 4, "positions": 5,
+               "visibility": 6, "visibility_bits": 7, "first_child": 8, "next_sibling": 9}
+
+
 class KdtreeError(ValueError):
-    """A libkdtree call failed. ``status`` is the kdt_status value, ``status_name`` its
-    enum name, and the message is the library's ``kdt_last_error()`` text."""
+    """Every check of kdtree raises this (a ``ValueError``), whether it ran in Python, in
+    C or on the GPU. ``status`` is the kdt_status value (include/kdtree.h), ``status_name``
+    its enum name, ``function`` the C entry point that failed ("" for a check made in
+    Python), and the message names what and where ("request 3, depth 2, rank 5: NaN
+    log-probability"); for C calls it is the library's ``kdt_last_error()`` text."""
 
     def __init__(self, status: int, message: str, function: str = ""):
         self.status = int(status)
         self.status_name = STATUS_NAMES.get(self.status, f"status {self.status}")
         self.function = function
+        self.detail = message
         where = f"{function}: " if function else ""
         super().__init__(f"{where}{self.status_name}: {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.status, self.detail, self.function))
+
+
+class KdtreeTypeError(KdtreeError, TypeError):
+    """An argument of the wrong type or dtype (status KDT_ERR_INVALID_ARGUMENT); also a
+    ``TypeError``."""
+
+    def __init__(self, message: str, function: str = "", status: int = 1):
+        super().__init__(status, message, function)
+
+    def __reduce__(self):
+        return (type(self), (self.detail, self.function, self.status))
+
+
+class KdtreeMemoryError(KdtreeError, MemoryError):
+    """Outputs that would not fit in the memory this process may use, refused before
+    anything is allocated (status KDT_ERR_OUT_OF_MEMORY); also a ``MemoryError``."""
+
+    def __init__(self, message: str, function: str = ""):
+        super().__init__(7, message, function)
+
+    def __reduce__(self):
+        return (type(self), (self.detail, self.function))
 
 
 def name_logits_row(exc: KdtreeError, batch_shape: tuple) -> KdtreeError:
@@ -292,9 +333,9 @@ def candidate_paths() -> list[Path]:
     env = os.environ.get("KDTREE_LIBRARY")
     if env:
         paths.append(Path(env))
-    here = Path(__file__).resolve().parent
-    paths.append(here.parent.parent / "build" / LIBRARY_NAME)
-    paths.append(here / LIBRARY_NAME)
+    package = Path(__file__).resolve().parents[1]  # python/kdtree
+    paths.append(package.parents[1] / "build" / LIBRARY_NAME)
+    paths.append(package / LIBRARY_NAME)
     return paths
 
 

@@ -23,13 +23,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import engine
+from ..engine import rounds as engine
+from . import text
 from .cli import float_in as _float_in
 from .cli import int_in as _int_in
 from .cli import plural as _plural
+from .cli import timed_pair, tree_ops_text, wall_text
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "").replace("\n", " ")
-DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "stdlib-qwen3"
+DEFAULT_MODELS = Path(__file__).resolve().parents[3] / "fixtures" / "models" / "stdlib-qwen3"
 EOS = "<|endoftext|>"
 MAX_BUDGET = 4096
 
@@ -78,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the acceptance-length histogram and one round's tree to this PNG/SVG file")
     p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,
                    help="most draft-tree nodes drawn (the best by score)")
+    p.add_argument("--repeats", type=_int_in(1, 100), default=3,
+                   help="timed runs of each method, after an untimed warm-up (fewer once they have taken a "
+                        "minute; the wall-time line says how many ran)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _default_prompt(args) -> tuple[str, str]:
@@ -162,8 +168,8 @@ def load_pair(models: Path, device: str, dtype: str | None):
     except ImportError as exc:
         raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}); "
                          f"`nox -s demo` installs them") from None
-    from .drafter import load_drafter
-    from .hf import load_causal_lm
+    from ..engine.drafter import load_drafter
+    from ..engine.hf import load_causal_lm
 
     if dtype is None:
         dtype = "float32" if device == "cpu" else "bfloat16"
@@ -218,9 +224,9 @@ def _token_str(tok) -> Any:
 
 
 def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
+    from ..engine.drafter import BlockDrafterRunner
+    from ..engine.hf import HFTarget
     from .cli import UsageError
-    from .drafter import BlockDrafterRunner
-    from .hf import HFTarget
 
     prompt_text, prompt_desc = _default_prompt(args)
     if args.plot is not None:
@@ -272,6 +278,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print(f"  drafter  : DFlash-style block drafter, {d_params / 1e6:.2f} M parameters, target layers "
           f"{list(layers)}, L={depth} positions per call", file=out)
     print(f"  prompt   : {prompt_desc}: {len(prompt)} tokens", file=out)
+    print(f"  tree ops : {tree_ops_text(args.device)}", file=out)
     print(f"  settings : budget N={args.budget}, depth L={depth}, max_new_tokens={args.max_new_tokens}, "
           f"stop at {EOS if stops else 'nothing'}", file=out)
     trained = int(getattr(target_model.config, "kdtree_trained_window", 0) or 0)
@@ -294,11 +301,16 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     if not args.no_ar:
         engine.autoregressive_generate(new_target(), prompt, 1)
     engine.speculative_generate(new_target(), runner, prompt, 1, budget=args.budget, depth=depth, snapshot=None)
-    ar = None
+    runs = {}
     if not args.no_ar:
-        ar = engine.autoregressive_generate(new_target(), prompt, args.max_new_tokens, stop_tokens=stops)
-    sp = engine.speculative_generate(new_target(), runner, prompt, args.max_new_tokens, budget=args.budget,
-                                     depth=depth, stop_tokens=stops)
+        runs["greedy AR" if greedy else "sampled AR"] = lambda **kw: engine.autoregressive_generate(
+            new_target(), prompt, args.max_new_tokens, stop_tokens=stops, **kw)
+    runs["DDTree"] = lambda **kw: engine.speculative_generate(
+        new_target(), runner, prompt, args.max_new_tokens, budget=args.budget, depth=depth, stop_tokens=stops, **kw)
+    results, walls, timing_note = timed_pair(runs, args.repeats, args.max_new_tokens, args.no_progress, "tok")
+    sp = results["DDTree"]
+    ar_name = next((n for n in runs if n != "DDTree"), None)
+    ar = results.get(ar_name)
 
     shown = prompt_text[-PROMPT_SHOWN:]
     what = (_plural(len(prompt_text), "character") if len(shown) == len(prompt_text)
@@ -338,10 +350,15 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
             cpu_note = (" (on a CPU DDTree saves target forwards, not seconds: a tree forward of N + 1 rows "
                         "costs nearly N + 1 one-token forwards, and every round also runs the drafter; on a "
                         "GPU the rows are nearly free)")
-        print(f"wall time          : AR {ar.wall:.2f} s, DDTree {sp.wall:.2f} s{cpu_note}", file=out)
+        print(f"target rows        : AR {ar.target_rows}, DDTree {sp.target_rows} ({sp.target_calls} tree "
+              f"forwards of N + 1 = {args.budget + 1} rows at most; the rows the target computes, prompt "
+              f"excluded)", file=out)
+        print(f"wall time          : AR {wall_text(walls[ar_name])}, DDTree {wall_text(walls['DDTree'])} "
+              f"({timing_note}){cpu_note}", file=out)
     else:
-        print(f"target forwards    : DDTree {sp.target_calls} for {_plural(len(sp.tokens), 'token')}; "
-              f"drafter calls {sp.drafter_calls}; wall {sp.wall:.2f} s", file=out)
+        print(f"target forwards    : DDTree {sp.target_calls} for {_plural(len(sp.tokens), 'token')} "
+              f"({sp.target_rows} rows); drafter calls {sp.drafter_calls}; wall {wall_text(walls['DDTree'])} "
+              f"({timing_note})", file=out)
     print(f"acceptance length  : {sp.mean_acceptance_length:.2f} tokens per round (accepted draft tokens + "
           f"bonus) over {_plural(sp.rounds, 'round')}", file=out)
     if rep > REPEAT_NOTE:
@@ -352,14 +369,14 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print("histogram          : " + ", ".join(f"{k}: {hist[k]}" for k in sorted(hist))
           + "   (tokens committed per round: rounds)", file=out)
     total = sum(sp.times.values()) or 1.0
-    print("\n".join(engine.stage_lines(sp)), file=out)
+    print("\n".join(text.stage_lines(sp)), file=out)
     tree_share = sum(sp.times[s] for s in ("topk", "build", "verify")) / total
     print(f"  (tree overhead: top-k + build + verify = {100 * tree_share:.1f}% of the round)", file=out)
     snap = sp.snapshot
     if snap is not None:
         print(f"\n---- draft tree of round {snap.index} of {sp.rounds} (commits "
               f"{tok.decode(snap.committed)!r}; * = accepted path) ----", file=out)
-        print(engine.render_tree(snap.trees, 0, snap.acceptance, max_nodes=args.tree_nodes,
+        print(text.render_tree(snap.trees, 0, snap.acceptance, max_nodes=args.tree_nodes,
                                  token_str=_token_str(tok)), file=out)
     if args.plot is not None:
         from .plots import plot_round

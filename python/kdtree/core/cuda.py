@@ -16,34 +16,19 @@ import ctypes
 
 import numpy as np
 
-from . import _device as dev
-from . import _lib
-from ._lib import KdtreeError
-from ._types import Acceptance, TreeBatch
-from .api import _commit_caps, _stop_token_list
+from .. import _native as _lib
+from .._native import KdtreeError
+from . import checks
+from . import device as dev
+from .types import TREE_FIELDS, Acceptance, TopK, TreeBatch, TreeMask
 
 _DTYPE_CODES = {"float32": 12, "float16": 10, "bfloat16": 11}  # kdt_dtype
 MASK_KINDS = {"bool": 0, "bits": 1, "additive": None, "flashinfer": 5}
 _ADDITIVE = {"float32": 2, "float16": 3, "bfloat16": 4}
 _STATUS_OK = 0
 
-_TREE_FIELDS = {
-    "num_nodes": ("int32", 1),
-    "tokens": ("int32", 2),
-    "depths": ("int32", 2),
-    "parents": ("int32", 2),
-    "logw": ("float64", 2),
-    "positions": ("int64", 2),
-    "visibility": ("bool", 3),
-    "visibility_bits": ("uint32", 3),
-    "first_child": ("int32", 2),
-    "next_sibling": ("int32", 2),
-}
 
 
-def _check_errors(errors: str) -> None:
-    if errors not in ("raise", "status"):
-        raise ValueError(f'errors must be "raise" or "status", got {errors!r}')
 
 
 def _raise_on_status(status, what: str, unit: str = "request") -> None:
@@ -64,18 +49,18 @@ def _view(obj, name: str, dtype: str | tuple[str, ...], ndim: int | None = None,
     v = dev.view(obj, name, stream)
     allowed = (dtype,) if isinstance(dtype, str) else dtype
     if v.dtype not in allowed:
-        raise TypeError(f"{name} must have dtype {' or '.join(allowed)}, got {v.dtype}")
+        raise checks.type_error(f"{name} must have dtype {' or '.join(allowed)}, got {v.dtype}")
     if ndim is not None and len(v.shape) != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {v.shape}")
+        raise checks.shape_error(f"{name} must have {ndim} dimensions, got shape {v.shape}")
     if contiguous and not v.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (shape {v.shape}, strides {v.strides})")
+        raise checks.shape_error(f"{name} must be C-contiguous (shape {v.shape}, strides {v.strides})")
     return v
 
 
 def _same_device(views: list[dev.DeviceArray]) -> None:
     devices = {v.device for v in views}
     if len(devices) > 1:
-        raise ValueError(f"inputs are on different CUDA devices: {sorted(devices)}")
+        raise checks.invalid(f"inputs are on different CUDA devices: {sorted(devices)}")
 
 
 def _workspace(like, nbytes: int):
@@ -92,7 +77,7 @@ def _logits_struct(v: dev.DeviceArray, name: str, two_d: str = "request") -> _li
     (two_d="request", as the CPU functions read it) or L independent rows (two_d="rows",
     top-k), a 1-D [V] view one row. The vocab axis must have stride 1."""
     if v.dtype not in _DTYPE_CODES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {v.dtype}")
+        raise checks.type_error(f"{name} must be float32, float16 or bfloat16, got {v.dtype}")
     shape, strides = v.shape, v.strides
     if len(shape) == 1:
         shape, strides = (1, 1) + shape, (0, 0) + strides
@@ -101,11 +86,11 @@ def _logits_struct(v: dev.DeviceArray, name: str, two_d: str = "request") -> _li
     elif len(shape) == 2:
         shape, strides = (shape[0], 1, shape[1]), (strides[0], 0, strides[1])
     elif len(shape) != 3:
-        raise ValueError(f"{name} must be [B, L, V], [R, V] or [V], got shape {v.shape}")
+        raise checks.shape_error(f"{name} must be [B, L, V], [R, V] or [V], got shape {v.shape}")
     if shape[2] > 1 and strides[2] != 1:
-        raise ValueError(f"{name}: the vocab axis must be contiguous (stride 1), got strides {v.strides}")
+        raise checks.invalid(f"{name}: the vocab axis must be contiguous (stride 1), got strides {v.strides}")
     if min(strides) < 0:
-        raise ValueError(f"{name}: negative strides are not supported ({v.strides})")
+        raise checks.invalid(f"{name}: negative strides are not supported ({v.strides})")
     return _lib.KdtLogits(v.ptr, _DTYPE_CODES[v.dtype], 0, shape[0], shape[1], shape[2], strides[0], strides[1])
 
 
@@ -114,18 +99,18 @@ def _trees_struct(t: TreeBatch, stream: int) -> tuple[_lib.KdtTrees, list]:
     ptrs = []
     rows = t.budget + 1
     words = (rows + 31) // 32
-    for name, (dtype, ndim) in _TREE_FIELDS.items():
+    for name, (dtype, ndim) in TREE_FIELDS.items():
         a = getattr(t, name)
         if a is None:
             if name == "num_nodes":
-                raise ValueError("trees.num_nodes is required")
+                raise checks.invalid("trees.num_nodes is required")
             ptrs.append(None)
             continue
         v = _view(a, f"trees.{name}", ("bool", "uint8") if dtype == "bool" else dtype, ndim, stream)
         want = {1: (t.batch,), 2: (t.batch, rows),
                 3: (t.batch, rows, rows if name == "visibility" else words)}[ndim]
         if v.shape != want:
-            raise ValueError(f"trees.{name} must have shape {want}, got {v.shape}")
+            raise checks.shape_error(f"trees.{name} must have shape {want}, got {v.shape}")
         views.append(v)
         ptrs.append(v.ptr)
     _same_device(views)
@@ -159,11 +144,11 @@ def _optional(obj, name, dtype, shape, like, stream):
     if not dev.is_device_array(obj):
         host = np.asarray(obj)
         if host.size != int(np.prod(shape)):  # (numpy's reshape error would not name the array)
-            raise ValueError(f"{name} must have shape {tuple(shape)}, got {host.shape}")
+            raise checks.shape_error(f"{name} must have shape {tuple(shape)}, got {host.shape}")
         obj = dev.from_host(like, np.ascontiguousarray(host.reshape(shape), dtype=dtype))
     v = _view(obj, name, dtype, len(shape), stream)
     if v.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {v.shape}")
+        raise checks.shape_error(f"{name} must have shape {tuple(shape)}, got {v.shape}")
     return obj, v
 
 
@@ -171,16 +156,16 @@ def _prepare_out(out, like, batch, budget, depth):
     if out is None:
         return empty_trees(like, batch, budget, depth)
     if not isinstance(out, TreeBatch):
-        raise TypeError(f"out must be a TreeBatch, got {type(out).__name__}")
+        raise checks.type_error(f"out must be a TreeBatch, got {type(out).__name__}")
     if out.batch != batch:
-        raise ValueError(f"out holds {out.batch} requests, the input {batch}")
+        raise checks.invalid(f"out holds {out.batch} requests, the input {batch}")
     out.budget, out.depth = budget, depth  # checked against the arrays in _trees_struct
     return out
 
 
 def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, vocab_size, pad_token, out,
                 errors, stream) -> TreeBatch:
-    _check_errors(errors)
+    checks.check_errors(errors)
     s = dev.current_stream(logprobs, stream)
     lp = _view(logprobs, "logprobs", "float32", None, s)
     ids = _view(token_ids, "token_ids", "int32", None, s)
@@ -189,9 +174,9 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     elif len(lp.shape) == 3:
         batch, depth, width = lp.shape
     else:
-        raise ValueError(f"logprobs must be [B, L, K] or [L, K], got shape {lp.shape}")
+        raise checks.shape_error(f"logprobs must be [B, L, K] or [L, K], got shape {lp.shape}")
     if ids.shape != lp.shape:
-        raise ValueError(f"token_ids {ids.shape} must have the shape of logprobs {lp.shape}")
+        raise checks.shape_error(f"token_ids {ids.shape} must have the shape of logprobs {lp.shape}")
     lib = _lib.load()
     with dev.on_device(logprobs):
         roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logprobs, s)
@@ -215,20 +200,20 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
 
 
 def topk_logprobs(logits, k: int, *, errors: str, stream):
-    _check_errors(errors)
+    checks.check_errors(errors)
     s = dev.current_stream(logits, stream)
     v = dev.view(logits, "logits", s)
     if len(v.shape) < 1:
-        raise ValueError("logits must have at least one dimension [..., V]")
+        raise checks.shape_error("logits must have at least one dimension [..., V]")
     lead = v.shape[:-1]
     vocab = v.shape[-1]
     if not 0 <= k <= min(vocab, 1024):
-        raise ValueError(f"k must be in [0, min(V={vocab}, 1024)] on the GPU, got {k}")
+        raise checks.range_error(f"k must be in [0, min(V={vocab}, 1024)] on the GPU, got {k}")
     if len(v.shape) > 3:  # merge leading axes when their strides allow it
         rows = int(np.prod(lead, dtype=np.int64))
         merged = _merge_leading(v)
         if merged is None:
-            raise ValueError(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
+            raise checks.shape_error(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
                              "merged into rows; pass a [B, L, V] view")
         v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
     struct = _logits_struct(v, "logits", two_d="rows")
@@ -250,8 +235,7 @@ def topk_logprobs(logits, k: int, *, errors: str, stream):
             _raise_on_status(status, "topk_logprobs", "row")
         except KdtreeError as exc:
             raise _lib.name_logits_row(exc, tuple(lead)) from None
-        return out_lp, out_ids
-    return out_lp, out_ids, status
+    return TopK(out_lp, out_ids, status)
 
 
 def _merge_leading(v: dev.DeviceArray) -> int | None:
@@ -268,7 +252,7 @@ def _merge_leading(v: dev.DeviceArray) -> int | None:
 
 def build_trees_from_logits(logits, width, budget, *, root_tokens, root_positions, pad_token, out, errors,
                             stream) -> TreeBatch:
-    _check_errors(errors)
+    checks.check_errors(errors)
     s = dev.current_stream(logits, stream)
     v = dev.view(logits, "logits", s)
     struct = _logits_struct(v, "logits")
@@ -295,7 +279,7 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
 
 
 def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: str, columns, errors, stream):
-    _check_errors(errors)
+    checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
     batch, rows = trees.batch, trees.budget + 1
@@ -304,14 +288,14 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
         tstruct, views = _trees_struct(trees, s)
         prefix, pv = _optional(prefix_lengths, "prefix_lengths", "int64", (batch,), like, s)
         if pv is None:
-            raise ValueError("prefix_lengths is required (zeros for no prefix)")
+            raise checks.invalid("prefix_lengths is required (zeros for no prefix)")
         _same_device([*views, pv])
         if kind == "flashinfer":
             if columns is not None:
-                raise ValueError("columns is not used with kind='flashinfer'")
+                raise checks.invalid("columns is not used with kind='flashinfer'")
             host_prefix = dev.to_host(prefix).astype(np.int64)  # sizes the ragged output
             if (host_prefix < 0).any():
-                raise ValueError(f"prefix_lengths must be >= 0, got {host_prefix.tolist()}")
+                raise checks.range_error(f"prefix_lengths must be >= 0, got {host_prefix.tolist()}")
             nbytes = int(sum((rows * (int(p) + rows) + 7) // 8 for p in host_prefix))
             mask = dev.empty(like, (nbytes,), "uint8")
             indptr = dev.empty(like, (batch + 1,), "int32")
@@ -327,11 +311,11 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
                 code, shape, odt = 1, (batch, rows, (ncols + 31) // 32), "uint32"
             elif kind == "additive":
                 if dtype not in _ADDITIVE:
-                    raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16' (a name, or a numpy or "
+                    raise checks.invalid(f"dtype must be 'float32', 'float16' or 'bfloat16' (a name, or a numpy or "
                                      f"torch dtype) for additive masks, got {dtype!r}")
                 code, shape, odt = _ADDITIVE[dtype], (batch, rows, ncols), dtype
             else:
-                raise ValueError(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
+                raise checks.invalid(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
             mask = dev.empty(like, shape, odt)
             indptr = None
             nbytes = int(np.prod(shape, dtype=np.int64)) * dev._ITEMSIZE[odt]
@@ -346,15 +330,14 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
         mask = mask.view(dtype=__import__("sys").modules["torch"].bool)
     if errors == "raise":
         _raise_on_status(status, "tree_attention_mask")
-        return mask, indptr, positions
-    return mask, indptr, positions, status
+    return TreeMask(mask, indptr, positions, status)
 
 
 def _verify_common(trees, stop_tokens, max_commit, s):
     like = trees.num_nodes
     batch = trees.batch
     tstruct, views = _trees_struct(trees, s)
-    stop_list = [int(x) for x in _stop_token_list(stop_tokens)]
+    stop_list = [int(x) for x in checks.stop_token_list(stop_tokens)]
     stops = dev.from_host(like, np.asarray(stop_list, np.int32)) if stop_list else None
     sv = dev.view(stops, "stop_tokens") if stops is not None else None
     caps, cv = (None, None)
@@ -362,9 +345,9 @@ def _verify_common(trees, stop_tokens, max_commit, s):
         if dev.is_device_array(max_commit):
             caps, cv = _optional(max_commit, "max_commit", "int64", (batch,), like, s)
         else:
-            host = _commit_caps(max_commit, batch)
+            host = checks.commit_caps(max_commit, batch)
             caps, cv = _optional(host, "max_commit", "int64", (batch,), like, s)
-    width = trees.depth + 1
+    width = checks.path_capacity(trees)
     accepted = dev.empty(like, (batch, width), "int32")
     length = dev.empty(like, (batch,), "int32")
     bonus = dev.empty(like, (batch,), "int32")
@@ -376,7 +359,7 @@ def _verify_common(trees, stop_tokens, max_commit, s):
 
 
 def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, errors, stream) -> Acceptance:
-    _check_errors(errors)
+    checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
     lib = _lib.load()
@@ -394,7 +377,7 @@ def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, e
 
 def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, offset, stop_tokens, max_commit,
                        errors, stream) -> Acceptance:
-    _check_errors(errors)
+    checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
     v = dev.view(target_logits, "target_logits", s)
@@ -435,13 +418,13 @@ def _pointer_table(like, views: list[dev.DeviceArray]):
 
 
 def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, layout: str, errors, stream):
-    _check_errors(errors)
+    checks.check_errors(errors)
     k_layers = list(k_layers)
     v_layers = None if v_layers is None else list(v_layers)
     if not k_layers:
-        raise ValueError("k_layers is empty")
+        raise checks.invalid("k_layers is empty")
     if v_layers is not None and len(v_layers) != len(k_layers):
-        raise ValueError(f"{len(k_layers)} K layers but {len(v_layers)} V layers")
+        raise checks.invalid(f"{len(k_layers)} K layers but {len(v_layers)} V layers")
     like = k_layers[0]
     s = dev.current_stream(like, stream)
     kv = [_view(t, f"k_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
@@ -451,25 +434,25 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         for i, t in enumerate(v_layers)]
     first = kv[0]
     if any(t.readonly for t in kv + vv):
-        raise ValueError("the KV cache tensors are read-only (__cuda_array_interface__); compaction writes them")
+        raise checks.invalid("the KV cache tensors are read-only (__cuda_array_interface__); compaction writes them")
     ptrs = [t.ptr for t in kv + vv]
     if len(set(ptrs)) != len(ptrs):
-        raise ValueError("k_layers and v_layers must be distinct tensors (a tensor shared by two layers, or "
+        raise checks.invalid("k_layers and v_layers must be distinct tensors (a tensor shared by two layers, or "
                          "by K and V, would be moved twice)")
     for i, t in enumerate(kv + vv):
         if t.shape != first.shape or t.strides != first.strides or t.dtype != first.dtype:
-            raise ValueError(f"every K and V layer must share shape, strides and dtype; layer tensor {i} has "
+            raise checks.shape_error(f"every K and V layer must share shape, strides and dtype; layer tensor {i} has "
                              f"{t.shape} {t.strides} {t.dtype}, the first {first.shape} {first.strides} {first.dtype}")
     if layout == "bhsd":
         (batch, heads, seq, dim), (bs, hs, ss, ds) = first.shape, first.strides
     elif layout == "bshd":
         (batch, seq, heads, dim), (bs, ss, hs, ds) = first.shape, first.strides
     else:
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        raise checks.invalid(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if dim > 1 and ds != 1:
-        raise ValueError(f"the head_dim axis must be contiguous, got strides {first.strides}")
+        raise checks.invalid(f"the head_dim axis must be contiguous, got strides {first.strides}")
     if (batch > 1 and bs == 0) or (heads > 1 and hs == 0) or (seq > 1 and ss == 0):
-        raise ValueError(f"the cache tensors must not overlap themselves (zero strides {first.strides})")
+        raise checks.invalid(f"the cache tensors must not overlap themselves (zero strides {first.strides})")
     lib = _lib.load()
     with dev.on_device(like):
         ktab = _pointer_table(like, kv)
@@ -478,7 +461,7 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         acc = _view(acceptance.accepted_nodes, "accepted_nodes", "int32", 2, s)
         alen = _view(acceptance.accept_length, "accept_length", "int32", 1, s)
         if acc.shape[0] != batch or alen.shape[0] != batch:
-            raise ValueError(f"acceptance holds {acc.shape[0]} requests, the cache {batch}")
+            raise checks.shape_error(f"acceptance holds {acc.shape[0]} requests, the cache {batch}")
         _same_device([*kv, *vv, pv, acc, alen])
         cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, dev.view(vtab, "v").ptr if vtab is not None else None,
                                 len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads, seq, dim, bs, hs, ss)
@@ -488,5 +471,4 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         del prefix
     if errors == "raise":
         _raise_on_status(status, "compact_kv")
-        return None
     return status

@@ -1,0 +1,458 @@
+"""The public functions of kdtree: draft-tree construction, masks, verification, top-k
+log-probs and KV compaction, for host (numpy) or GPU (torch, CuPy, DLPack) arrays.
+
+Each function checks its arguments once (:mod:`.checks`), then dispatches on where the
+data live: host arrays go to :mod:`.host` (libkdtree's C entry points), CUDA arrays to
+:mod:`.cuda` (its kernels). Both backends return the same result type.
+
+Errors and statuses, the same for every function and both backends:
+
+- Every check raises :class:`kdtree.KdtreeError` (a ``ValueError``) with a kdt_status in
+  ``.status``, whether it ran in Python, C or CUDA; wrong types and dtypes raise
+  :class:`kdtree.KdtreeTypeError` (also a ``TypeError``), outputs too large for the memory
+  available raise :class:`kdtree.KdtreeMemoryError` (also a ``MemoryError``).
+- Every result carries per-request statuses (``request_status``; ``row_status`` for top-k),
+  whatever ``errors=`` is. With ``errors="raise"`` (the default) a failed request raises
+  (on the GPU this copies the statuses to the host, so it synchronises). With
+  ``errors="status"`` a request whose data are bad (NaN log-probs, a bad path...) does
+  not raise: its status is recorded and its outputs are written as the GPU kernels write
+  them (include/kdtree.h), the other requests are computed normally, and nothing
+  synchronises. Arguments that are wrong for the whole call (shapes, dtypes, budgets)
+  raise either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from . import checks, host
+from . import device as _device
+from .host import empty_trees
+from .types import Acceptance, TreeBatch
+
+__all__ = [
+    "build_trees",
+    "build_trees_from_logits",
+    "compact_kv",
+    "empty_trees",
+    "topk_logprobs",
+    "tree_attention_mask",
+    "verify_greedy",
+    "verify_greedy_from_logits",
+    "verify_sample_from_logits",
+]
+
+
+def _gpu():
+    from . import cuda as _gpu
+
+    return _gpu
+
+
+def build_trees(
+    logprobs,
+    token_ids,
+    budget: int,
+    *,
+    root_tokens=None,
+    root_positions=None,
+    vocab_size: int | None = None,
+    pad_token: int = -1,
+    out: TreeBatch | None = None,
+    errors: str = "raise",
+    stream=None,
+) -> TreeBatch:
+    """Builds DDTree draft trees on the CPU, or on the GPU when the inputs are CUDA arrays (spec ``ddtree-tree-build.md``; Ringel & Romano,
+    arXiv 2604.12989), bit-identical to :func:`kdtree.reference.build_trees`.
+
+    Args:
+        logprobs: ``[B, L, K]`` (or ``[L, K]`` for one request) natural-log probabilities of
+            the drafter's top-K per position, rows sorted non-increasing; any floating dtype,
+            converted to float32 (the spec's input type). ``-inf`` entries are never emitted.
+        token_ids: integer array of the same shape: the token id of each entry.
+        budget: N >= 0, the most draft nodes per tree (root excluded).
+        root_tokens: ``[B]`` ints written to row 0 of ``tokens`` (default: ``pad_token``).
+        root_positions: ``[B]`` ints >= 0, position of each root (default 0).
+        vocab_size: when given, every token id must be < vocab_size.
+        pad_token: token written to padding rows.
+        out: a :class:`TreeBatch` from :func:`empty_trees` (or an earlier call) to reuse;
+            every row is rewritten.
+        errors: ``"raise"`` (default): raise KdtreeError for the first failed request (GPU:
+            copies the statuses to the host, so it synchronises). ``"status"``: never raise
+            for a request's data; ``request_status`` holds KDT_OK (0) or each request's
+            status, a failed request gets a root-only tree (its root token, or the pad
+            token when that is out of range; its root position, or 0), the others are
+            built normally, and nothing synchronises (``kdt_trees_build_cuda``; on the
+            host the batch is rebuilt request by request after a failure).
+        stream: GPU only: the CUDA stream (int handle, torch or CuPy stream); default the
+            current stream of the inputs' library.
+
+    GPU inputs (torch / CuPy / any DLPack or ``__cuda_array_interface__`` CUDA array):
+    ``logprobs`` float32 and ``token_ids`` int32 on one device; root arrays may be host or
+    device arrays; outputs are allocated with the inputs' library on their device. The
+    trees are bit-identical to the CPU builder's.
+
+    Returns:
+        :class:`TreeBatch` with ``N + 1`` rows per request (a 2-D input gives B = 1) and
+        ``request_status`` int32 ``[B]``.
+
+    Raises:
+        TypeError: non-floating log-probs or non-integer ids.
+        ValueError / KdtreeError: shape mismatch, negative budget, NaN or +inf log-probs,
+            unsorted rows, duplicate ids in a row, ids out of range (the message names
+            request, depth and rank).
+        MemoryError: CPU: the outputs (about B x (N+1)^2 bytes, the dense mask) exceed this
+            machine's memory (see :func:`empty_trees`).
+    """
+    if _device.is_device_array(logprobs) or _device.is_device_array(token_ids):
+        budget = checks.int_scalar(budget, "budget", 0, checks.MAX_BUDGET)
+        vocab = 0 if vocab_size is None else checks.int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
+        pad = checks.int_scalar(pad_token, "pad_token", checks.INT32_MIN, checks.INT32_MAX)
+        return _gpu().build_trees(logprobs, token_ids, budget, root_tokens=root_tokens,
+                                  root_positions=root_positions, vocab_size=vocab, pad_token=pad, out=out,
+                                  errors=errors, stream=stream)
+    checks.cpu_only(stream, errors, "build_trees")
+    return host.build_trees(logprobs, token_ids, budget, root_tokens=root_tokens, root_positions=root_positions, vocab_size=vocab_size, pad_token=pad_token, out=out, errors=errors)
+
+
+def verify_greedy(
+    trees: TreeBatch,
+    target_tokens,
+    *,
+    stop_tokens: Iterable[int] = (),
+    max_commit=None,
+    errors: str = "raise",
+    stream=None,
+) -> Acceptance:
+    """The verification walk (spec: "Verification"): from the root, move to the child whose
+    token equals the target's token at the current node, while one exists.
+
+    Args:
+        trees: a :class:`TreeBatch` from :func:`build_trees`.
+        target_tokens: integer ``[B, N+1]`` (or ``[N+1]`` when B = 1): the target's chosen
+            token at every node (argmax of its logits, or a sample); padding rows ignored.
+        stop_tokens: a sequence of token ids (None: none); an accepted stop token ends the
+            walk with no bonus token. A single int is a TypeError (write ``[eos_id]``).
+        max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
+            each request may commit this round (remaining ``max_new_tokens``). Any other
+            shape (a length-1 list for B > 1 included) is a ValueError.
+        errors: as :func:`build_trees`; with ``"status"`` a failed request's outputs are
+            accepted_nodes ``[-1, ...]``, accept_length 0 and bonus_token -1.
+        stream: GPU only, as :func:`build_trees`.
+
+    Returns:
+        :class:`Acceptance`: ``accepted_nodes`` int32 ``[B, P]`` with ``P = min(L, N) + 1``
+        columns, the longest path a tree can hold plus the root (root first, -1 padding),
+        ``accept_length`` int32 ``[B]``, ``bonus_token`` int32 ``[B]`` (-1: none),
+        ``request_status`` int32 ``[B]``.
+
+    Raises:
+        ValueError / KdtreeError: shape mismatch, negative caps or target tokens at visited
+        nodes, inconsistent tree links.
+    """
+    if not isinstance(trees, TreeBatch):
+        raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
+    if _device.is_device_array(trees.num_nodes):
+        return _gpu().verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit,
+                                    errors=errors, stream=stream)
+    checks.cpu_only(stream, errors, "verify_greedy")
+    return host.verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+
+
+def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
+    """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
+
+    ``logprob = logit - logsumexp(row)`` over the whole row, computed in float64 and rounded
+    once to float32, sorted descending with ties ordered by lower token id.
+
+    Args:
+        logits: ``[..., V]`` float16, bfloat16, float32 or float64 (converted to float32).
+        k: 0 <= k <= V.
+
+    GPU (CUDA array logits, float32 / float16 / bfloat16, vocab axis contiguous, k <= 1024):
+    ``kdt_topk_logprobs_cuda``, the logsumexp in float32 (results agree with the CPU's to
+    float32 rounding; ids and order are exact).
+
+    ``errors``: as :func:`build_trees`, per row: with ``"status"`` a bad row's status is
+    KDT_ERR_VALUE in ``row_status``, its log-probs are NaN and its ids 0 .. k-1 (so a tree
+    built from it fails), and the other rows are computed normally.
+
+    Returns:
+        :class:`TopK`, which unpacks as ``(logprobs float32 [..., k], ids int32 [..., k])``,
+        with ``row_status`` int32 ``[...]`` (``[1]`` for 1-D logits).
+
+    Raises:
+        TypeError: non-floating logits. ValueError / KdtreeError: k out of range, a NaN or
+        +inf logit, or a row whose logits are all -inf (the message names the row, as
+        request and position for ``[B, L, V]`` logits, and the column).
+    """
+    if _device.is_device_array(logits):
+        k = checks.int_scalar(k, "k", 0, 2**31 - 1)
+        return _gpu().topk_logprobs(logits, k, errors=errors, stream=stream)
+    checks.cpu_only(stream, errors, "topk_logprobs")
+    return host.topk_logprobs(logits, k, errors=errors)
+
+
+def build_trees_from_logits(
+    logits,
+    width: int,
+    budget: int,
+    *,
+    root_tokens=None,
+    root_positions=None,
+    pad_token: int = -1,
+    out: TreeBatch | None = None,
+    errors: str = "raise",
+    stream=None,
+) -> TreeBatch:
+    """Draft trees straight from the drafter's logits: top-k log-probs, then the builder.
+
+    Args:
+        logits: ``[B, L, V]`` (or ``[L, V]``): row ``l`` of request ``b`` is the drafter's
+            distribution at depth ``l + 1`` below the root.
+        width: K, the top-k entries kept per position (only ``min(K, budget)`` are computed).
+        budget, root_tokens, root_positions, pad_token, out: as :func:`build_trees`.
+        errors, stream: as :func:`build_trees`.
+
+    On the GPU (CUDA array logits; float32, float16 or bfloat16) this is one call,
+    ``kdt_trees_build_from_logits_cuda``, with no host round trip; top-k is computed in
+    float32 there and in float64 on the CPU, so the two can differ in the last bits of the
+    log-probs (each path's tree is exact for its own top-k). A row with NaN, +inf or only
+    -inf logits makes its request fail (KDT_ERR_VALUE).
+
+    Returns:
+        :class:`TreeBatch` (vocab_size = V is enforced on the ids).
+    """
+    width = checks.int_scalar(width, "width", 0, 2**31 - 1)
+    budget = checks.int_scalar(budget, "budget", 0, checks.MAX_BUDGET)
+    pad = checks.int_scalar(pad_token, "pad_token", checks.INT32_MIN, checks.INT32_MAX)
+    if _device.is_device_array(logits):
+        return _gpu().build_trees_from_logits(logits, width, budget, root_tokens=root_tokens,
+                                              root_positions=root_positions, pad_token=pad, out=out,
+                                              errors=errors, stream=stream)
+    checks.cpu_only(stream, errors, "build_trees_from_logits")
+    return host.build_trees_from_logits(logits, width, budget, root_tokens=root_tokens, root_positions=root_positions, pad_token=pad_token, out=out, errors=errors)
+
+
+def tree_attention_mask(
+    trees: TreeBatch,
+    prefix_lengths,
+    *,
+    kind: str = "bool",
+    dtype: str = "float32",
+    columns: int | None = None,
+    check_positions: bool = False,
+    errors: str = "raise",
+    stream=None,
+):
+    """Tree attention masks over the KV prefix and the tree, in the layouts engines use.
+
+    Query rows are the ``N + 1`` tree rows (root first); key columns are request b's
+    ``p = prefix_lengths[b]`` cached tokens, then the ``N + 1`` tree rows. Row ``i`` sees
+    every prefix column and tree column ``p + j`` for ``j == i`` or an ancestor of ``i``;
+    a padding row (``i > num_nodes[b]``) sees only itself (include/kdtree.h,
+    ``kdt_tree_attention_mask_cuda``).
+
+    Args:
+        trees: a :class:`TreeBatch` (CPU or GPU).
+        prefix_lengths: ``[B]`` ints >= 0.
+        kind: ``"bool"`` (bool ``[B, N+1, C]``), ``"bits"`` (uint32 ``[B, N+1, ceil(C/32)]``,
+            bit ``j % 32`` of word ``j // 32``), ``"additive"`` (``dtype`` ``[B, N+1, C]``:
+            0 visible, the dtype's lowest finite value hidden) or ``"flashinfer"`` (uint8,
+            each request's ``[N+1, p+N+1]`` mask flattened and packed 8 per byte,
+            little-endian, as FlashInfer's ``segment_packbits``; with ``mask_indptr``).
+        dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (on the CPU via
+            ml_dtypes), or the same as a numpy / ml_dtypes / torch dtype; ignored by the other kinds.
+        columns: C for the dense kinds (default ``max(p) + N + 1``); must be None for
+            ``"flashinfer"``.
+        errors: as :func:`build_trees`. Per request: KDT_ERR_OUT_OF_RANGE (negative prefix,
+            ``p + N + 1 > columns``), KDT_ERR_VALUE (num_nodes outside [0, N], a parent not
+            in [0, i)); with ``"status"`` a failed request's rows are all hidden and its
+            positions are its prefix length (0 when negative).
+        stream: GPU only, as :func:`build_trees`.
+
+    Returns:
+        :class:`TreeMask`, which unpacks as ``(mask, mask_indptr, positions)``:
+        ``mask_indptr`` int32 ``[B + 1]`` (byte offsets) for ``"flashinfer"``, else None;
+        ``positions`` int64 ``[B, N+1]`` = ``p + depth`` (padding rows: ``p``); and
+        ``request_status`` int32 ``[B]``.
+
+        check_positions: also check that each tree was built for this prefix: the root
+            sits right after the ``p`` cached tokens, so ``trees.positions[b, 0]`` (the
+            ``root_positions`` the trees were built with) must equal ``prefix_lengths[b]``;
+            a mismatch raises KDT_ERR_VALUE naming the request and both values, whatever
+            ``errors`` is (on the GPU this copies both to the host: it synchronises).
+
+    Raises:
+        KdtreeError: unknown kind or dtype, ``columns < N + 1``, a failed request (with
+        ``errors="raise"``), root positions that disagree with ``prefix_lengths``
+        (``check_positions``).
+    """
+    if not isinstance(trees, TreeBatch):
+        raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
+    if columns is not None:
+        columns = checks.int_scalar(columns, "columns", 0, 2**62)
+    dtype = checks.dtype_name(dtype)
+    if check_positions:
+        _check_root_positions(trees, prefix_lengths)
+    if _device.is_device_array(trees.num_nodes):
+        return _gpu().tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns,
+                                          errors=errors, stream=stream)
+    checks.cpu_only(stream, errors, "tree_attention_mask")
+    return host.tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns, errors=errors)
+
+
+def _check_root_positions(trees: TreeBatch, prefix_lengths) -> None:
+    """KDT_ERR_VALUE for the first request whose root position is not its prefix length."""
+    host_of = _device.to_host if _device.is_device_array(trees.positions) else np.asarray
+    roots = np.asarray(host_of(trees.positions))[:, 0] if trees.batch else np.zeros(0, np.int64)
+    given = _device.to_host(prefix_lengths) if _device.is_device_array(prefix_lengths) else prefix_lengths
+    prefix = checks.prefix_lengths(given, trees.batch)
+    bad = np.flatnonzero(roots != prefix)
+    if bad.size:
+        b = int(bad[0])
+        raise checks.value_error(f"request {b}: the tree's root position {int(roots[b])} (root_positions) is not "
+                                 f"its prefix length {int(prefix[b])} (prefix_lengths): the root must sit right "
+                                 f"after the cached tokens")
+
+
+def verify_greedy_from_logits(
+    trees: TreeBatch,
+    target_logits,
+    *,
+    stop_tokens: Iterable[int] = (),
+    max_commit=None,
+    errors: str = "raise",
+    stream=None,
+) -> Acceptance:
+    """Greedy verification from the target's logits: argmax per node (ties: lower id), then
+    the walk of :func:`verify_greedy`.
+
+    Args:
+        trees: a :class:`TreeBatch`.
+        target_logits: ``[B, N+1, V]`` (``[N+1, V]`` for B = 1): row ``i`` is the target's
+            output at tree node ``i`` of its verify forward. GPU: float32 / float16 /
+            bfloat16, only the rows the walk visits are read.
+        stop_tokens, max_commit: as :func:`verify_greedy`.
+        errors, stream: as :func:`verify_greedy`.
+
+    Returns:
+        :class:`Acceptance`; on the GPU ``target_tokens`` holds the argmax at visited nodes.
+
+    Raises:
+        ValueError / KdtreeError: shapes, a NaN logit in a row the walk visits ("request 1,
+        node 0: target_logits[1, 0] holds a NaN logit"), bad caps or links. Infinite logits
+        are ordinary values for the argmax: a visited row of only -inf gives token 0 (the
+        lowest id among equal values), one with +inf its first +inf, on the CPU and the GPU.
+    """
+    if _device.is_device_array(target_logits):
+        return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
+                                         stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
+                                         stream=stream)
+    checks.cpu_only(stream, errors, "verify_greedy_from_logits")
+    return host.verify_greedy_from_logits(trees, target_logits, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+
+
+def verify_sample_from_logits(
+    trees: TreeBatch,
+    target_logits,
+    temperature: float,
+    *,
+    seed: int,
+    offset: int,
+    stop_tokens: Iterable[int] = (),
+    max_commit=None,
+    errors: str = "raise",
+    stream=None,
+) -> Acceptance:
+    """Sampled verification, lossless for any temperature: one draw per visited node from
+    ``softmax(logits / temperature)``, then the walk of :func:`verify_greedy` along the draws.
+
+    The draw is the Gumbel-max trick over a Philox4x32-10 counter-based generator keyed by
+    ``(seed, offset, request, node, token)``: the same arguments give the same tokens on
+    every launch shape (definition: include/kdtree.h, ``kdt_verify_sample_from_logits_cuda``).
+    The CPU path (host arrays) computes the same draws in numpy (it may differ from the GPU
+    only where two scores tie within float32 ``log`` rounding).
+
+    Args:
+        trees, target_logits, stop_tokens, max_commit, errors, stream: as
+            :func:`verify_greedy_from_logits`.
+        temperature: finite, > 0.
+        seed, offset: 64-bit unsigned ints; advance ``offset`` every round.
+
+    Returns:
+        :class:`Acceptance` (GPU: ``target_tokens`` holds the draws at visited nodes).
+
+    Raises:
+        ValueError / KdtreeError: as :func:`verify_greedy_from_logits`; a visited row with a
+        NaN or a +inf logit, or only -inf logits, has no draw ("target_logits[1, 0] holds
+        only -inf logits").
+    """
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
+                                                                             np.floating)):
+        raise checks.type_error(f"temperature must be a real number, got {type(temperature).__name__} {temperature!r}")
+    with np.errstate(over="ignore"):  # an overflow is rejected just below
+        t32 = np.float32(temperature)  # the kernels compute in float32
+    if not np.isfinite(t32) or not t32 >= np.float32(1e-6):
+        raise checks.value_error(f"temperature must be finite and >= 1e-6 in float32 (use verify_greedy_from_logits for "
+                         f"T -> 0), got {temperature!r}")
+    temperature = float(t32)
+    seed = checks.int_scalar(seed, "seed", 0, 2**64 - 1)
+    offset = checks.int_scalar(offset, "offset", 0, 2**64 - 1)
+    if _device.is_device_array(target_logits):
+        return _gpu().verify_from_logits(trees, target_logits, temperature=temperature, seed=seed, offset=offset,
+                                         stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
+                                         stream=stream)
+    checks.cpu_only(stream, errors, "verify_sample_from_logits")
+    return host.verify_sample_from_logits(trees, target_logits, temperature, seed=seed, offset=offset, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+
+
+def compact_kv(
+    k_layers,
+    v_layers,
+    prefix_lengths,
+    acceptance: Acceptance,
+    *,
+    layout: str = "bhsd",
+    errors: str = "raise",
+    stream=None,
+):
+    """KV-cache compaction after verification, in place: the accepted path's rows move to
+    the rows right after each request's prefix (row ``p + accepted_nodes[b][j]`` -> row
+    ``p + j``, ``j = 0 .. accept_length[b]``); the caller then keeps ``p + accept_length + 1``
+    rows.
+
+    Args:
+        k_layers, v_layers: sequences of per-layer tensors (``v_layers`` may be None) of
+            shape ``[B, H, S, D]`` (``layout="bhsd"``, Hugging Face) or ``[B, S, H, D]``
+            (``"bshd"``), all with the same shape, strides and dtype (float16, bfloat16 or
+            float32, on the host and on the GPU), head_dim contiguous. The verify forward must have written tree row ``i`` at ``p + i``.
+        prefix_lengths: ``[B]`` ints >= 0.
+        acceptance: the :class:`Acceptance` of the verify call.
+        errors: as :func:`build_trees`. Per request: KDT_ERR_VALUE (path not starting at 0,
+            not strictly increasing, accept_length outside the path's columns),
+            KDT_ERR_OUT_OF_RANGE (negative prefix, a row beyond the cache); a failed
+            request's cache rows are not touched.
+        stream: GPU only, as :func:`build_trees`.
+
+    Returns:
+        ``request_status`` int32 ``[B]`` (KDT_OK or each request's status).
+
+    GPU tensors: one launch for all layers (``kdt_compact_kv_cuda``); host tensors (numpy
+    or CPU torch): a row copy per accepted node.
+
+    Raises TypeError when ``k_layers`` or ``v_layers`` is a single tensor, not a sequence.
+    """
+    for name, layers in (("k_layers", k_layers), ("v_layers", v_layers)):
+        if hasattr(layers, "ndim") and hasattr(layers, "shape"):  # one array, not a sequence of them
+            raise checks.type_error(f"{name} must be a sequence of per-layer tensors (one [B, H, S, D] or [B, S, H, D] "
+                            f"tensor per layer), got a single {layers.ndim}-D {type(layers).__name__} of shape "
+                            f"{tuple(layers.shape)}; pass [tensor] for one layer")
+    k_layers = list(k_layers)
+    if k_layers and _device.is_device_array(k_layers[0]):
+        return _gpu().compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
+                                 stream=stream)
+    checks.cpu_only(stream, errors, "compact_kv")
+    return host.compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors)

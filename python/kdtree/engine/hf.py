@@ -1,0 +1,454 @@
+"""A Hugging Face ``transformers`` causal LM as the DDTree target (the engine's
+:class:`kdtree.engine.Target`), with tree-attention verification and KV-cache compaction.
+
+Imports torch and transformers on first use; the rest of :mod:`kdtree` never does.
+
+Supported: decoder-only models whose ``forward`` takes ``position_ids`` and a 4-D additive
+``attention_mask`` and keeps its KV cache in a :class:`transformers.DynamicCache` whose
+``layers[i].keys`` / ``.values`` are ``[batch, kv_heads, seq, head_dim]`` (Llama, Qwen2,
+Qwen3 and their relatives). Tested against transformers 5.24.0 (pinned in ``noxfile.py``);
+other 5.x releases with ``DynamicCache.layers`` should work. Models are loaded from a local
+folder only (``local_files_only=True``: no network).
+
+How one round maps onto the model (Ringel & Romano, arXiv 2604.12989, section 3; the
+project spec ``ddtree-tree-build.md``, "Verification"):
+
+- The cache holds every committed token but the last one; the last (the root of the next
+  draft tree) enters the cache as row 0 of the next tree forward, as DFlash and DDTree do.
+- :meth:`HFTarget.score_tree`: one forward over the root and the draft nodes, position ids
+  ``trees.positions`` (root position + depth) and a 4-D additive mask: every cached token
+  visible, inside the tree each node sees itself and its ancestors
+  (``trees.visibility``); padding rows are not forwarded. The model's choice at each node is
+  the argmax of its logits (greedy, ties to the lower id) or one independent draw from
+  ``softmax(logits / temperature)`` restricted to the top-p nucleus; the walk
+  (``verify_greedy``) then keeps the target's output distribution exactly.
+- :meth:`HFTarget.commit`: the accepted nodes' K and V rows move to the rows right after
+  the prefix (:func:`kdtree.compact_kv`: one launch on the GPU, row copies on the host) and
+  the cache is cropped to them; the bonus token stays out of the cache (next root).
+- :meth:`HFTarget.drafter_features`: hidden states of chosen layers at every cached
+  position, for a drafter that conditions on them (DFlash-style, :mod:`kdtree.drafter`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The transformers release the project tests against (noxfile.py installs it).
+TESTED_TRANSFORMERS = "5.24.0"
+# Smallest sampling temperature (as the GPU sampler's): logits / T must stay finite.
+MIN_TEMPERATURE = 1e-6
+
+
+def check_tree_structure(trees: Any, past: int) -> None:
+    """Request 0 of ``trees`` is a tree the target can score: parents precede children,
+    depths follow the parent links, positions are ``past + depth`` and each node row of
+    the visibility is its ancestors and itself, each padding row only itself. Raises
+    ValueError naming the first bad row (a TreeBatch from kdtree.build_trees passes)."""
+    n = int(trees.num_nodes[0])
+    rows = int(trees.budget) + 1
+    if not 0 <= n < rows:
+        raise ValueError(f"trees.num_nodes[0] = {n} is outside [0, budget {rows - 1}]")
+    parents = np.asarray(trees.parents[0], dtype=np.int64)
+    depths = np.asarray(trees.depths[0], dtype=np.int64)
+    positions = np.asarray(trees.positions[0], dtype=np.int64)
+    vis = np.asarray(trees.visibility[0], dtype=bool)
+    if vis.shape != (rows, rows):
+        raise ValueError(f"trees.visibility[0] has shape {vis.shape}, expected ({rows}, {rows})")
+    want = np.zeros((rows, rows), dtype=bool)
+    want[0, 0] = True
+    for i in range(1, n + 1):
+        p = int(parents[i])
+        if not 0 <= p < i or depths[i] != depths[p] + 1:
+            raise ValueError(f"tree row {i}: parent {p} / depth {int(depths[i])} is not a valid tree link")
+        want[i] = want[p]
+        want[i, i] = True
+    for i in range(n + 1, rows):
+        want[i, i] = True
+    if (positions[: n + 1] != past + depths[: n + 1]).any():
+        bad = int(np.nonzero(positions[: n + 1] != past + depths[: n + 1])[0][0])
+        raise ValueError(f"tree row {bad}: position {int(positions[bad])}, expected {past} + depth "
+                         f"{int(depths[bad])}")
+    if not np.array_equal(vis, want):
+        bad = int(np.nonzero((vis != want).any(axis=1))[0][0])
+        raise ValueError(f"tree row {bad}: the visibility row is not that node's ancestors and itself")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("kdtree.hf needs PyTorch (pip install torch); the rest of kdtree does not") from exc
+    return torch
+
+
+def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
+    """Load a causal LM from a local folder (config + safetensors), in eval mode.
+
+    Args:
+        path: folder written by ``save_pretrained`` (no hub access is attempted).
+        device: torch device string, e.g. ``"cpu"`` or ``"cuda"``.
+        dtype: torch dtype or its name (``"float64"``, ``"bfloat16"``); default: the
+            checkpoint's.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a folder with a ``config.json``.
+        ImportError: torch or transformers is missing.
+    """
+    torch = _torch()
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on stderr
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (expected a folder written by save_pretrained)")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
+
+
+class HFTarget:
+    """A transformers causal LM holding one sequence, for :mod:`kdtree.engine`.
+
+    Args:
+        model: a loaded causal LM (:func:`load_causal_lm`), any device and float dtype.
+        temperature: 0 for greedy decoding (argmax, ties to the lower token id); > 0
+            samples each choice from ``softmax(logits / temperature)``.
+        top_p: nucleus size for sampling, in (0, 1]: the smallest set of most likely tokens
+            whose probability reaches ``top_p`` (at least one token) is renormalised.
+        seed: seed of the torch generator used for sampling (reproducible runs).
+        feature_layers: indices into the model's hidden states (0 = embeddings, i = output
+            of layer i) returned by :meth:`drafter_features`, concatenated; empty: none.
+
+    Raises:
+        ValueError: temperature < 0, top_p outside (0, 1], a feature layer out of range.
+    """
+
+    def __init__(self, model: Any, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 feature_layers: Sequence[int] = ()):
+        torch = _torch()
+        if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature < float("inf")):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        cfg = model.config
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        # Qwen2/Qwen3 configs carry a window size with use_sliding_window=False; Mistral-style
+        # configs have no switch: a window size alone turns the window on.
+        window_on = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
+        if window_on or any("sliding" in str(t) for t in layer_types):
+            raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
+                             "and compaction assume a cache that keeps every row (use a full-attention model)")
+        n_layers = int(model.config.num_hidden_layers)
+        layers = tuple(int(i) for i in feature_layers)
+        for i in layers:
+            if not 0 <= i <= n_layers:
+                raise ValueError(f"feature layer {i} outside [0, {n_layers}] (hidden states of a "
+                                 f"{n_layers}-layer model)")
+        self.model = model.eval()
+        self.vocab_size = int(model.config.vocab_size)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.feature_layers = layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)  # 0: unknown
+        self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache = None
+        self._committed: list[int] = []
+        self._features = None       # [cached positions, F] or None
+        self._pending = None        # what the last forward left for commit()
+        self._broken = None         # why the state is undefined (a commit failed midway), or None
+        self.forwards = 0           # model calls so far (prefill included)
+
+    # ---- the engine's Target protocol ------------------------------------------------
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        """Start a sequence: every prompt token but the last enters the cache (the last is
+        the first tree's root). Raises ValueError on an empty prompt or a token outside
+        ``[0, vocab)``."""
+        tokens = self._check_tokens(prompt, "prompt")
+        if not tokens:
+            raise ValueError("the prompt must hold at least one token")
+        self._cache = None
+        self._features = None
+        self._pending = None
+        self._broken = None
+        self._committed = list(tokens)
+        if len(tokens) > 1:
+            _, hidden = self._forward(tokens[:-1], list(range(len(tokens) - 1)), None)
+            self._append_features(hidden)
+
+    def next_token(self) -> int:
+        """One autoregressive step: the root (last committed token) enters the cache and
+        the model's choice after it is returned (argmax or a draw, as configured)."""
+        self._require_sequence()
+        self._require_no_pending()
+        pos = len(self._committed) - 1
+        logits, hidden = self._forward([self._committed[-1]], [pos], None)
+        self._pending = ("ar", hidden)
+        return int(self.choose(logits)[0])
+
+    def tree_logits(self, trees: Any) -> Any:
+        """The tree forward alone: logits ``[n+1, V]`` (torch, the model's dtype) of the
+        root and the ``n = num_nodes`` draft nodes of request 0 of ``trees`` (a
+        :class:`kdtree.TreeBatch` with one request whose root is the last committed token
+        and whose root position is the cache length). Padding rows are not forwarded.
+
+        Raises:
+            ValueError: more than one request, a root that is not the last committed token
+                or not at the cache's length, a node token outside ``[0, vocab)``.
+        """
+        torch = _torch()
+        self._require_sequence()
+        self._require_no_pending()
+        if trees.batch != 1:
+            raise ValueError(f"HFTarget holds one sequence; trees has {trees.batch} requests")
+        past = len(self._committed) - 1
+        n = int(trees.num_nodes[0])
+        rows = n + 1  # the root and the nodes; padding rows would only cost compute
+        tokens = np.asarray(trees.tokens[0], dtype=np.int64).copy()
+        if int(tokens[0]) != self._committed[-1] or int(trees.positions[0, 0]) != past:
+            raise ValueError(f"the tree's root (token {int(tokens[0])}, position {int(trees.positions[0, 0])}) "
+                             f"is not the last committed token ({self._committed[-1]}, position {past})")
+        if n > 0 and not ((tokens[1:n + 1] >= 0) & (tokens[1:n + 1] < self.vocab_size)).all():
+            raise ValueError(f"a draft token is outside [0, {self.vocab_size})")
+        check_tree_structure(trees, past)
+        vis_np = np.asarray(trees.visibility[0], dtype=bool)[:rows, :rows]
+        tokens = tokens[:rows]
+        positions = np.asarray(trees.positions[0], dtype=np.int64)[:rows]
+        vis = torch.as_tensor(vis_np, device=self.device)
+        allowed = torch.zeros((rows, past + rows), dtype=torch.bool, device=self.device)
+        allowed[:, :past] = True
+        allowed[:, past:] = vis
+        low = torch.finfo(self.dtype).min
+        mask = torch.zeros((1, 1, rows, past + rows), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, low)
+        logits, hidden = self._forward(tokens.tolist(), positions.tolist(), mask)
+        self._pending = ("tree", hidden, past, rows, trees)
+        return logits
+
+    def score_tree(self, trees: Any) -> np.ndarray:
+        """One forward over every node of ``trees`` (see :meth:`tree_logits`); returns the
+        model's choice at every row, int32 ``[1, N+1]`` (padding rows: 0; the walk never
+        reads them)."""
+        logits = self.tree_logits(trees)
+        out = np.zeros((1, int(trees.budget) + 1), dtype=np.int32)
+        out[0, : logits.shape[0]] = self.choose(logits)
+        return out
+
+    def commit(self, tokens: Sequence[int], trees: Any = None, acceptance: Any = None) -> None:
+        """Append ``tokens`` to the sequence, after a forward.
+
+        After :meth:`next_token`: exactly one token (the root's row is already in place).
+        After :meth:`score_tree`: ``trees`` (the same object) and ``acceptance`` (request 0
+        of its walk), and ``tokens`` must be what the walk commits
+        (``acceptance.committed(trees)``: the accepted path's tokens, then the bonus token
+        when there is one). The rows of the root and of the committed path nodes but the last
+        committed token move right after the prefix and the cache is cropped to them (the
+        last committed token is the next root: the bonus, or an accepted stop token); on the
+        GPU with float16/bfloat16/float32 caches :func:`kdtree.compact_kv` moves them in one
+        launch, elsewhere an index-select does.
+
+        Raises:
+            RuntimeError: no forward to commit. ValueError: tokens outside ``[0, vocab)``,
+            other tokens than the walk commits, a path that is not a chain of parent links
+            from the root, other ``trees`` than the ones scored. Nothing changes on error.
+        """
+        committed = self._check_tokens(tokens, "tokens")
+        self._require_sequence()
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("commit without a forward: call next_token or score_tree first")
+        if not committed:
+            raise ValueError("commit needs at least one token")
+        if pending[0] == "ar":
+            if len(committed) != 1:
+                raise ValueError(f"after next_token, commit exactly one token (got {len(committed)})")
+            self._pending = None
+            self._append_features(pending[1])
+            self._committed.extend(committed)
+            return
+        _, hidden, past, rows, scored = pending
+        if acceptance is None:
+            raise ValueError("commit after score_tree needs the acceptance of the walk")
+        if trees is not scored:
+            raise ValueError("commit got other trees than the ones score_tree scored")
+        path = self._check_path(trees, acceptance, committed)
+        keep = len(committed)  # rows kept from the tree block: the root and path[1 .. keep - 1]
+        try:
+            self._compact(past, path, acceptance)
+            drop = self.cache_length - (past + keep)
+            if drop > 0:
+                self._cache.crop(-drop)  # a negative argument removes rows in every release
+            if hidden is not None:
+                self._append_features(hidden[_torch().as_tensor(path[:keep], device=hidden.device)])
+        except Exception as exc:  # the cache may be half moved: refuse everything until prefill
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+        self._pending = None
+        self._committed.extend(committed)
+
+    def _check_path(self, trees: Any, acceptance: Any, committed: list[int]) -> np.ndarray:
+        m = int(np.asarray(acceptance.accept_length).reshape(-1)[0])
+        nodes = np.asarray(acceptance.accepted_nodes)
+        n = int(trees.num_nodes[0])
+        if nodes.ndim != 2 or not 0 <= m < nodes.shape[1]:
+            raise ValueError(f"acceptance: accept_length {m} does not fit accepted_nodes of shape {nodes.shape}")
+        path = nodes[0, : m + 1].astype(np.int64)
+        parents = np.asarray(trees.parents[0])
+        if path[0] != 0 or (path[1:] < 1).any() or (path[1:] > n).any():
+            raise ValueError(f"acceptance: the path {path.tolist()} must start at the root and use nodes 1..{n}")
+        for j in range(1, m + 1):
+            if int(parents[path[j]]) != int(path[j - 1]):
+                raise ValueError(f"acceptance: node {int(path[j])} is not a child of node {int(path[j - 1])}")
+        want = acceptance.committed(trees, 0)
+        if committed != want:
+            raise ValueError(f"tokens {committed} are not what the walk commits ({want})")
+        return path
+
+    def _compact(self, past: int, path: np.ndarray, acceptance: Any) -> None:
+        """Rows past + path[j] -> past + j in every layer (j = 0 .. m)."""
+        torch = _torch()
+        layers = self._cache.layers
+        keys = [layer.keys for layer in layers]
+        values = [layer.values for layer in layers]
+        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from .._native import KdtreeError
+            from ..core import api
+            from ..core.types import Acceptance
+
+            dev = self.device
+            acc = Acceptance(torch.as_tensor(np.asarray(acceptance.accepted_nodes)[:1], dtype=torch.int32, device=dev),
+                             torch.as_tensor(np.asarray(acceptance.accept_length).reshape(-1)[:1], dtype=torch.int32,
+                                             device=dev),
+                             torch.as_tensor(np.asarray(acceptance.bonus_token).reshape(-1)[:1], dtype=torch.int32,
+                                             device=dev))
+            try:
+                api.compact_kv(keys, values, torch.tensor([past], dtype=torch.int64, device=dev), acc)
+                return
+            except (KdtreeError, OSError):  # a library built without CUDA: the index-select below
+                pass
+        idx = torch.as_tensor(past + path, device=self.device)
+        for t in keys + values:
+            t[:, :, past: past + len(path)] = t[:, :, idx]  # the gather copies before the write
+
+    def drafter_features(self) -> Any:
+        """Hidden states of ``feature_layers`` at every cached position (all committed
+        tokens but the last), concatenated: torch ``[len - 1, F]``, or None without
+        feature layers or cached positions."""
+        return self._features
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        """The sequence so far (prompt included)."""
+        return list(self._committed)
+
+    @property
+    def cache_length(self) -> int:
+        """Rows in the KV cache (0 before the first forward)."""
+        return 0 if self._cache is None else int(self._cache.get_seq_length())
+
+    @property
+    def cache(self) -> Any:
+        """The model's KV cache (a ``DynamicCache``), for inspection."""
+        return self._cache
+
+    def choose(self, logits: Any) -> np.ndarray:
+        """The model's choice for each row of ``logits`` [n, V]: argmax (ties to the lower
+        id) at temperature 0, else one draw per row from the tempered top-p distribution.
+        Returns int32 [n]."""
+        torch = _torch()
+        if self.temperature == 0.0:
+            return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
+        probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            probs = top_p_filter(probs, self.top_p)
+        draws = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+        return draws.to(torch.int32).cpu().numpy()
+
+    def _forward(self, tokens: list[int], positions: list[int], mask: Any):
+        torch = _torch()
+        if self.max_positions and positions and max(positions) >= self.max_positions:
+            raise ValueError(f"position {max(positions)} is beyond the model's max_position_embeddings "
+                             f"({self.max_positions})")
+        ids = torch.as_tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.as_tensor([positions], dtype=torch.long, device=self.device)
+        if self._cache is None:
+            from transformers import DynamicCache
+
+            self._cache = DynamicCache(config=self.model.config)
+        kwargs = {self._cache_kw: self._cache, "use_cache": True, "position_ids": pos,
+                  "output_hidden_states": bool(self.feature_layers)}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        with torch.no_grad():
+            out = self.model(input_ids=ids, **kwargs)
+        self.forwards += 1
+        hidden = None
+        if self.feature_layers:
+            hidden = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        return out.logits[0], hidden
+
+    def _append_features(self, hidden: Any) -> None:
+        if hidden is None:
+            return
+        torch = _torch()
+        self._features = hidden if self._features is None else torch.cat([self._features, hidden], dim=0)
+
+    def _check_tokens(self, tokens: Sequence[int], name: str) -> list[int]:
+        out = []
+        for i, t in enumerate(tokens):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{name}: element {i} ({t!r}) is not an integer token id")
+            out.append(int(t))
+        bad = [t for t in out if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token {bad[0]} outside [0, {self.vocab_size})")
+        return out
+
+    def _require_no_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("the previous forward is not committed yet: call commit(...) first")
+
+    def _require_sequence(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"the sequence is in an undefined state after a failed commit ({self._broken}); "
+                               f"call prefill(prompt) to start again")
+        if not self._committed:
+            raise RuntimeError("call prefill(prompt) first")
+
+    def positions_left(self) -> int | None:
+        """How many positions after the last committed token the model can still take
+        (``max_position_embeddings`` less the sequence length), or None when the config
+        gives no limit. The engine caps each round's tree depth with it."""
+        if not self.max_positions:
+            return None
+        return max(0, self.max_positions - len(self._committed))
+
+
+def top_p_filter(probs: Any, top_p: float) -> Any:
+    """Nucleus filtering of each row of ``probs`` [n, V]: keep the smallest set of most
+    likely tokens whose total reaches ``top_p`` (ties in probability by lower id; at least
+    one token), renormalise. Returns a new tensor (Holtzman et al., 2020)."""
+    torch = _torch()
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+    keep_sorted = before < top_p
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
