@@ -57,3 +57,38 @@ def test_api_md_decoding_example_runs(monkeypatch):
     block = text[start : text.index("```", start)]
     monkeypatch.chdir(ROOT)
     exec(compile(block, "docs/api.md", "exec"), {"__name__": "api_example"})
+
+
+def _relative_links(path: Path) -> list[tuple[str, Path]]:
+    """(link text as written, resolved target) of every relative Markdown link in `path`."""
+    import re
+
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if "://" in target or target.startswith(("#", "mailto:")):
+            continue
+        out.append((target, (path.parent / target.split("#", 1)[0]).resolve()))
+    return out
+
+
+def test_doc_links_resolve():
+    """Every relative link in README.md and docs/ (the performance page and its history
+    included) names a file of the repository."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = [f"{page.relative_to(ROOT)}: {target}" for page in pages
+              for target, resolved in _relative_links(page) if not resolved.exists()]
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+
+
+def test_history_index_lists_every_entry():
+    """docs/history/README.md links each history entry once, and each entry is named
+    <date>-<commit>-<topic>.md."""
+    import re
+
+    history = ROOT / "docs" / "history"
+    entries = sorted(p.name for p in history.glob("*.md") if p.name != "README.md")
+    assert entries, "docs/history/ holds no entries"
+    for name in entries:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[0-9a-f]{7}-[a-z0-9-]+\.md", name), name
+    listed = [target for target, _ in _relative_links(history / "README.md") if target != "../performance.md"]
+    assert sorted(listed) == entries

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The transformer engine end to end (issue 4): autoregressive decoding vs a DFlash-style
+"""The transformer engine end to end: autoregressive decoding vs a DFlash-style
 chain (budget = L, top-1 per depth) vs DDTree trees at several budgets, with the shipped
 pair (fixtures/models/stdlib-qwen3) on held-out prompts: slices of kdtree's own Python
 sources, text the models never saw. Greedy decoding; every run's output is compared with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the device machine runs for the CUDA work (see docs/perf-notes.md). Usage:
+# What the device machine runs for the CUDA work (see docs/performance.md). Usage:
 #   tools/device_check.sh [build|tests|forced|sanitize|python|profile|bench]...
 # (no argument: all of them, in that order). Logs go to $OUT when set. SAN_TESTS (a glob or
 # list of test programs) narrows the sanitize step.

@@ -8,7 +8,7 @@ a GPU. Scores follow the spec's arithmetic (subtract, then add, in float64).
 
     PYTHONPATH=python python tools/emulate_descent.py
 
-Policies: "A" is the kernel as of session 5 (a frontier threshold may fall below a
+Policies: "A" is the kernel as of 5a212dc (a frontier threshold may fall below a
 threshold already known to overflow); "C" keeps every later threshold above the highest
 overflowing one, interpolating log(count) between the last pass that fit and it.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Counts of the CUDA top-k row kernel's candidate work (native/cuda/topk_cuda.cu,
-topk_row_kernel, 16-bit logits) on the host, for the session-11 kernel (element keys made
-from staged vectors; session 12 replaced it with vector keys) and for other starting
+topk_row_kernel, 16-bit logits) on the host, for the kernel as of 5be2785 (element keys made
+from staged vectors; 52a5a52 replaced them with vector keys) and for other starting
 thresholds. It models, per row: the trips of 256 vectors of 8 logits (thread tid
 of warp w holds vectors j * 128 + tid, j = 0, 1), the first threshold t0, the vectors
 staged in each warp's list (max >= tau's value), the 32-element key passes (whole passes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the demo pair shipped in fixtures/models/ (issue 4): a byte-level BPE tokenizer, a
+"""Train the demo pair shipped in fixtures/models/: a byte-level BPE tokenizer, a
 small Qwen3-style target and a DFlash-style block drafter, all on the Python standard
 library's source files found on the machine (kdtree.ngram.stdlib_sources: tests and
 generated data excluded; every 20th file, by sorted path, is held out).
