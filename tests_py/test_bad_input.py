@@ -654,7 +654,7 @@ def test_out_untouched_on_python_side_error():
 
 
 def test_regression_failed_build_keeps_out_metadata():
-    """Regression (was a bug in python/kdtree/api.py, build_trees): with out=, ``out.budget, out.depth`` are
+    """Regression (was a bug in the host build_trees / topk_logprobs, python/kdtree/core, build_trees): with out=, ``out.budget, out.depth`` are
     assigned before the C call, so a call that then fails leaves ``out.depth`` describing the
     rejected input while the arrays still hold the earlier tree. verify_greedy sizes its path
     from ``trees.depth`` and then fails on the (valid) earlier tree:
@@ -732,7 +732,7 @@ def test_topk_bad_dtype(dtype):
 
 
 def test_regression_topk_zero_dim_logits_rejected():
-    """Regression (was a bug in python/kdtree/api.py, topk_logprobs): the ``x.ndim < 1`` check was dead code,
+    """Regression (was a bug in the host build_trees / topk_logprobs, python/kdtree/core, topk_logprobs): the ``x.ndim < 1`` check was dead code,
     because ``np.ascontiguousarray`` (in _float_array) returns at least a 1-D array. A scalar
     is silently treated as one row of vocabulary 1:
 

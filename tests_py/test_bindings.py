@@ -1,4 +1,4 @@
-"""The ctypes bindings (python/kdtree/_lib.py) against the header and the built .so:
+"""The ctypes bindings (python/kdtree/_native/__init__.py) against the header and the built .so:
 
 * every symbol of ``_lib.SIGNATURES`` is declared (argtypes, restype, errcheck) on the
   loaded library, with ctypes types that match the header's C prototype;

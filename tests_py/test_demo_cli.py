@@ -168,7 +168,7 @@ def test_main_in_process_help(capsys):
     assert "(default: None)" not in flat and "(default: [])" not in flat
     assert "(default: False)" not in flat
     assert "heapq.py) (default" not in flat and "prompt fits) (default" not in flat
-    assert ("(default: the standard library's heapq.py with --model ngram, a slice of kdtree's engine.py "
+    assert ("(default: the standard library's heapq.py with --model ngram, a slice of kdtree's engine/rounds.py "
             "with the transformer pair)") in flat
     assert "(default: 64)" in flat
     assert "--model {transformer,ngram}" in flat and "(default: transformer)" in flat

@@ -47,7 +47,7 @@ def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.startswith("kdtree demo: DDTree speculative decoding")
-    assert "engine.py, characters 2000..2300:" in out  # --prompt-chars reaches generate
+    assert "engine/rounds.py, characters 2000..2300:" in out  # --prompt-chars reaches generate
     assert "saves target forwards, not seconds" in field(out, "wall time")  # the CPU note
     assert "---- prompt (300 characters) " in out
     assert "Qwen3ForCausalLM" in out and "DFlash-style block drafter" in out

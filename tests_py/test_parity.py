@@ -686,7 +686,7 @@ def test_single_fault_error_parity():
 
 @pytest.mark.parametrize("root_position", [2**63 - 1, 2**63 - 2])
 def test_regression_reference_root_position_overflow(root_position):
-    """Regression (was a bug in python/kdtree/reference.py, build_trees): a root position above INT64_MAX - L
+    """Regression (was a bug in python/kdtree/core/reference.py, build_trees): a root position above INT64_MAX - L
     makes positions = root_position + depth overflow int64. The C builder rejects it
     (KDT_ERR_OUT_OF_RANGE "request 0: root position ... outside [0, INT64_MAX - depth]");
     the reference silently wraps (RuntimeWarning) and returns a negative position:

@@ -89,11 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "256 bytes with --model ngram)")
     p.add_argument("--prompt-file", type=Path, default=None,
                    help=f"file to take the prompt from (default: the standard library's "
-                        f"{DEFAULT_PROMPT} with --model ngram, a slice of kdtree's engine.py "
+                        f"{DEFAULT_PROMPT} with --model ngram, a slice of kdtree's engine/rounds.py "
                         f"with the transformer pair)")
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,
                    help=f"first prompt byte (character with the transformer pair) in the file (default: "
-                        f"{DEFAULT_OFFSET} in heapq.py with --model ngram, 2000 in engine.py with the "
+                        f"{DEFAULT_OFFSET} in heapq.py with --model ngram, 2000 in engine/rounds.py with the "
                         f"transformer pair, else 0; with --model ngram clamped so the prompt fits, with the "
                         f"transformer pair an error past the end)")
     p.add_argument("--prompt-bytes", type=_int_in(1), default=DEFAULT_PROMPT_BYTES,

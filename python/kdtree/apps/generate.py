@@ -53,7 +53,7 @@ PROMPT_SHOWN = 300  # prompt characters printed above the continuation
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text (default: a slice of kdtree's own engine.py, text the "
+    src.add_argument("--prompt", help="prompt text (default: a slice of kdtree's own engine/rounds.py, text the "
                                       "models never saw)")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     p.add_argument("--prompt-offset", type=_int_in(0), default=None,

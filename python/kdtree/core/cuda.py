@@ -1,6 +1,6 @@
 """GPU front end of libkdtree: the kdtree functions on CUDA arrays (torch, CuPy, ...).
 
-The public functions in :mod:`kdtree.api` dispatch here when their array inputs are CUDA
+The public functions in :mod:`kdtree.core.api` dispatch here when their array inputs are CUDA
 arrays (:func:`kdtree._device.is_device_array`). Every kernel runs on the caller's current
 stream (or ``stream=``) and on the device of the inputs; outputs are allocated with the
 inputs' library. Nothing here synchronises except error checking: with

@@ -69,7 +69,7 @@ class TreeBatch:
     depth: int
     request_status: object = field(default=None, repr=False, compare=False)
     # (arrays, budget, C struct, byte ranges) of the last native call: reused while the
-    # same array objects are in place (see kdtree.api._trees_struct).
+    # same array objects are in place (see kdtree.core.host.trees_struct).
     _native: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
