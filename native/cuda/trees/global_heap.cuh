@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
     __syncthreads();
 
     // 3. Masks: one warp per row.
-    block_write_mask_rows(p, b, s_n, tables + (p.cap + 1));
+    block_write_mask_rows(p, base, rows, words, s_n, tables + (p.cap + 1));
 }
 
 }  // namespace trees

@@ -40,11 +40,10 @@ __device__ void warp_write_mask_row(int64_t i, int64_t n, int64_t rows, const in
     __syncwarp();
 }
 
-// Every row of request b's masks, one warp per row. Block-wide; n nodes, node_par [n + 1].
-__device__ inline void block_write_mask_rows(const BuildParams& p, int64_t b, int64_t n, const int32_t* node_par) {
-    const size_t rows = (size_t)p.out.budget + 1;
-    const size_t words = (rows + 31) / 32;
-    const size_t base = (size_t)b * rows;
+// Every row of a request's masks, one warp per row: rows = N + 1, words = its mask words,
+// base = the request's first row. Block-wide; n nodes, node_par [n + 1].
+__device__ inline void block_write_mask_rows(const BuildParams& p, size_t base, size_t rows, size_t words, int64_t n,
+                                             const int32_t* node_par) {
     const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
     for (size_t i = warp; i < rows; i += warps) {
         uint8_t* vrow = p.out.visibility ? p.out.visibility + (base + i) * rows : nullptr;

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     } else if (rows <= kStagedMaskMaxRows) {
         block_write_masks_staged(p, b, n, node_par);
     } else {
-        block_write_mask_rows(p, b, n, node_par);
+        block_write_mask_rows(p, base, rows, words, n, node_par);
     }
 }
 
