@@ -115,7 +115,7 @@ static void** slot(kdt_trees* t, int32_t id) {
 }
 
 // Random launches until target_trees trees have been compared, with `paths` forced
-// (KDT_TESTING_TREES_* bits) and depths 1..max_depth. Counts into `failures`.
+// (KDT_TESTING_TREES_* bits) and depths 1..kMaxL. Counts into `failures`.
 static void run_random(const char* label, uint32_t paths, int64_t target_trees, int64_t kMaxL) {
     KDT_OK_OR_DIE(kdt_testing_set_tree_paths(paths));
     const int64_t kMaxB = 64, kMaxN = 1024;
