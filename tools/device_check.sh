@@ -6,7 +6,8 @@
 #             comparison of test_trees_cuda run on its own to show its summary line
 #   forced    every forced path of the tree builder (native/kdt_testing.h) on more trees
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck and synccheck over every GPU
-#             test program (KDT_CUDA_QUICK=1), test_trees_cuda --forced included
+#             test program (KDT_CUDA_QUICK=1), test_trees_cuda --forced included (40
+#             trees a path)
 # Usage: tools/device_check.sh [build|bench|tests|forced|sanitize|python]...  (no argument:
 # the first five, in that order; python: the GPU pytest files, needs torch with CUDA).
 # Logs go to $OUT (default /tmp/kdt-out); the summary is printed at the end.
@@ -133,7 +134,8 @@ for step in "${steps[@]}"; do
     [ $per -lt 30 ] && per=30
     export OUT per
     xargs -P "$par" -L 1 bash -c 'tool=$1; shift; name=$(echo "$*" | tr " " "_" | tr -d -); log="$OUT/san-$name-$tool.log";
-      KDT_CUDA_QUICK=1 timeout "$per" compute-sanitizer --tool "$tool" --error-exitcode 9 "build-gpu/$@" > "$log" 2>&1;
+      trees=; case "$*" in *--forced*) trees=${SAN_FORCED_TREES:-40} ;; esac;
+      KDT_CUDA_QUICK=1 KDT_CUDA_TREES=$trees timeout "$per" compute-sanitizer --tool "$tool" --error-exitcode 9 "build-gpu/$@" > "$log" 2>&1;
       rc=$?; echo "$tool $* : exit $rc, $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -1)" > "$log.sum"' _ \
       < "$jobs_file"
     note "compute-sanitizer (KDT_CUDA_QUICK=1, ${per} s each; exit 0 clean, 9 errors, 124 timed out):"
