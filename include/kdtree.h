@@ -330,19 +330,8 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * One thread block per request. The tree is found by an exact parallel expansion (a
  * descending score threshold, a sort by the heap's key, a check that the order is the
  * heap's); when the check fails or shared memory is too small, one thread runs the heap
- * (shared memory, else device memory). Every path gives
- * the CPU builder's bits. Testing knobs (environment, read once, at the first call in the
- * process; on when set to anything but "" or "0"): KDTREE_CUDA_TREES_HEAP=1 forces the heap, KDTREE_CUDA_TREES_PARALLEL=1 the
- * parallel path at any budget (now the default), KDTREE_CUDA_TREES_BISECT=1 its bisection (version 3),
- * KDTREE_CUDA_TREES_DFS=1 its depth-first variant, KDTREE_CUDA_TREES_THREAD_CHAINS=1 one
- * thread per chain owner at every budget (by default a warp per owner up to N = 512),
- * KDTREE_CUDA_TREES_NO_WALK=1 no walk of first children within a round,
- * KDTREE_CUDA_TREES_NO_COUNTING=1 the bitonic sort and the bin-round thresholds at every
- * size (by default up to 256 candidates are ordered, and up to 256 chain heads
- * thresholded, by counting),
- * KDTREE_CUDA_TREES_V1=1 the device-memory heap, KDTREE_CUDA_TREES_INLINE_MASKS=1 the
- * masks inside the build kernel (by default trees from N = 256 get their masks from a
- * second launch). Speed: docs/perf-notes.md.
+ * (shared memory, else device memory). Every path gives the CPU builder's bits.
+ * Speed: docs/perf-notes.md.
  */
 KDT_API kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
                                         void* workspace, size_t workspace_bytes, void* stream);
@@ -425,8 +414,7 @@ KDT_API kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batc
  * Returns the host-side statuses of the two calls it makes; the tree side is checked before
  * anything is launched. B = 0 is a no-op (workspace may be NULL).
  * The top-k's ids are distinct in every row, so the tree build here skips the check for
- * repeated ids that kdt_trees_build_cuda makes (the trees are the same). Testing knob
- * (environment, read once): KDTREE_CUDA_TREES_CHECK_IDS=1 keeps the check.
+ * repeated ids that kdt_trees_build_cuda makes (the trees are the same).
  */
 KDT_API kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
                                                     const int32_t* root_tokens,
@@ -519,8 +507,7 @@ KDT_API kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t*
  * Launch shape (both *_from_logits calls): one block per request, or, on sm_90 and later
  * when the device has at least 2B SMs, a thread-block cluster of 2, 4 or 8 blocks per
  * request (at most one block a SM) that splits each visited row; the outputs are the same
- * either way. Test switch (read once per process): KDTREE_CUDA_VERIFY_CLUSTER=1, 2, 4
- * or 8 forces that many blocks per request (more than 1 only on sm_90 and later).
+ * either way.
  */
 KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                       const int32_t* stop_tokens, int64_t num_stop_tokens,

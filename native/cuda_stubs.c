@@ -1,5 +1,6 @@
 /* The CUDA entry points of a build without CUDA: each says so (and ignores its arguments). */
 #include "internal.h"
+#include "kdt_testing.h"
 
 #if defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wunused-parameter"
@@ -81,3 +82,9 @@ kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_
                                void* stream) {
     return no_cuda("kdt_compact_kv_cuda");
 }
+
+kdt_status kdt_testing_set_tree_paths(uint32_t paths) { return no_cuda("kdt_testing_set_tree_paths"); }
+
+kdt_status kdt_testing_set_topk_chunked(int32_t on) { return no_cuda("kdt_testing_set_topk_chunked"); }
+
+kdt_status kdt_testing_set_verify_cluster(int32_t blocks) { return no_cuda("kdt_testing_set_verify_cluster"); }

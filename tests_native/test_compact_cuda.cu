@@ -309,12 +309,13 @@ static void host_errors() {
     CUDA_OK(cudaFree(d_status));
 }
 
-int main() {
+int main(int argc, char** argv) {
     int32_t devices = 0;
     if (kdt_cuda_device_count(&devices) != KDT_OK) {
         printf("SKIP: %s\n", kdt_last_error());
         return 77;
     }
+    set_forced_paths(argc, argv);
     const bool quick = getenv("KDT_CUDA_QUICK") != nullptr && atoi(getenv("KDT_CUDA_QUICK")) != 0;
     CUDA_OK(cudaStreamCreate(&stream));
     host_errors();

@@ -179,12 +179,13 @@ static void check_against_cpu(const Sizes& z, const Device& d, const std::vector
     (void)deep;
 }
 
-int main() {
+int main(int argc, char** argv) {
     int32_t devices = 0;
     if (kdt_cuda_device_count(&devices) != KDT_OK) {
         printf("SKIP: %s\n", kdt_last_error());
         return 77;
     }
+    set_forced_paths(argc, argv);
     Sizes z;
     z.columns = 100 + z.N + 1;
     z.words = (z.columns + 31) / 32;

@@ -513,12 +513,13 @@ static void host_checks(Device* d) {
     CUDA_OK(cudaFree(data));
 }
 
-int main() {
+int main(int argc, char** argv) {
     int32_t devices = 0;
     if (kdt_cuda_device_count(&devices) != KDT_OK) {
         printf("SKIP: %s\n", kdt_last_error());
         return 77;
     }
+    set_forced_paths(argc, argv);
     const char* quick_env = getenv("KDT_CUDA_QUICK");
     const bool quick = quick_env != NULL && atoi(quick_env) != 0;
     Device d;

@@ -4,6 +4,14 @@
 // 1..32), every field compared byte for byte, output buffers reused without clearing so a
 // larger earlier tree must leave no trace, and invalid requests mixed in (their status
 // must be the CPU's, their tree root-only, their neighbours unaffected).
+//
+// Usage: test_trees_cuda [--paths NAME[,NAME...] | --forced] [--trees N] [--max-depth L]
+//   no option: the automatic dispatch, N trees (100,000; 300 with KDT_CUDA_QUICK=1; or
+//     KDT_CUDA_TREES) of depths up to 32;
+//   --paths: the paths named forced through native/kdt_testing.h (kdt_testing_tree_path_bit
+//     lists the names; "deep" alone means no forced path and depths up to 96, past the
+//     descent's limit of 64, so the bisection runs without being forced);
+//   --forced: every forced path in turn (and "deep"), 2,000 trees each (100 quick).
 // Exits 77 (skipped) where there is no GPU.
 #include <cuda_runtime.h>
 
@@ -16,6 +24,7 @@
 #include <vector>
 
 #include "kdtree.h"
+#include "../native/kdt_testing.h"
 #define KDT_TEST_SEED 0x9E3779B97F4A7C15ull
 #include "cuda_harness.h"
 
@@ -105,14 +114,12 @@ static void** slot(kdt_trees* t, int32_t id) {
     }
 }
 
-int main() {
-    int32_t devices = 0;
-    if (kdt_cuda_device_count(&devices) != KDT_OK) {
-        printf("SKIP: %s\n", kdt_last_error());
-        return 77;
-    }
-    const int64_t target_trees = getenv("KDT_CUDA_TREES") ? atoll(getenv("KDT_CUDA_TREES")) : 100000;
-    const int64_t kMaxB = 64, kMaxN = 1024, kMaxL = 32;
+// Random launches until target_trees trees have been compared, with `paths` forced
+// (KDT_TESTING_TREES_* bits) and depths 1..kMaxL. Counts into `failures`.
+static void run_random(const char* label, uint32_t paths, int64_t target_trees, int64_t kMaxL) {
+    KDT_OK_OR_DIE(kdt_testing_set_tree_paths(paths));
+    const int64_t kMaxB = 64, kMaxN = 1024;
+    const int failures_before = failures;
     // Device buffers sized for the largest launch and reused (never cleared) throughout.
     size_t max_field[9];
     kdt_trees dev;
@@ -254,8 +261,105 @@ int main() {
         }
         launches++;
     }
-    printf("cuda trees: %lld trees in %lld launches (%lld invalid requests), %lld mismatches against the CPU builder\n",
-           (long long)trees, (long long)launches, (long long)invalid, (long long)mismatched_trees);
+    printf("cuda trees [%s]: %lld trees in %lld launches (%lld invalid requests), %lld mismatches against the "
+           "CPU builder, %d failed\n",
+           label, (long long)trees, (long long)launches, (long long)invalid, (long long)mismatched_trees,
+           failures - failures_before);
+    fflush(stdout);
+    for (int f = 0; f < 9; f++) CUDA_OK(cudaFree(*slot(&dev, kFields[f].id)));
+    CUDA_OK(cudaFree(d_num));
+    CUDA_OK(cudaFree(d_status));
+    CUDA_OK(cudaFree(d_roots));
+    CUDA_OK(cudaFree(d_pos));
+    CUDA_OK(cudaFree(d_lp));
+    CUDA_OK(cudaFree(d_ids));
+    if (d_ws) CUDA_OK(cudaFree(d_ws));
+    CUDA_OK(cudaStreamDestroy(stream));
+    KDT_OK_OR_DIE(kdt_testing_set_tree_paths(0));
+}
+
+// The test entry point itself: unknown settings refused, the path names mapped.
+static void test_entry_point() {
+    if (kdt_testing_set_tree_paths(0x100u) != KDT_ERR_INVALID_ARGUMENT) {
+        fprintf(stderr, "kdt_testing_set_tree_paths(0x100) accepted an unknown bit\n");
+        failures++;
+    }
+    if (kdt_testing_tree_path_bit("heap") != KDT_TESTING_TREES_HEAP || kdt_testing_tree_path_bit("dfs") != 0) {
+        fprintf(stderr, "kdt_testing_tree_path_bit maps names wrongly\n");
+        failures++;
+    }
+    if (kdt_testing_set_verify_cluster(3) != KDT_ERR_INVALID_ARGUMENT) {
+        fprintf(stderr, "kdt_testing_set_verify_cluster(3) accepted a size that is not 0, 1, 2, 4 or 8\n");
+        failures++;
+    }
+}
+
+int main(int argc, char** argv) {
+    int32_t devices = 0;
+    if (kdt_cuda_device_count(&devices) != KDT_OK) {
+        printf("SKIP: %s\n", kdt_last_error());
+        return 77;
+    }
+    const bool quick = getenv("KDT_CUDA_QUICK") != NULL && atoi(getenv("KDT_CUDA_QUICK")) != 0;
+    int64_t trees = getenv("KDT_CUDA_TREES") ? atoll(getenv("KDT_CUDA_TREES")) : -1;
+    int64_t max_depth = 32;
+    const char* paths_arg = NULL;
+    bool forced = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--paths") == 0 && i + 1 < argc) {
+            paths_arg = argv[++i];
+        } else if (strcmp(argv[i], "--forced") == 0) {
+            forced = true;
+        } else if (strcmp(argv[i], "--trees") == 0 && i + 1 < argc) {
+            trees = atoll(argv[++i]);
+        } else if (strcmp(argv[i], "--max-depth") == 0 && i + 1 < argc) {
+            max_depth = atoll(argv[++i]);
+        } else {
+            fprintf(stderr, "usage: %s [--paths NAME[,NAME...] | --forced] [--trees N] [--max-depth L]\n", argv[0]);
+            return 2;
+        }
+    }
+    test_entry_point();
+    if (forced) {
+        // Every alternative the automatic dispatch takes only for some inputs.
+        static const struct {
+            const char* label;
+            uint32_t paths;
+            int64_t max_depth;
+        } kForced[] = {
+            {"heap", KDT_TESTING_TREES_HEAP, 32},
+            {"global-heap", KDT_TESTING_TREES_GLOBAL_HEAP, 32},
+            {"bisect", KDT_TESTING_TREES_BISECT, 32},
+            {"thread-chains", KDT_TESTING_TREES_THREAD_CHAINS, 32},
+            {"no-walk", KDT_TESTING_TREES_NO_WALK, 32},
+            {"no-counting", KDT_TESTING_TREES_NO_COUNTING, 32},
+            {"thread-chains,no-walk,no-counting",
+             KDT_TESTING_TREES_THREAD_CHAINS | KDT_TESTING_TREES_NO_WALK | KDT_TESTING_TREES_NO_COUNTING, 32},
+            {"inline-masks", KDT_TESTING_TREES_INLINE_MASKS, 32},
+            {"deep", 0, 96},
+        };
+        const int64_t each = trees > 0 ? trees : quick ? 100 : 2000;
+        for (const auto& f : kForced) run_random(f.label, f.paths, each, f.max_depth);
+    } else if (paths_arg != NULL) {
+        uint32_t paths = 0;
+        char buf[256];
+        snprintf(buf, sizeof buf, "%s", paths_arg);
+        for (char* name = strtok(buf, ","); name != NULL; name = strtok(NULL, ",")) {
+            if (strcmp(name, "deep") == 0) {
+                max_depth = 96;
+                continue;
+            }
+            const uint32_t bit = kdt_testing_tree_path_bit(name);
+            if (bit == 0) {
+                fprintf(stderr, "unknown tree path %s\n", name);
+                return 2;
+            }
+            paths |= bit;
+        }
+        run_random(paths_arg, paths, trees > 0 ? trees : quick ? 300 : 20000, max_depth);
+    } else {
+        run_random("automatic", 0, trees > 0 ? trees : quick ? 300 : 100000, max_depth);
+    }
     printf("%d failed\n", failures);
     return failures == 0 ? 0 : 1;
 }

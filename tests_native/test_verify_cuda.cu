@@ -1412,12 +1412,13 @@ static void test_graph_capture() {
     }
 }
 
-int main() {
+int main(int argc, char** argv) {
     int32_t devices = 0;
     if (kdt_cuda_device_count(&devices) != KDT_OK) {
         printf("SKIP: %s\n", kdt_last_error());
         return 77;
     }
+    set_forced_paths(argc, argv);
     const char* q = getenv("KDT_CUDA_QUICK");
     const bool quick = q != NULL && atoi(q) != 0;
     CUDA_OK(cudaStreamCreate(&g_stream));

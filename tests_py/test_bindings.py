@@ -159,12 +159,16 @@ def test_exported_symbols_are_exactly_the_api(lib):
     if found is None:
         pytest.skip("nm -D --defined-only is not available")
     names, functions = found
-    exported = {n for n in functions if n.startswith("kdt_")}
+    # kdt_testing_*: the test-only entry points (native/kdt_testing.h), outside the API.
+    exported = {n for n in functions if n.startswith("kdt_") and not n.startswith("kdt_testing_")}
     assert exported == set(_lib.SIGNATURES), (
         f".so only: {sorted(exported - set(_lib.SIGNATURES))}; "
         f"SIGNATURES only: {sorted(set(_lib.SIGNATURES) - exported)}"
     )
     assert exported == set(header_prototypes())
+    testing = {n for n in functions if n.startswith("kdt_testing_")}
+    declared = re.findall(r"KDT_API \w+ (kdt_testing_\w+)\(", (ROOT / "native" / "kdt_testing.h").read_text())
+    assert testing == set(declared), f"test entry points {sorted(testing)} vs native/kdt_testing.h {declared}"
     # Hidden default visibility: nothing but the kdt_ API leaves the library.
     others = sorted(n for n in names if not n.startswith("kdt_"))
     assert not others, f"non-API symbols exported: {others}"

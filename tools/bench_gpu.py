@@ -237,7 +237,7 @@ def main() -> None:
     parser.add_argument("--dump-topk", metavar="PREFIX",
                         help="write the GPU top-k of one peaked bf16 drafter batch (the round's shapes) to "
                              "PREFIX.lp (float32 [B, L, K]) and PREFIX.ids (int32), raw, for "
-                             "kdtree_profile_trees_cuda's KDT_PROF_INPUT, and exit")
+                             "profiling the tree build on the round's inputs, and exit")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench-gpu needs a CUDA device and torch with CUDA")

@@ -5,6 +5,9 @@
 // in a CUDA graph and replayed alone between two events; "stream" is 32 calls queued back
 // to back, divided by 32 (what a serving loop that keeps the stream busy pays per call).
 // Built as `kdtree_bench_cuda` when CUDA is enabled; run on a GPU machine.
+// Usage: kdtree_bench_cuda [--paths NAME[,NAME...]]: the builder's paths forced through the
+// test entry point (native/kdt_testing.h; kdt_testing_tree_path_bit lists the names), e.g.
+// --paths heap for the one-thread heap at every budget.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "kdtree.h"
+#include "../native/kdt_testing.h"
 #include "peaked_draft.h"
 
 #define CK(call)                                                                                  \
@@ -29,9 +33,24 @@
     } while (0)
 
 
-int main() {
+int main(int argc, char** argv) {
     int32_t n_dev = 0;
     if (kdt_cuda_device_count(&n_dev) != KDT_OK) { printf("SKIP: %s\n", kdt_last_error()); return 0; }
+    uint32_t paths = 0;
+    if (argc == 3 && strcmp(argv[1], "--paths") == 0) {
+        char buf[256];
+        snprintf(buf, sizeof buf, "%s", argv[2]);
+        for (char* name = strtok(buf, ","); name != NULL; name = strtok(NULL, ",")) {
+            const uint32_t bit = kdt_testing_tree_path_bit(name);
+            if (bit == 0) { fprintf(stderr, "unknown tree path %s\n", name); return 2; }
+            paths |= bit;
+        }
+        printf("forced tree paths: %s\n", argv[2]);
+    } else if (argc != 1) {
+        fprintf(stderr, "usage: %s [--paths NAME[,NAME...]]\n", argv[0]);
+        return 2;
+    }
+    KK(kdt_testing_set_tree_paths(paths));
     const int64_t B = 64, L = 16, sets = 8, reps = 30;
     printf("%6s %10s %10s %10s %16s %14s\n", "N", "call us", "graph us", "stream us", "CPU us (1 core)",
            "CPU/GPU call");

@@ -1,5 +1,5 @@
-// The drafter rows the GPU tree benchmarks share (tools/bench_trees_cuda.cu,
-// tools/profile_trees_cuda.cu): a peaked drafter, rank 0 at -0.08 (p ~ 0.92) and the other
+// The drafter rows of the GPU tree benchmark (tools/bench_trees_cuda.cu): a peaked
+// drafter, rank 0 at -0.08 (p ~ 0.92) and the other
 // K - 1 log-probs uniform in [-14, -8], sorted; ids distinct within a row.
 #pragma once
 

@@ -11,16 +11,18 @@
 extern "C" {
 #include "internal.h"
 }
+#include "kdt_testing.h"
 
 namespace kdt {
 
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
-// A test switch from the environment: on when set to anything but "" or "0".
-inline bool env_switch(const char* name) {
-    const char* v = getenv(name);
-    return v != NULL && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
-}
+// The test-only settings of native/kdt_testing.h (testing.cu): the forced tree paths
+// (KDT_TESTING_TREES_* bits), the top-k's chunk kernels at every k, the verify calls'
+// blocks per request (0: automatic).
+uint32_t testing_tree_paths();
+bool testing_topk_chunked();
+int testing_verify_cluster();
 
 // After a launch: KDT_OK, or KDT_ERR_CUDA naming `what` and the runtime's message.
 kdt_status launch_status(const char* what);

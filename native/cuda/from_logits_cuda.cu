@@ -136,8 +136,8 @@ extern "C" kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits,
     d.vocab_size = B * L > 0 ? vocab : 0;
     d.pad_token = pad_token;
     // The top-k's ids are distinct in every row (a flagged row's are 0 .. k'-1), so the
-    // builder need not look for repeats. The test switch KDTREE_CUDA_TREES_CHECK_IDS=1
-    // keeps the check (for an A/B; the trees are the same either way).
-    static const bool check_ids = kdt::env_switch("KDTREE_CUDA_TREES_CHECK_IDS");
+    // builder need not look for repeats. KDT_TESTING_TREES_CHECK_IDS keeps the check (for
+    // an A/B; the trees are the same either way).
+    const bool check_ids = (kdt::testing_tree_paths() & KDT_TESTING_TREES_CHECK_IDS) != 0;
     return kdt::build_trees_cuda(&d, out, request_status, ws + l.trees, l.total - l.trees, stream, !check_ids);
 }

@@ -1,6 +1,6 @@
 // Top-k log-probs from logits on the GPU (kdt_topk_logprobs_cuda), on the caller's stream.
 // k <= 128: the row kernel (one block per row, described at its definition below). Larger
-// k (or KDTREE_CUDA_TOPK_CHUNKED set, for tests): the chunk and finish kernels here.
+// k (or forced by kdt_testing_set_topk_chunked, for tests): the chunk and finish kernels here.
 //
 // Chunk kernel, one block per (row, chunk): a chunk is 256 threads x 32 words of the row
 // (16384 elements for float16/bfloat16, 8192 for float32), loaded once into registers with
@@ -1393,7 +1393,7 @@ extern "C" kdt_status kdt_topk_logprobs_cuda(const kdt_logits* logits, int64_t k
     }
 
     cudaStream_t s = kdt::as_stream(stream);
-    static const bool force_chunked = kdt::env_switch("KDTREE_CUDA_TOPK_CHUNKED");  // tests of the k > 128 path
+    const bool force_chunked = kdt::testing_topk_chunked();  // tests of the k > 128 path (native/kdt_testing.h)
     if (k <= kRowMaxK && !force_chunked) {
         RowParams rp;
         rp.data = static_cast<const char*>(logits->data);

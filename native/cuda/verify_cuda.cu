@@ -646,22 +646,15 @@ kdt_status prepare_from_logits(const kdt_trees* trees, const kdt_logits* target_
 
 std::atomic<int> g_sm_count[kMaxDevices];  // the device's SMs when its major version is >= 9, -1 below; 0: unknown
 
-// The test switch KDTREE_CUDA_VERIFY_CLUSTER: 1, 2, 4 or 8 forces that many blocks per
-// request (more than 1 only on sm_90 and later); unset or anything else: 0, automatic.
-int forced_cluster_size() {
-    const char* v = getenv("KDTREE_CUDA_VERIFY_CLUSTER");
-    if (v == NULL || v[0] == '\0' || v[1] != '\0') return 0;
-    return v[0] == '1' ? 1 : v[0] == '2' ? 2 : v[0] == '4' ? 4 : v[0] == '8' ? 8 : 0;
-}
-
 // Blocks per request for the logits calls: the largest power of two up to kMaxCluster
 // with batch x csize <= the SMs, on sm_90 and later (thread-block clusters); 1 before
 // sm_90 or when the batch fills the SMs. One block a SM: two blocks of a cluster on one SM
 // share its issue slots, and a row's scan is bound by them (measured on an H200, B = 64:
 // clusters of 4, two blocks a SM, were no faster than one block a request; clusters of 2
 // were 35% faster on 17-row walks; docs/perf-notes.md). Sets *out or returns a status.
+// kdt_testing_set_verify_cluster forces 1, 2, 4 or 8 (more than 1 only on sm_90 and later).
 kdt_status cluster_size(int64_t batch, int* out) {
-    static const int forced = forced_cluster_size();
+    const int forced = kdt::testing_verify_cluster();
     *out = 1;
     if (forced == 1) return KDT_OK;
     int dev = 0;
