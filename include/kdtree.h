@@ -331,7 +331,7 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  * descending score threshold, a sort by the heap's key, a check that the order is the
  * heap's); when the check fails or shared memory is too small, one thread runs the heap
  * (shared memory, else device memory). Every path gives the CPU builder's bits.
- * Speed: docs/perf-notes.md.
+ * Speed: docs/performance.md.
  */
 KDT_API kdt_status kdt_trees_build_cuda(const kdt_draft* draft, kdt_trees* out, int32_t* request_status,
                                         void* workspace, size_t workspace_bytes, void* stream);

@@ -206,7 +206,7 @@ kdt_status kdt::build_trees_cuda(const kdt_draft* draft, kdt_trees* out, int32_t
             g_smem_set[slot].store(smem_max, std::memory_order_relaxed);
         }
         // Large trees: the masks in a second, wide launch (measured on an H200:
-        // docs/perf-notes.md).
+        // docs/performance.md).
         const bool any_mask = out->visibility != NULL || out->visibility_bits != NULL;
         p.masks_separate =
             any_mask && N >= kSeparateMasksMinBudget && B <= 65535 && !(forced & KDT_TESTING_TREES_INLINE_MASKS);

@@ -651,7 +651,7 @@ std::atomic<int> g_sm_count[kMaxDevices];  // the device's SMs when its major ve
 // sm_90 or when the batch fills the SMs. One block a SM: two blocks of a cluster on one SM
 // share its issue slots, and a row's scan is bound by them (measured on an H200, B = 64:
 // clusters of 4, two blocks a SM, were no faster than one block a request; clusters of 2
-// were 35% faster on 17-row walks; docs/perf-notes.md). Sets *out or returns a status.
+// were 35% faster on 17-row walks; docs/performance.md). Sets *out or returns a status.
 // kdt_testing_set_verify_cluster forces 1, 2, 4 or 8 (more than 1 only on sm_90 and later).
 kdt_status cluster_size(int64_t batch, int* out) {
     const int forced = kdt::testing_verify_cluster();

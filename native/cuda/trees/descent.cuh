@@ -80,7 +80,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
     if (N >= kDescentPreciseFirstMin) {
         // Large trees: the two-round threshold (one of the values, just under the target
         // count): a coarse bin's overshoot overflows the candidates there (H200: N = 1024
-        // 274 us this way, 441 us with the single round; docs/perf-notes.md).
+        // 274 us this way, 441 us with the single round; docs/performance.md).
         T = block_threshold(
             [&](int i) {
                 const int d = i / width, r = i - d * width;
@@ -103,7 +103,7 @@ __device__ int descend_threshold(const Cands& c, const float* lp_s, int64_t L, i
         if (threadIdx.x < 32) warp_find_bin(bins, &s_want, &s_bin);
         __syncthreads();
         // The chosen bin's lower edge. (Its upper edge, a little under the target count,
-        // cost N = 64 a third pass on an H200: 47 -> 70 us; docs/perf-notes.md.)
+        // cost N = 64 a third pass on an H200: 47 -> 70 us; docs/performance.md.)
         if (s_bin >= 0) T = top - (double)(s_bin + 1) / scale;
     }
     if (!(T > -INFINITY)) T = -DBL_MAX;

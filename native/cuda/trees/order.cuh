@@ -101,7 +101,7 @@ __device__ inline void order_candidates(const Cands& c, int M, int64_t L, int64_
     // pairs held side by side (c.logw is permuted along with c.order; no candidate table is
     // read except the rank paths of exactly equal scores). Padding (index -1, score -inf)
     // goes last. (A counting sort as a scalar loop with a branchy comparison was slower than
-    // the network from 64 candidates up; docs/perf-notes.md.)
+    // the network from 64 candidates up; docs/performance.md.)
     // Stages whose pairs lie inside one 64-candidate segment (j <= 32) run in registers,
     // one warp per segment, with no block barrier between them: all of k <= 64 in one
     // phase, then for each larger k the stages j >= 64 one by one and j <= 32 as one phase.
