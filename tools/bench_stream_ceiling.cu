@@ -4,7 +4,7 @@
 // with or without a block barrier per trip, with or without the per-logit arithmetic
 // (running max, 2^(x log2 e - c) summed). Against a flat grid-stride read of the same bytes.
 // Medians of CUDA events over three rotated inputs. Standalone (no libkdtree); built as
-// `kdtree_bench_stream` when CUDA is enabled. Results: docs/performance.md, "Top-k".
+// `kdtree_bench_stream` when CUDA is enabled. Results: docs/performance.md, "Top-k log-probs".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
