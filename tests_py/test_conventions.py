@@ -305,3 +305,11 @@ def test_root_positions_can_be_checked_against_prefix_lengths():
     with pytest.raises(kdtree.KdtreeError, match=r"request 1: the tree's root position 40 .* prefix length 41") as e:
         kdtree.tree_attention_mask(t, [4, 41], check_positions=True)
     assert e.value.status == STATUS["KDT_ERR_VALUE"]
+
+
+def test_library_path_and_cuda_devices():
+    import os
+
+    path = kdtree.library_path()
+    assert os.path.isfile(path) and os.path.basename(path) == _native.LIBRARY_NAME
+    assert kdtree.cuda_devices() >= 0  # 0 here without a GPU; the count where there is one

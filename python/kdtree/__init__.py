@@ -27,10 +27,32 @@ __version__ = "0.2.0"
 
 
 def library_version() -> str:
-    """Version string of the loaded libkdtree (loads it)."""
-    from . import _native as _lib
+    """Version string of the loaded libkdtree (loads it; LibraryNotFoundError if it cannot)."""
+    from . import _native
 
-    return _lib.load().kdt_version().decode()
+    return _native.load().kdt_version().decode()
+
+
+def library_path() -> str:
+    """File the loaded libkdtree came from (loads it; LibraryNotFoundError if it cannot)."""
+    from . import _native
+
+    return str(_native.load()._kdtree_path)
+
+
+def cuda_devices() -> int:
+    """CUDA devices libkdtree can use: 0 where it was built without CUDA or finds no GPU
+    or driver (loads the library)."""
+    import ctypes
+
+    from . import _native
+
+    count = ctypes.c_int32(0)
+    try:
+        _native.load().kdt_cuda_device_count(ctypes.byref(count))
+    except KdtreeError:
+        return 0
+    return int(count.value)
 
 
 __all__ = [
@@ -46,6 +68,8 @@ __all__ = [
     "build_trees_from_logits",
     "compact_kv",
     "empty_trees",
+    "cuda_devices",
+    "library_path",
     "cuda_devices",
     "library_path",
     "library_version",
