@@ -194,7 +194,8 @@ def main(argv: list[str]) -> int:
     print(f"\n{'target':8} {'seconds':>8} {'execs':>10} {'execs/s':>9} {'corpus':>7}  findings")
     for r in results:
         print(f"{r['name']:8} {r['seconds']:8.0f} {r['execs']:10d} {r['execs'] / max(r['seconds'], 1e-9):9.0f} "
-              f"{r['corpus']:7d}  {len(r['findings'])} ({len(r['kinds'])} distinct)")
+              f"{r['corpus']:7d}  {len(r['findings'])} ({len(r['kinds'])} distinct"
+              f"{' among the first 50' if len(r['findings']) > 50 else ''})")
         for files in r["kinds"].values():
             replay = subprocess.run([str(OUT / f"fuzz_{r['name']}"), str(files[0])], capture_output=True,
                                     text=True, errors="replace", timeout=120)
