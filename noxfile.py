@@ -12,8 +12,10 @@ installed outside nox's virtual environments.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import nox
@@ -127,3 +129,105 @@ def lint(session: nox.Session) -> None:
         session.run("clang-format", "--dry-run", *files, external=True)
     else:
         session.log("clang-format not installed: C formatting not checked")
+
+
+# ---- Sanitizers and fuzzing -----------------------------------------------------------------
+
+# pytest files that drive libkdtree through ctypes and need no torch: run against the ASan build.
+SANITIZE_PYTESTS = ["test_adversarial.py", "test_bindings.py", "test_fixtures.py", "test_handworked.py",
+                    "test_kdtr.py", "test_parity.py", "test_properties.py"]
+ASAN_FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+TSAN_FLAGS = "-fsanitize=thread -g"
+
+
+def _sanitizer_build(session: nox.Session, folder: Path, flags: str, *targets: str) -> None:
+    """Configures and builds the CPU library (and tests) in its own folder with these flags."""
+    session.run("cmake", "-S", str(ROOT), "-B", str(folder), "-DKDTREE_CUDA=OFF",
+                "-DCMAKE_BUILD_TYPE=RelWithDebInfo", f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}",
+                f"-DCMAKE_EXE_LINKER_FLAGS={flags}", f"-DCMAKE_SHARED_LINKER_FLAGS={flags}", external=True)
+    target_args = ["--target", *targets] if targets else []
+    session.run("cmake", "--build", str(folder), "--parallel", str(os.cpu_count() or 2), *target_args,
+                external=True)
+
+
+def _asan_runtime(session: nox.Session, folder: Path) -> str:
+    """The ASan runtime of the compiler that built `folder` (to LD_PRELOAD into Python)."""
+    cache = (folder / "CMakeCache.txt").read_text()
+    compiler = re.search(r"^CMAKE_C_COMPILER:\w+=(.*)$", cache, re.M).group(1)
+    for name in ("libasan.so", "libclang_rt.asan-x86_64.so", "libclang_rt.asan.so"):
+        found = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if os.path.isabs(found) and os.path.exists(found):
+            return found
+    session.error(f"cannot find the ASan runtime of {compiler} (tried -print-file-name=libasan.so and clang's)")
+
+
+@nox.session(default=False)
+def sanitize(session: nox.Session) -> None:
+    """ASan + UBSan and TSan runs of the CPU library (build-asan/, build-tsan/; CUDA off).
+
+    build-asan: -fsanitize=address,undefined (UBSan errors fatal); ctest -L cpu on it, then the
+    pytest files that drive the library without torch, against that .so (KDTREE_LIBRARY, the
+    ASan runtime preloaded, leak checks off for Python). build-tsan: -fsanitize=thread, and
+    tests_native/test_threads.c (the CPU entry points from 8 threads at once) under it.
+    Extra arguments go to pytest. Needs only gcc (its sanitizer runtimes ship with it).
+    """
+    asan = ROOT / "build-asan"
+    _sanitizer_build(session, asan, ASAN_FLAGS)
+    session.run("ctest", "--test-dir", str(asan), "-L", "cpu", "--output-on-failure", external=True,
+                env={"UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
+    session.install(*PYTHON_DEPS, *TEST_DEPS)
+    session.run("python", "-m", "pytest", *(str(ROOT / "tests_py" / f) for f in SANITIZE_PYTESTS), "-q", "-rs",
+                "-p", "no:cacheprovider", *session.posargs,
+                env={**_env(), "KDTREE_LIBRARY": str(asan / "libkdtree.so"), "LD_PRELOAD": _asan_runtime(session, asan),
+                     "ASAN_OPTIONS": "detect_leaks=0", "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
+    tsan = ROOT / "build-tsan"
+    _sanitizer_build(session, tsan, TSAN_FLAGS, "test_threads")
+    session.run("ctest", "--test-dir", str(tsan), "-R", "^test_threads$", "--output-on-failure", external=True,
+                env={"TSAN_OPTIONS": "halt_on_error=1 second_deadlock_stack=1"})
+
+
+def _clang_fuzzer_works(clang: str) -> bool:
+    """True when `clang` can link a libFuzzer target with ASan and UBSan."""
+    if shutil.which(clang) is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "t.c"
+        src.write_text("#include <stddef.h>\n#include <stdint.h>\n"
+                       "int LLVMFuzzerTestOneInput(const uint8_t* d, size_t n) { (void)d; (void)n; return 0; }\n")
+        probe = subprocess.run([clang, "-fsanitize=fuzzer,address,undefined", str(src), "-o", str(Path(tmp) / "t")],
+                               capture_output=True)
+    return probe.returncode == 0
+
+
+def _ensure_clang(session: nox.Session) -> str:
+    """clang with libFuzzer; installs it with apt-get (as root, Debian/Ubuntu) when missing."""
+    clang = os.environ.get("CLANG", "clang")
+    if _clang_fuzzer_works(clang):
+        return clang
+    hint = "install clang and its runtimes (Debian 12: apt-get install -y clang libclang-rt-14-dev)"
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        session.error(f"{clang} cannot build libFuzzer targets: {hint}")
+    session.run("apt-get", "update", external=True)
+    session.run("apt-get", "install", "-y", "clang", external=True)
+    version = subprocess.run([clang, "--version"], capture_output=True, text=True).stdout
+    major = re.search(r"version (\d+)", version)
+    if not _clang_fuzzer_works(clang) and major:
+        session.run("apt-get", "install", "-y", f"libclang-rt-{major.group(1)}-dev", external=True)
+    if not _clang_fuzzer_works(clang):
+        session.error(f"{clang} still cannot build libFuzzer targets: {hint}")
+    return clang
+
+
+@nox.session(default=False)
+def fuzz(session: nox.Session) -> None:
+    """libFuzzer runs of the KDTR reader, tree build + verify and top-k (fuzz/; needs clang).
+
+    ``nox -s fuzz -- 600`` fuzzes for 600 seconds in all (default 60), split evenly over the
+    three targets, seeded from fixtures/; corpora stay in build-fuzz/corpus/ and findings go
+    to build-fuzz/findings/. Then every KDTR corpus and crash file goes through the C and the
+    Python reader, which must agree. Prints execs and findings per target; fails on any.
+    Installs clang with apt-get when it is missing and this runs as root.
+    """
+    clang = _ensure_clang(session)
+    session.install(*PYTHON_DEPS)
+    session.run("python", str(ROOT / "fuzz" / "run.py"), *session.posargs, env={**_env(), "CLANG": clang})

@@ -609,14 +609,16 @@ typedef struct kdt_kdtr_array {
 /* An opened, fully validated KDTR file held in memory. */
 typedef struct kdt_kdtr_file kdt_kdtr_file;
 
-/* Reads and validates the whole file at `path` (every length, count, offset, shape product,
- * version and dtype is checked before anything is allocated for it). Returns KDT_ERR_IO,
+/* Validates the whole file at `path` (every length, count, offset, shape product, version
+ * and dtype is checked before anything is allocated for it) and reads only its header,
+ * record table and arrays' data, not bytes no record points at. Returns KDT_ERR_IO,
  * KDT_ERR_FORMAT (kdt_last_error names the field and byte offset), KDT_ERR_UNSUPPORTED
  * (unknown major version or dtype), KDT_ERR_OUT_OF_MEMORY, KDT_ERR_NULL_POINTER. On
  * failure *out is set to NULL. */
 KDT_API kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out);
 
-/* As kdt_kdtr_open, from `size` bytes at `data` (copied; the caller keeps ownership). */
+/* As kdt_kdtr_open, from `size` bytes at `data` (the arrays' data is copied; the caller
+ * keeps ownership). */
 KDT_API kdt_status kdt_kdtr_open_memory(const void* data, size_t size, kdt_kdtr_file** out);
 
 /* Frees a file object (NULL is allowed). */

@@ -1,9 +1,11 @@
 /* KDTR reader and writer: the container of named arrays specified in docs/kdtr-format.md.
  *
- * Reader: the whole file goes into one 64-byte aligned allocation of exactly the size that
- * fstat reports (after the 64-byte header has been checked against that size); every
- * field is validated (section 6 of the spec) before the index (arrays, shapes, names) is
- * allocated, and array data is exposed as pointers into the file buffer.
+ * Reader: the 64-byte header is checked against the size that fstat reports (or the
+ * buffer's size); the record table is then read and validated record by record (section 6
+ * of the spec), in pieces that grow with the records checked; only then are the index
+ * (arrays, shapes, names) and one 64-byte aligned data buffer allocated, and each array's
+ * bytes read from its data_offset into that buffer. Nothing else of the file is read, so a
+ * file_size or table_size that the records do not back costs nothing.
  * Writer: validates every array, then writes a temporary file next to the destination,
  * fsyncs it and renames it over the destination. */
 #include <errno.h>
@@ -264,15 +266,98 @@ static kdt_status kdtr_check_header(const unsigned char* p, uint64_t actual,
     return KDT_OK;
 }
 
-/* Section 6 steps 6 and 7 over the records. With f == NULL, validates only and returns the
- * total number of shape extents and name bytes (NUL included) in *ndims / *name_bytes.
- * With f != NULL (after a successful validation pass), fills f's index. */
-static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
-                            kdt_kdtr_file* f, uint64_t* ndims, uint64_t* name_bytes) {
+/* Where the reader's bytes come from: an open file (pread) or the caller's buffer. */
+struct kdtr_source {
+    int fd;                   /* >= 0: read from this file                     */
+    const unsigned char* mem; /* fd < 0: the caller's bytes (file_size of them) */
+    const char* path;         /* the file's path, for messages                 */
+};
+
+/* The part of the record table read so far: bytes header_size .. header_size + have. */
+struct kdtr_table {
+    unsigned char* p;
+    uint64_t have;
+};
+
+/* What the index and the data need, from the validation pass. */
+struct kdtr_sizes {
+    uint64_t ndims;      /* shape extents of all arrays              */
+    uint64_t name_bytes; /* name bytes, one NUL per name included     */
+    uint64_t data_bytes; /* data of all arrays, each rounded up to 64 */
+};
+
+static void kdtr_errno_text(int err, char* buf, size_t size) {
+    if (strerror_r(err, buf, size) != 0) snprintf(buf, size, "errno %d", err);
+}
+
+/* Copies n bytes at byte offset `offset` of the source to dst (offset + n has been checked
+ * against file_size). */
+static kdt_status kdtr_source_read(const struct kdtr_source* src, uint64_t offset,
+                                   unsigned char* dst, uint64_t n) {
+    char why[128];
+    uint64_t done = 0;
+    if (src->fd < 0) {
+        if (n > 0) memcpy(dst, src->mem + offset, (size_t)n);
+        return KDT_OK;
+    }
+    while (done < n) {
+        const uint64_t left = n - done;
+        const size_t chunk = left > ((uint64_t)1 << 30) ? ((size_t)1 << 30) : (size_t)left;
+        const ssize_t got = pread(src->fd, dst + done, chunk, (off_t)(offset + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            kdtr_errno_text(got < 0 ? errno : EIO, why, sizeof why);
+            return kdt_fail(KDT_ERR_IO, "%s: cannot read %llu bytes at byte offset %llu: %s",
+                            src->path, (unsigned long long)n, (unsigned long long)offset, why);
+        }
+        done += (uint64_t)got;
+    }
+    return KDT_OK;
+}
+
+/* Makes the table bytes before byte offset `end` (<= header_size + table_size) available
+ * in t. The table is read in growing pieces (at least 64 KiB, then doubling), so a table
+ * whose first records are bad is rejected after reading little more than those records,
+ * whatever table_size the header claims. */
+static kdt_status kdtr_table_need(const struct kdtr_source* src, const struct kdtr_header* h,
+                                  struct kdtr_table* t, uint64_t end) {
+    const uint64_t want = end - h->header_size;
+    uint64_t grow;
+    unsigned char* p;
+    kdt_status s;
+    if (want <= t->have) return KDT_OK;
+    grow = t->have < ((uint64_t)1 << 16) ? ((uint64_t)1 << 16) : 2u * t->have;
+    if (grow < want) grow = want;
+    if (grow > h->table_size) grow = h->table_size;
+    if (grow > SIZE_MAX) {
+        return kdt_fail(KDT_ERR_OUT_OF_MEMORY, "cannot allocate a record table of %llu bytes",
+                        (unsigned long long)grow);
+    }
+    p = (unsigned char*)realloc(t->p, (size_t)grow);
+    if (p == NULL) {
+        return kdt_fail(KDT_ERR_OUT_OF_MEMORY, "cannot allocate a record table of %llu bytes",
+                        (unsigned long long)grow);
+    }
+    t->p = p;
+    s = kdtr_source_read(src, h->header_size + t->have, p + t->have, grow - t->have);
+    if (s != KDT_OK) return s;
+    t->have = grow;
+    return KDT_OK;
+}
+
+/* Section 6 steps 6 and 7 over the records. With f == NULL, validates only, reading the
+ * table into t as far as the records reach, and returns the total number of shape extents,
+ * name bytes (NUL included) and data bytes (each array rounded up to 64) in *sizes. With
+ * f != NULL (after a successful validation pass over the whole table), fills f's index and
+ * reads each array's data from src into f->buf. */
+static kdt_status kdtr_walk(const struct kdtr_source* src, struct kdtr_table* t,
+                            const struct kdtr_header* h, kdt_kdtr_file* f,
+                            struct kdtr_sizes* sizes) {
     const uint64_t table_end = h->header_size + h->table_size;
     uint64_t pos = h->header_size;
     uint64_t prev_end = table_end;
-    uint64_t shape_at = 0, name_at = 0;
+    uint64_t shape_at = 0, name_at = 0, data_at = 0;
+    kdt_status s;
     for (uint64_t i = 0; i < h->count; ++i) {
         const long long ai = (long long)i;
         uint64_t data_offset, nbytes, itemsize, rec_size, size = 1, name_pad;
@@ -281,6 +366,7 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
         size_t bad = 0;
         int utf8;
         char label[96];
+        const unsigned char* rec;
         if (table_end - pos < KDTR_RECORD_FIXED) {
             return kdt_fail(KDT_ERR_FORMAT,
                             "array %lld: record at byte offset %llu: its %d fixed bytes run "
@@ -288,11 +374,14 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
                             ai, (unsigned long long)pos, KDTR_RECORD_FIXED,
                             (unsigned long long)table_end);
         }
-        data_offset = rd_u64(p + pos + REC_DATA_OFFSET);
-        nbytes = rd_u64(p + pos + REC_NBYTES);
-        name_len = rd_u32(p + pos + REC_NAME_LEN);
-        dtype = rd_u32(p + pos + REC_DTYPE);
-        ndim = rd_u32(p + pos + REC_NDIM);
+        s = kdtr_table_need(src, h, t, pos + KDTR_RECORD_FIXED);
+        if (s != KDT_OK) return s;
+        rec = t->p + (pos - h->header_size);
+        data_offset = rd_u64(rec + REC_DATA_OFFSET);
+        nbytes = rd_u64(rec + REC_NBYTES);
+        name_len = rd_u32(rec + REC_NAME_LEN);
+        dtype = rd_u32(rec + REC_DTYPE);
+        ndim = rd_u32(rec + REC_NDIM);
         if (name_len == 0 || name_len > KDTR_MAX_NAME) {
             return kdt_fail(KDT_ERR_FORMAT,
                             "array %lld: name_len at byte offset %llu: %u is outside 1..%d",
@@ -314,7 +403,10 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
                             ai, (unsigned long long)pos, (unsigned long long)rec_size, name_len,
                             ndim, (unsigned long long)table_end);
         }
-        utf8 = kdtr_utf8_check(p + pos + REC_NAME, name_len, &bad);
+        s = kdtr_table_need(src, h, t, pos + rec_size);
+        if (s != KDT_OK) return s;
+        rec = t->p + (pos - h->header_size);
+        utf8 = kdtr_utf8_check(rec + REC_NAME, name_len, &bad);
         if (utf8 != 0) {
             return kdt_fail(KDT_ERR_FORMAT, "array %lld: name at byte offset %llu: %s at byte "
                             "offset %llu",
@@ -323,7 +415,7 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
                             (unsigned long long)(pos + REC_NAME + bad));
         }
         snprintf(label, sizeof label, "array %lld ('%.*s%s')", ai,
-                 (int)(name_len > 48 ? 48 : name_len), (const char*)(p + pos + REC_NAME),
+                 (int)(name_len > 48 ? 48 : name_len), (const char*)(rec + REC_NAME),
                  name_len > 48 ? "..." : "");
         itemsize = kdtr_itemsize(dtype);
         if (itemsize == 0) {
@@ -334,7 +426,7 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
         size = itemsize;
         for (uint32_t d = 0; d < ndim; ++d) {
             const uint64_t at = pos + REC_NAME + name_pad + 8u * (uint64_t)d;
-            const uint64_t extent = rd_u64(p + at);
+            const uint64_t extent = rd_u64(rec + REC_NAME + name_pad + 8u * (uint64_t)d);
             if (extent > KDTR_I64_MAX) {
                 return kdt_fail(KDT_ERR_FORMAT,
                                 "%s: shape[%u] at byte offset %llu: negative extent %lld", label,
@@ -393,23 +485,26 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
             kdt_kdtr_array* a = &f->arrays[i];
             char* name = f->names + name_at;
             int64_t* shape = f->shapes + shape_at;
-            memcpy(name, p + pos + REC_NAME, name_len);
+            memcpy(name, rec + REC_NAME, name_len);
             name[name_len] = '\0';
             for (uint32_t d = 0; d < ndim; ++d) {
-                shape[d] = (int64_t)rd_u64(p + pos + REC_NAME + name_pad + 8u * (uint64_t)d);
+                shape[d] = (int64_t)rd_u64(rec + REC_NAME + name_pad + 8u * (uint64_t)d);
             }
             a->name = name;
             a->dtype = (int32_t)dtype;
             a->ndim = (int32_t)ndim;
             a->shape = ndim > 0 ? shape : NULL;
-            a->data = f->buf + data_offset;
+            a->data = f->buf + data_at;
             a->nbytes = nbytes;
             f->by_name[i].name = name;
             f->by_name[i].index = (int64_t)i;
             f->by_name[i].name_offset = pos + REC_NAME;
+            s = kdtr_source_read(src, data_offset, f->buf + data_at, nbytes);
+            if (s != KDT_OK) return s;
         }
         shape_at += ndim;
         name_at += (uint64_t)name_len + 1u;
+        data_at += align_up(nbytes, KDTR_ALIGN); /* nbytes <= file_size < 2^63: no overflow */
         prev_end = data_offset + nbytes;
         pos += rec_size;
     }
@@ -420,8 +515,11 @@ static kdt_status kdtr_walk(const unsigned char* p, const struct kdtr_header* h,
                         HDR_TABLE_SIZE, (unsigned long long)h->count, (unsigned long long)pos,
                         (unsigned long long)table_end);
     }
-    if (ndims != NULL) *ndims = shape_at;
-    if (name_bytes != NULL) *name_bytes = name_at;
+    if (sizes != NULL) {
+        sizes->ndims = shape_at;
+        sizes->name_bytes = name_at;
+        sizes->data_bytes = data_at;
+    }
     return KDT_OK;
 }
 
@@ -435,85 +533,75 @@ void kdt_kdtr_close(kdt_kdtr_file* file) {
     free(file);
 }
 
-/* A zeroed file object with a 64-byte aligned buffer of `size` bytes, or NULL. */
-static kdt_kdtr_file* kdtr_alloc_file(uint64_t size) {
-    kdt_kdtr_file* f = (kdt_kdtr_file*)calloc(1, sizeof *f);
-    uint64_t rounded = align_up(size, KDTR_ALIGN);
-    if (f == NULL || size > SIZE_MAX - KDTR_ALIGN) {
-        free(f);
-        return NULL;
-    }
-    f->buf = (unsigned char*)aligned_alloc(KDTR_ALIGN, (size_t)rounded);
-    if (f->buf == NULL) {
-        free(f);
-        return NULL;
+/* Validates the file behind src (whose 64-byte header `head` has been read) and builds
+ * the index. Nothing is read that the header and the records do not point at: the record
+ * table piece by piece as the records are checked, then each array's nbytes at its
+ * data_offset. Bytes between arrays, after the last one (a file_size beyond the last
+ * array's end is allowed by the spec, section 5) or between byte 64 and header_size are
+ * never read, so a sparse or crafted file costs what its arrays hold, not its size. */
+static kdt_status kdtr_load(const struct kdtr_source* src, const unsigned char* head,
+                            uint64_t size, kdt_kdtr_file** out) {
+    struct kdtr_header h;
+    struct kdtr_table t = {NULL, 0};
+    struct kdtr_sizes sz = {0, 0, 0};
+    kdt_kdtr_file* f = NULL;
+    int64_t dup;
+    kdt_status s = kdtr_check_header(head, size, &h);
+    if (s != KDT_OK) return s;
+    s = kdtr_walk(src, &t, &h, NULL, &sz);
+    if (s != KDT_OK) goto fail;
+    /* Bounded by the file: count <= table_size / 40, ndims <= table_size / 8,
+     * name_bytes <= table_size + count, data_bytes <= file_size + 63 * count. */
+    f = (kdt_kdtr_file*)calloc(1, sizeof *f);
+    if (f == NULL || sz.data_bytes > SIZE_MAX - KDTR_ALIGN) {
+        s = kdt_fail(KDT_ERR_OUT_OF_MEMORY, "cannot allocate the index of %llu arrays",
+                     (unsigned long long)h.count);
+        goto fail;
     }
     f->size = size;
-    return f;
-}
-
-/* Validates f->buf (whose header has passed kdtr_check_header) and builds the index. */
-static kdt_status kdtr_index(kdt_kdtr_file* f) {
-    struct kdtr_header h;
-    uint64_t ndims = 0, name_bytes = 0;
-    int64_t dup;
-    kdt_status s = kdtr_check_header(f->buf, f->size, &h);
-    if (s != KDT_OK) return s;
-    s = kdtr_walk(f->buf, &h, NULL, &ndims, &name_bytes);
-    if (s != KDT_OK) return s;
-    /* Bounded by the file: count <= table_size / 40, ndims <= table_size / 8,
-     * name_bytes <= table_size + count. */
     f->count = (int64_t)h.count;
+    f->buf = (unsigned char*)aligned_alloc(KDTR_ALIGN, (size_t)sz.data_bytes + KDTR_ALIGN);
     f->arrays = (kdt_kdtr_array*)calloc((size_t)h.count + 1u, sizeof *f->arrays);
-    f->shapes = (int64_t*)calloc((size_t)ndims + 1u, sizeof *f->shapes);
-    f->names = (char*)malloc((size_t)name_bytes + 1u);
+    f->shapes = (int64_t*)calloc((size_t)sz.ndims + 1u, sizeof *f->shapes);
+    f->names = (char*)malloc((size_t)sz.name_bytes + 1u);
     f->by_name = (struct kdtr_name_entry*)calloc((size_t)h.count + 1u, sizeof *f->by_name);
-    if (f->arrays == NULL || f->shapes == NULL || f->names == NULL || f->by_name == NULL) {
-        return kdt_fail(KDT_ERR_OUT_OF_MEMORY, "cannot allocate the index of %llu arrays",
-                        (unsigned long long)h.count);
+    if (f->buf == NULL || f->arrays == NULL || f->shapes == NULL || f->names == NULL ||
+        f->by_name == NULL) {
+        s = kdt_fail(KDT_ERR_OUT_OF_MEMORY,
+                     "cannot allocate the index of %llu arrays and %llu bytes of data",
+                     (unsigned long long)h.count, (unsigned long long)sz.data_bytes);
+        goto fail;
     }
-    s = kdtr_walk(f->buf, &h, f, NULL, NULL);
-    if (s != KDT_OK) return s;
+    s = kdtr_walk(src, &t, &h, f, NULL);
+    if (s != KDT_OK) goto fail;
+    free(t.p);
+    t.p = NULL;
     dup = kdtr_sort_find_duplicate(f->by_name, f->count);
     if (dup >= 0) {
         const struct kdtr_name_entry* e = &f->by_name[dup];
-        return kdt_fail(KDT_ERR_FORMAT,
-                        "array %lld ('%.48s'): name at byte offset %llu: duplicates the name of "
-                        "array %lld",
-                        (long long)e->index, e->name, (unsigned long long)e->name_offset,
-                        (long long)f->by_name[dup - 1].index);
+        s = kdt_fail(KDT_ERR_FORMAT,
+                     "array %lld ('%.48s'): name at byte offset %llu: duplicates the name of "
+                     "array %lld",
+                     (long long)e->index, e->name, (unsigned long long)e->name_offset,
+                     (long long)f->by_name[dup - 1].index);
+        goto fail;
     }
+    *out = f;
     return kdt_ok();
-}
 
-/* Reads exactly n bytes; 0 on success, else an errno value (EIO for an early end). */
-static int kdtr_read_all(int fd, unsigned char* p, uint64_t n) {
-    while (n > 0) {
-        const size_t chunk = n > ((uint64_t)1 << 30) ? ((size_t)1 << 30) : (size_t)n;
-        const ssize_t got = read(fd, p, chunk);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return errno != 0 ? errno : EIO;
-        }
-        if (got == 0) return EIO;
-        p += got;
-        n -= (uint64_t)got;
-    }
-    return 0;
-}
-
-static void kdtr_errno_text(int err, char* buf, size_t size) {
-    if (strerror_r(err, buf, size) != 0) snprintf(buf, size, "errno %d", err);
+fail:
+    free(t.p);
+    kdt_kdtr_close(f);
+    return s;
 }
 
 kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out) {
     unsigned char head[KDTR_HEADER_SIZE];
-    struct kdtr_header h;
+    struct kdtr_source src;
     struct stat st;
-    kdt_kdtr_file* f;
     kdt_status s;
     char why[128];
-    int fd, err;
+    int fd;
     uint64_t size;
     if (out == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "kdt_kdtr_open: out is NULL");
     *out = NULL;
@@ -537,46 +625,19 @@ kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out) {
         return kdt_fail(KDT_ERR_IO, "%s: not a regular file", path);
     }
     size = st.st_size < 0 ? 0 : (uint64_t)st.st_size;
-    err = kdtr_read_all(fd, head, size < KDTR_HEADER_SIZE ? size : KDTR_HEADER_SIZE);
-    if (err != 0) {
-        kdtr_errno_text(err, why, sizeof why);
-        close(fd);
-        return kdt_fail(KDT_ERR_IO, "%s: cannot read the header: %s", path, why);
-    }
-    s = kdtr_check_header(head, size, &h);
-    if (s != KDT_OK) {
-        close(fd);
-        return s;
-    }
-    /* The allocation is justified by the actual file size, which the header agrees with. */
-    f = kdtr_alloc_file(size);
-    if (f == NULL) {
-        close(fd);
-        return kdt_fail(KDT_ERR_OUT_OF_MEMORY, "%s: cannot allocate %llu bytes", path,
-                        (unsigned long long)size);
-    }
-    memcpy(f->buf, head, KDTR_HEADER_SIZE);
-    err = kdtr_read_all(fd, f->buf + KDTR_HEADER_SIZE, size - KDTR_HEADER_SIZE);
+    src.fd = fd;
+    src.mem = NULL;
+    src.path = path;
+    memset(head, 0, sizeof head);
+    s = kdtr_source_read(&src, 0, head, size < KDTR_HEADER_SIZE ? size : KDTR_HEADER_SIZE);
+    if (s == KDT_OK) s = kdtr_load(&src, head, size, out);
     close(fd);
-    if (err != 0) {
-        kdtr_errno_text(err, why, sizeof why);
-        kdt_kdtr_close(f);
-        return kdt_fail(KDT_ERR_IO, "%s: cannot read %llu bytes: %s", path,
-                        (unsigned long long)size, why);
-    }
-    s = kdtr_index(f);
-    if (s != KDT_OK) {
-        kdt_kdtr_close(f);
-        return s;
-    }
-    *out = f;
-    return kdt_ok();
+    return s;
 }
 
 kdt_status kdt_kdtr_open_memory(const void* data, size_t size, kdt_kdtr_file** out) {
-    struct kdtr_header h;
-    kdt_kdtr_file* f;
-    kdt_status s;
+    static const unsigned char empty[KDTR_HEADER_SIZE] = {0};
+    struct kdtr_source src;
     if (out == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "kdt_kdtr_open_memory: out is NULL");
     *out = NULL;
     if (data == NULL && size > 0) {
@@ -585,24 +646,10 @@ kdt_status kdt_kdtr_open_memory(const void* data, size_t size, kdt_kdtr_file** o
     if (!KDTR_HOST_LITTLE_ENDIAN) {
         return kdt_fail(KDT_ERR_UNSUPPORTED, "KDTR needs a little-endian host");
     }
-    {
-        static const unsigned char empty[1] = {0};
-        s = kdtr_check_header(data != NULL ? (const unsigned char*)data : empty, size, &h);
-    }
-    if (s != KDT_OK) return s;
-    f = kdtr_alloc_file(size);
-    if (f == NULL) {
-        return kdt_fail(KDT_ERR_OUT_OF_MEMORY, "cannot allocate %llu bytes",
-                        (unsigned long long)size);
-    }
-    memcpy(f->buf, data, size);
-    s = kdtr_index(f);
-    if (s != KDT_OK) {
-        kdt_kdtr_close(f);
-        return s;
-    }
-    *out = f;
-    return kdt_ok();
+    src.fd = -1;
+    src.mem = data != NULL ? (const unsigned char*)data : empty;
+    src.path = "";
+    return kdtr_load(&src, src.mem, size, out);
 }
 
 kdt_status kdt_kdtr_count(const kdt_kdtr_file* file, int64_t* count) {

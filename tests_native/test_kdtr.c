@@ -6,7 +6,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -704,6 +707,143 @@ static void test_fixture(void) {
     kdt_kdtr_close(f);
 }
 
+/* Peak resident memory of this process in KiB (Linux reports ru_maxrss in KiB). */
+static long peak_rss_kib(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+    return ru.ru_maxrss;
+}
+
+/* A sparse file of `size` bytes holding `head` (its first `head_size` bytes) and `tail`
+ * (`tail_size` bytes at `tail_at`); 0 when the file cannot be made. */
+static int make_sparse(const char* path, uint64_t size, const unsigned char* head,
+                       size_t head_size, const unsigned char* tail, size_t tail_size,
+                       uint64_t tail_at) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    int ok;
+    if (fd < 0) return 0;
+    ok = ftruncate(fd, (off_t)size) == 0 &&
+         pwrite(fd, head, head_size, 0) == (ssize_t)head_size &&
+         (tail_size == 0 || pwrite(fd, tail, tail_size, (off_t)tail_at) == (ssize_t)tail_size);
+    return close(fd) == 0 && ok;
+}
+
+/* A header declaring file_size, array_count and table_size. */
+static void make_header(unsigned char* h, uint64_t file_size, uint64_t count, uint64_t table_size) {
+    static const unsigned char magic[8] = {0x4B, 0x44, 0x54, 0x52, 0x0D, 0x0A, 0x1A, 0x0A};
+    memset(h, 0, 64);
+    memcpy(h, magic, 8);
+    h[8] = 1;
+    put_u32(h + 12, 64);
+    put_u64(h + 16, file_size);
+    put_u64(h + 24, count);
+    put_u64(h + 32, table_size);
+}
+
+/* Runs `body` in a child process, whose peak memory starts near this small process's, and
+ * fails unless it passes and its peak grows by less than 64 MiB. Each case gets its own
+ * child, so an earlier case's peak cannot hide a later one's. */
+static void in_child_with_small_peak(void (*body)(const char*), const char* path) {
+    pid_t pid;
+    int status = 0;
+    fflush(stdout);
+    fflush(stderr);
+    pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        const long before = peak_rss_kib();
+        body(path);
+        CHECK(peak_rss_kib() - before < 64 * 1024);
+        fflush(stderr);
+        _exit(harness_failures == 0 ? 0 : 1);
+    }
+    if (pid > 0) {
+        CHECK(waitpid(pid, &status, 0) == pid);
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+}
+
+static const uint64_t k_gib = (uint64_t)1 << 30;
+
+/* No arrays, then a 1 GiB hole: valid, and nothing past the header is read. */
+static void sparse_no_arrays(const char* path) {
+    unsigned char buf[64];
+    kdt_kdtr_file* f = NULL;
+    int64_t count = -1;
+    make_header(buf, k_gib, 0, 0);
+    CHECK(make_sparse(path, k_gib, buf, 64, NULL, 0, 0));
+    CHECK_OK(kdt_kdtr_open(path, &f));
+    CHECK_OK(kdt_kdtr_count(f, &count));
+    CHECK_EQ(count, 0);
+    kdt_kdtr_close(f);
+}
+
+/* One int32 [2] array just before the end of a 1 GiB file: its 8 bytes are read, the gap
+ * before it is not. */
+static void sparse_one_array_at_the_end(const char* path) {
+    static const unsigned char data[8] = {7, 0, 0, 0, 0xFE, 0xFF, 0xFF, 0xFF};
+    unsigned char buf[112];
+    kdt_kdtr_file* f = NULL;
+    kdt_kdtr_array a;
+    make_header(buf, k_gib, 1, 48);
+    put_u64(buf + 64, k_gib - 64);
+    put_u64(buf + 72, 8);
+    put_u32(buf + 80, 1);
+    put_u32(buf + 84, KDT_DTYPE_INT32);
+    put_u32(buf + 88, 1);
+    put_u32(buf + 92, 0);
+    memset(buf + 96, 0, 16);
+    buf[96] = 'a';
+    put_u64(buf + 104, 2);
+    CHECK(make_sparse(path, k_gib, buf, 112, data, 8, k_gib - 64));
+    CHECK_OK(kdt_kdtr_open(path, &f));
+    CHECK_OK(kdt_kdtr_find(f, "a", &a));
+    CHECK_EQ(a.nbytes, 8);
+    CHECK_EQ(((const int32_t*)a.data)[0], 7);
+    CHECK_EQ(((const int32_t*)a.data)[1], -2);
+    CHECK_EQ((uintptr_t)a.data % 64, 0);
+    kdt_kdtr_close(f);
+}
+
+/* A record table of 512 MiB whose first record is zeros: rejected after reading the first
+ * piece of the table. */
+static void sparse_huge_table(const char* path) {
+    unsigned char buf[64];
+    kdt_kdtr_file* f = NULL;
+    make_header(buf, k_gib, 8192, (uint64_t)512 << 20);
+    CHECK(make_sparse(path, k_gib, buf, 64, NULL, 0, 0));
+    CHECK_STATUS(kdt_kdtr_open(path, &f), KDT_ERR_FORMAT);
+    CHECK_ERR_HAS("array 0: name_len at byte offset 80: 0 is outside 1..65535");
+    CHECK(f == NULL);
+}
+
+/* Files that declare 1 GiB which their arrays do not hold: the reader reads only the
+ * header, the records and the arrays' bytes (bytes after the last array are allowed by
+ * section 5 of the spec and never read), so its peak memory stays far below 1 GiB. */
+static void test_sparse_files(void) {
+    char path[512];
+    kdt_kdtr_file* f = NULL;
+    int64_t count = -1;
+    unsigned char* big;
+    path_in_dir(path, sizeof path, "sparse.kdtr");
+    in_child_with_small_peak(sparse_no_arrays, path);
+    in_child_with_small_peak(sparse_one_array_at_the_end, path);
+    in_child_with_small_peak(sparse_huge_table, path);
+    unlink(path);
+
+    /* From memory: 16 MiB declared and present, no arrays: accepted. */
+    big = (unsigned char*)calloc(1, (size_t)1 << 24);
+    CHECK(big != NULL);
+    if (big != NULL) {
+        make_header(big, (uint64_t)1 << 24, 0, 0);
+        CHECK_OK(kdt_kdtr_open_memory(big, (size_t)1 << 24, &f));
+        CHECK_OK(kdt_kdtr_count(f, &count));
+        CHECK_EQ(count, 0);
+        kdt_kdtr_close(f);
+        free(big);
+    }
+}
+
 static void remove_dir(void) {
     DIR* d = opendir(g_dir);
     struct dirent* e;
@@ -735,6 +875,7 @@ int main(void) {
     test_open_errors();
     test_save_rejects();
     test_fixture();
+    test_sparse_files();
     remove_dir();
     HARNESS_EXIT();
 }

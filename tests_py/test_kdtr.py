@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -413,6 +414,101 @@ def test_newer_minor_with_a_longer_header_is_read():
     lib = _lib_or_none()
     if lib is not None:
         assert_same(c_loads(lib, bytes(b)), SMALL)
+
+
+# ---- Sparse and crafted files: only what the records point at is read ------------------------
+
+GIB = 1 << 30
+
+
+def _header(file_size: int, count: int, table_size: int) -> bytes:
+    return struct.pack("<8sHHIQQQ24x", b"KDTR\r\n\x1a\n", 1, 0, 64, file_size, count, table_size)
+
+
+def _sparse(path: Path, size: int, *pieces: tuple[int, bytes]) -> Path:
+    """A sparse file of ``size`` bytes holding each (offset, bytes) piece, zeros elsewhere."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for off, data in pieces:
+            f.seek(off)
+            f.write(data)
+    return path
+
+
+def _one_array_at_the_end() -> bytes:
+    """Header and record of int32 'a' [2] at byte offset 1 GiB - 64 of a 1 GiB file."""
+    rec = struct.pack("<QQIII4x", GIB - 64, 8, 1, 4, 1) + b"a" + b"\x00" * 7 + struct.pack("<q", 2)
+    return _header(GIB, 1, len(rec)) + rec
+
+
+SPARSE_CASES = [
+    # (id, pieces of a 1 GiB file, expected arrays or the expected error text)
+    ("no-arrays-then-a-hole", [(0, _header(GIB, 0, 0))], {}),
+    (
+        "one-array-at-the-end",
+        [(0, _one_array_at_the_end()), (GIB - 64, struct.pack("<2i", 7, -2))],
+        {"a": [7, -2]},
+    ),
+    (
+        "huge-table-bad-first-record",
+        [(0, _header(GIB, 8192, 512 << 20))],
+        "array 0: name_len at byte offset 80: 0 is outside 1..65535",
+    ),
+]
+
+_PEAK_PROBE = """
+import resource, sys
+from kdtree import kdtr
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    result = {k: v.tolist() for k, v in kdtr.load(sys.argv[1]).items()}
+except kdtr.KdtrFormatError as exc:
+    result = str(exc)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(repr(result))
+"""
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+def test_sparse_file_is_not_read_whole(tmp_path, case):
+    """A 1 GiB file whose records cover a few bytes: kdtr.load's peak memory (ru_maxrss of a
+    fresh interpreter, KiB on Linux) grows by far less than the declared size."""
+    _id, pieces, want = case
+    path = _sparse(tmp_path / "sparse.kdtr", GIB, *pieces)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE, str(path)], env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    grew_kib, result = run.stdout.splitlines()
+    assert int(grew_kib) < 64 * 1024
+    assert result == repr(want)
+    lib = _lib_or_none()
+    if lib is not None:
+        handle = ctypes.c_void_p()
+        status = lib.kdt_kdtr_open(str(path).encode(), ctypes.byref(handle))
+        try:
+            if isinstance(want, str):
+                assert status == KDT_ERR_FORMAT and want in _error(lib)
+            else:
+                assert status == KDT_OK, _error(lib)
+                assert {k: v.tolist() for k, v in c_read(lib, handle).items()} == want
+        finally:
+            lib.kdt_kdtr_close(handle)
+
+
+def test_table_longer_than_the_first_read_piece(tmp_path):
+    """A valid record table of about 300 KiB (read in growing pieces) loads in both readers."""
+    arrays = {f"{i:05d}" + "n" * 140: np.arange(i % 5, dtype=np.int16) for i in range(1800)}
+    data = kdtr.dumps(arrays)
+    assert struct.unpack_from("<Q", data, 32)[0] > 4 * (1 << 16)
+    (tmp_path / "t.kdtr").write_bytes(data)
+    assert_same(kdtr.load(tmp_path / "t.kdtr"), arrays)
+    assert_same(kdtr.loads(data), arrays)
+    lib = _lib_or_none()
+    if lib is not None:
+        assert_same(c_loads(lib, data), arrays)
 
 
 def test_zero_extent_does_not_hide_overflow():

@@ -222,15 +222,22 @@ def _fail(msg: str) -> KdtrFormatError:
     return KdtrFormatError(msg)
 
 
-def _parse(buf, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
-    """Validates a whole file (spec section 6); returns [(name, code, shape, offset, nbytes)]."""
-    mv = memoryview(buf)
+def _parse(read, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
+    """Validates a whole file (spec section 6); returns [(name, code, shape, offset, nbytes)].
+
+    ``read(offset, n)`` returns the ``n`` bytes at byte ``offset`` of the file (``size``
+    bytes long). Only the header and the record table are read, the table in pieces that
+    grow as its records are checked (at least 64 KiB, then doubling), so a table_size that
+    the records do not back costs little more than the records.
+    """
     if size < HEADER_SIZE:
         raise _fail(
             f"header at byte offset 0: the file is {size} bytes, shorter than the "
             f"{HEADER_SIZE}-byte KDTR header"
         )
-    magic, major, minor, header_size, file_size, count, table_size = _HEADER.unpack_from(mv, 0)
+    magic, major, minor, header_size, file_size, count, table_size = _HEADER.unpack_from(
+        read(0, HEADER_SIZE), 0
+    )
     if magic != MAGIC:
         raise _fail(
             "magic at byte offset 0: not a KDTR file (expected 4B 44 54 52 0D 0A 1A 0A, "
@@ -262,6 +269,16 @@ def _parse(buf, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
             f"{table_size} bytes (each record is at least {MIN_RECORD} bytes)"
         )
     table_end = header_size + table_size
+    table = bytearray()  # bytes header_size .. header_size + len(table) of the file
+
+    def record(pos: int, n: int) -> bytes:
+        """The n table bytes at byte offset pos (inside the table), reading more if needed."""
+        want = pos + n - header_size
+        if want > len(table):
+            grow = min(table_size, max(want, 2 * len(table), 1 << 16))
+            table.extend(read(header_size + len(table), grow - len(table)))
+        return bytes(table[pos - header_size : pos - header_size + n])
+
     pos = header_size
     prev_end = table_end
     out = []
@@ -271,7 +288,7 @@ def _parse(buf, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
                 f"array {i}: record at byte offset {pos}: its {RECORD_FIXED} fixed bytes run "
                 f"past the end of the record table (byte offset {table_end})"
             )
-        data_offset, nbytes, name_len, code, ndim = _RECORD.unpack_from(mv, pos)
+        data_offset, nbytes, name_len, code, ndim = _RECORD.unpack_from(record(pos, RECORD_FIXED))
         if name_len == 0 or name_len > MAX_NAME_BYTES:
             raise _fail(
                 f"array {i}: name_len at byte offset {pos + 16}: {name_len} is outside "
@@ -290,7 +307,8 @@ def _parse(buf, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
                 f"{name_len}, ndim {ndim}) run past the end of the record table (byte offset "
                 f"{table_end})"
             )
-        raw = bytes(mv[pos + 32 : pos + 32 + name_len])
+        rec = record(pos, rec_size)
+        raw = rec[32 : 32 + name_len]
         try:
             name = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -309,7 +327,7 @@ def _parse(buf, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
                 f"{label}: dtype at byte offset {pos + 20}: unknown dtype code {code}"
             )
         shape_at = pos + 32 + name_pad
-        shape = struct.unpack_from(f"<{ndim}q", mv, shape_at)
+        shape = struct.unpack_from(f"<{ndim}q", rec, 32 + name_pad)
         expected = DTYPE_CODES[code][1]
         zero = False
         for d, extent in enumerate(shape):
@@ -373,15 +391,19 @@ def _parse(buf, size: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
     return [r[:5] for r in out]
 
 
-def _arrays(buf: bytearray) -> dict[str, np.ndarray]:
+def _arrays(read, size: int, view: bytearray | None = None) -> dict[str, np.ndarray]:
+    """The arrays of a validated file: views of ``view`` (the whole file) when given, else
+    each array's bytes read with ``read(offset, n)`` into its own buffer."""
     result: dict[str, np.ndarray] = {}
-    for name, code, shape, off, nbytes in _parse(buf, len(buf)):
+    for name, code, shape, off, nbytes in _parse(read, size):
         dtype = _numpy_dtype(code)
         if nbytes == 0:
             result[name] = np.zeros(shape, dtype=dtype)
         else:
             count = nbytes // dtype.itemsize
-            result[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=off).reshape(shape)
+            buf = view if view is not None else bytearray(read(off, nbytes))
+            start = off if view is not None else 0
+            result[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(shape)
     return result
 
 
@@ -394,14 +416,19 @@ def loads(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
     of ``data``. Raises KdtrFormatError (field and byte offset in the message) or
     KdtrUnsupportedError (unknown major version or dtype code).
     """
-    return _arrays(bytearray(data))
+    buf = bytearray(data)
+    mv = memoryview(buf)
+    return _arrays(lambda off, n: mv[off : off + n], len(buf), buf)
 
 
 def load(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Reads the KDTR file at ``path`` (docs/kdtr-format.md) into ``{name: array}``.
 
-    The file is read once, into a buffer of exactly its size (``os.fstat``), and validated
-    as by :func:`loads`. Raises OSError, KdtrFormatError or KdtrUnsupportedError.
+    The header is checked against the file's size (``os.fstat``), the record table is read
+    and validated as by :func:`loads`, and then only each array's bytes are read, into a
+    buffer of its own: bytes the records do not point at (between arrays, after the last
+    one) are never read, so a sparse or crafted file costs what its arrays hold. Raises
+    OSError, KdtrFormatError or KdtrUnsupportedError.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -409,8 +436,15 @@ def load(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise OSError(f"{os.fspath(path)}: not a regular file")
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        got = f.readinto(buf)
-        if got != size:
-            raise OSError(f"{os.fspath(path)}: read {got} of {size} bytes")
-    return _arrays(buf)
+
+        def read(offset: int, n: int) -> bytearray:
+            buf = bytearray(n)
+            f.seek(offset)
+            got = f.readinto(buf)
+            if got != n:
+                raise OSError(
+                    f"{os.fspath(path)}: read {got} of {n} bytes at byte offset {offset}"
+                )
+            return buf
+
+        return _arrays(read, size)
