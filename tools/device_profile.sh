@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdt-out}
 mkdir -p "$OUT"
 [ -x build-gpu/kdtree_bench_cuda ] || {
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DKDTREE_BUILD_BENCHMARKS=ON > "$OUT/cmake.log" 2>&1
   cmake --build build-gpu -j 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 }
 for variant in v3 v2; do

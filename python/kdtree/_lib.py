@@ -287,14 +287,16 @@ SIGNATURES: dict[str, tuple[object, list]] = {
 
 
 def candidate_paths() -> list[Path]:
-    """Where the loader looks, in order."""
+    """Where the loader looks, in order: ``KDTREE_LIBRARY`` (a file path), the library
+    installed inside the package (``pip install .``), then the CMake build folder of the
+    checkout the package is used from (``<repo>/build``, with ``PYTHONPATH=python``)."""
     paths: list[Path] = []
     env = os.environ.get("KDTREE_LIBRARY")
     if env:
         paths.append(Path(env))
-    here = Path(__file__).resolve().parent
-    paths.append(here.parent.parent / "build" / LIBRARY_NAME)
-    paths.append(here / LIBRARY_NAME)
+    package = Path(__file__).resolve().parents[__name__.count(".") - 1]  # the kdtree folder
+    paths.append(package / LIBRARY_NAME)
+    paths.append(package.parent.parent / "build" / LIBRARY_NAME)
     return paths
 
 
