@@ -15,7 +15,7 @@ enum { B = 2, L = 3, K = 2, N = 4, V = 100 };
 /* Nonzero (after printing the call and the library's detail) when a call failed. */
 static int failed(kdt_status status, const char* call) {
     if (status == KDT_OK) return 0;
-    fprintf(stderr, "%s: %s: %s\n", call, kdt_status_string(status), kdt_last_error());
+    fprintf(stderr, "%s: %s: %s\n", call, kdt_status_string((int32_t)status), kdt_last_error());
     return 1;
 }
 
