@@ -23,7 +23,8 @@ import nox
 ROOT = Path(__file__).resolve().parent
 BUILD = ROOT / "build"
 PYTHON_DEPS = ["numpy>=1.26", "ml_dtypes>=0.4", "tqdm>=4.60"]
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+# scikit-build-core: tests_py/test_packaging.py builds the wheel without fetching it.
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "scikit-build-core>=0.10"]
 # The transformer engine (kdtree.hf, kdtree.drafter): transformers is pinned to the release
 # the tests run against. torch stays below 2.14 so that machines holding a local CPU wheel
 # of 2.13 use it; KDTREE_TORCH overrides the requirement (e.g. "torch==2.14.1").
@@ -38,18 +39,20 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": str(ROOT / "python"), "PYTHONUNBUFFERED": "1"}
 
 
-def _cmake_build(session: nox.Session, *extra: str) -> None:
-    """Configures (warnings are errors under CI=true or KDTREE_WERROR=1) and builds."""
+def _cmake_build(session: nox.Session, *extra: str, target: str | None = None) -> None:
+    """Configures (warnings are errors under CI=true or KDTREE_WERROR=1) and builds
+    everything the build folder is configured for, or only `target`."""
     werror = "ON" if os.environ.get("CI") or os.environ.get("KDTREE_WERROR") == "1" else "OFF"
     session.run("cmake", "-S", str(ROOT), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
                 f"-DKDTREE_WERROR={werror}", *extra, external=True)
     jobs = str(os.cpu_count() or 2)
-    session.run("cmake", "--build", str(BUILD), "--parallel", jobs, external=True)
+    session.run("cmake", "--build", str(BUILD), "--parallel", jobs, *(["--target", target] if target else []),
+                external=True)
 
 
 @nox.session(python=False)
 def build(session: nox.Session) -> None:
-    """Build libkdtree.so and the native tests into build/ with CMake."""
+    """Build libkdtree.so, the native tests and the C example into build/ with CMake."""
     _cmake_build(session, *session.posargs)
 
 
@@ -81,7 +84,7 @@ def demo(session: nox.Session) -> None:
     Extra arguments go to ``python -m kdtree demo`` (e.g. ``nox -s demo -- --budget 256``,
     ``-- --plot round.png``, or ``-- --model ngram`` for the byte n-gram pair).
     """
-    _cmake_build(session)
+    _cmake_build(session, target="kdtree")
     session.install(*PYTHON_DEPS, *MODEL_DEPS)
     session.run("python", "-m", "kdtree", "demo", *session.posargs, env=_env())
 
@@ -101,14 +104,15 @@ def bench_gpu(session: nox.Session) -> None:
     Uses the ``python`` on PATH (torch is large and GPU machines often have no network):
     run it where ``python -c "import torch"`` works, as ``python -m nox -s bench-gpu`` if a
     version manager's shim would pick another interpreter. Builds libkdtree with CUDA first,
-    which stays in the build's CMake cache (``nox -s build -- -DKDTREE_CUDA=AUTO`` resets it).
+    which stays in the build's CMake cache (``nox -s build -- -DKDTREE_CUDA=AUTO`` resets it),
+    with the GPU benchmark programs of tools/ (KDTREE_BUILD_BENCHMARKS=ON, also kept).
     """
     if subprocess.run(["python", "-c", "import torch"], capture_output=True).returncode != 0:
         session.error(
             "bench-gpu needs torch: `python -c 'import torch'` fails for the python on PATH "
             f"({shutil.which('python')}); run `python -m nox -s bench-gpu` with an interpreter that has torch"
         )
-    _cmake_build(session, "-DKDTREE_CUDA=ON")
+    _cmake_build(session, "-DKDTREE_CUDA=ON", "-DKDTREE_BUILD_BENCHMARKS=ON")
     session.run("python", str(ROOT / "tools" / "bench_gpu.py"), *session.posargs, env=_env(), external=True)
 
 

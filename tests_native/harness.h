@@ -7,7 +7,8 @@
  *   CHECK_ERR_HAS(s)   fails unless kdt_last_error() contains the text s
  *
  * Each failure prints the expression, file:line and kdt_last_error(); the test keeps going
- * and main returns non-zero through HARNESS_EXIT(). */
+ * and main returns non-zero through HARNESS_EXIT(), which also fails a program that ran no
+ * check at all (a test that checks nothing proves nothing). */
 #ifndef KDT_TEST_HARNESS_H
 #define KDT_TEST_HARNESS_H
 
@@ -61,7 +62,8 @@ static int harness_checks = 0;
 #define HARNESS_EXIT()                                                                      \
     do {                                                                                    \
         printf("%d checks, %d failed\n", harness_checks, harness_failures);                \
-        return harness_failures == 0 ? 0 : 1;                                               \
+        if (harness_checks == 0) fprintf(stderr, "FAILED: no checks ran\n");                \
+        return harness_failures == 0 && harness_checks > 0 ? 0 : 1;                         \
     } while (0)
 
 #endif /* KDT_TEST_HARNESS_H */

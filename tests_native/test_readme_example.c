@@ -1,7 +1,8 @@
-/* The README's C example as a whole program (ctest runs it, and tests_py/test_docs.py
- * checks that every line of the README's snippet appears here): two requests, depth L = 3,
- * top-K = 2, budget N = 4; the trees and the walk are checked against values from the
- * Python reference (kdtree.reference), worked by hand in the comments.
+/* The inputs and calls of the README's C program (examples/quickstart.c, which ctest runs
+ * and compares with its expected output) checked value by value with the test harness: two
+ * requests, depth L = 3, top-K = 2, budget N = 4; the trees and the walk are checked
+ * against values from the Python reference (kdtree.reference), worked by hand in the
+ * comments.
  *
  * Built by hand the README's way (plus the harness's folder):
  *   cc -I include -I tests_native tests_native/test_readme_example.c -L build -lkdtree \
@@ -38,7 +39,7 @@ int main(void) {
     CHECK_OK(kdt_trees_field_bytes(B, N, KDT_FIELD_VISIBILITY, &bytes));
     CHECK_EQ(bytes, sizeof mask);
 
-    /* ---- the README's snippet, verbatim ---- */
+    /* ---- the calls of examples/quickstart.c ---- */
     /* B requests, L positions, top-K each; budget N. */
     kdt_draft draft = {.batch = B, .depth = L, .width = K, .logprobs = lp, .token_ids = ids,
                        .root_tokens = roots, .root_positions = pos, .vocab_size = V, .pad_token = -1};
@@ -56,7 +57,7 @@ int main(void) {
         fprintf(stderr, "%s\n", kdt_last_error());
         return 1;
     }
-    /* ---- end of the snippet ---- */
+    /* ---- end of the calls ---- */
 
     const int32_t want_tokens[B * (N + 1)] = {5, 10, 20, 30, 21, 6, 40, 41, 50, 51};
     const int32_t want_parents[B * (N + 1)] = {-1, 0, 1, 2, 1, -1, 0, 0, 1, 1};

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,17 +36,46 @@ def test_readme_gpu_example_is_the_one_the_device_runs():
     assert script.split('"""\n\n', 1)[-1] == block
 
 
-def test_readme_c_example_is_inside_a_tested_program():
-    """Every line of the README's C snippet appears, in order, in
-    tests_native/test_readme_example.c, which ctest builds, runs and checks."""
+def test_readme_c_example_is_the_example_program():
+    """The README's C block is examples/quickstart.c byte for byte: the program ctest builds
+    and runs (example_quickstart, and example_installed against `cmake --install`)."""
     text = (ROOT / "README.md").read_text()
     start = text.index("```c\n") + len("```c\n")
-    block = [line.strip() for line in text[start : text.index("```", start)].splitlines() if line.strip()]
-    program = [line.strip() for line in (ROOT / "tests_native" / "test_readme_example.c").read_text().splitlines()]
-    at = 0
-    for line in block:
-        assert line in program[at:], f"README C line not in tests_native/test_readme_example.c (in order): {line}"
-        at = program.index(line, at) + 1
+    block = text[start : text.index("```", start)]
+    program = (ROOT / "examples" / "quickstart.c").read_text()
+    assert block == program, "the README's C block differs from examples/quickstart.c: paste the file again"
+
+
+def test_example_expected_output_is_the_reference():
+    """examples/quickstart.out (what ctest requires quickstart.c to print) is the Python
+    reference's trees and walk for the program's inputs, in the program's layout."""
+    from kdtree import reference
+
+    lp = np.array([-0.1, -2.5, -0.2, -2.0, -0.3, -1.9, -0.5, -0.9, -1.0, -1.2, -0.7, -3.0],
+                  np.float32).reshape(2, 3, 2)
+    ids = np.array([10, 11, 20, 21, 30, 31, 40, 41, 50, 51, 60, 61], np.int32).reshape(2, 3, 2)
+    trees = reference.build_trees(lp, ids, 4, root_tokens=[5, 6], root_positions=[100, 7], vocab_size=100)
+    target = np.zeros((2, 5), np.int32)
+    target[0, :3] = [10, 20, 99]
+    target[1, 0] = 55
+    acc = reference.verify_greedy(trees, target)
+    header = (ROOT / "include" / "kdtree.h").read_text()
+    version = ".".join(re.search(rf"#define KDT_VERSION_{part} (\d+)", header).group(1)
+                       for part in ("MAJOR", "MINOR", "PATCH"))
+    abi = re.search(r"#define KDT_ABI_VERSION (\d+)", header).group(1)
+    lines = [f"libkdtree {version} (ABI {abi})"]
+    for b in range(2):
+        lines.append(f"request {b}: {trees.num_nodes[b]} draft nodes")
+        lines.append("  node token parent position    logw first_child next_sibling visible")
+        for i in range(5):
+            vis = "".join("1" if v else "0" for v in trees.visibility[b, i])
+            lines.append(f"  {i:4d} {trees.tokens[b, i]:5d} {trees.parents[b, i]:6d} {trees.positions[b, i]:8d} "
+                         f"{trees.logw[b, i]:7.4f} {trees.first_child[b, i]:11d} {trees.next_sibling[b, i]:12d} {vis}")
+        path = acc.accepted_nodes[b, 1 : acc.accept_length[b] + 1]
+        walk = ",".join(f" node {i} (token {trees.tokens[b, i]})" for i in path) or " none"
+        bonus = f"bonus token {acc.bonus_token[b]}" if acc.bonus_token[b] >= 0 else "no bonus token"
+        lines.append(f"  accepted:{walk}; {bonus}")
+    assert (ROOT / "examples" / "quickstart.out").read_text() == "\n".join(lines) + "\n"
 
 
 def test_api_md_decoding_example_runs(monkeypatch):

@@ -1,7 +1,8 @@
 """Loads libkdtree.so through ctypes and declares every C symbol once.
 
-Search order: the ``KDTREE_LIBRARY`` environment variable (a file path), then the CMake
-build folder of this checkout (``<repo>/build``), then this package's folder. The ABI
+Search order: the ``KDTREE_LIBRARY`` environment variable (a file path), then the library
+inside this package's folder (where ``pip install`` puts it), then the CMake build folder
+of this checkout (``<repo>/build``). The ABI
 version is checked before any other symbol is declared. Every function returning a
 ``kdt_status`` gets one ``errcheck`` that raises :class:`KdtreeError` with the library's
 ``kdt_last_error()`` text.
@@ -328,14 +329,16 @@ SIGNATURES: dict[str, tuple[object, list]] = {
 
 
 def candidate_paths() -> list[Path]:
-    """Where the loader looks, in order."""
+    """Where the loader looks, in order: ``KDTREE_LIBRARY`` (a file path), the library
+    installed inside the package (``pip install .``), then the CMake build folder of the
+    checkout the package is used from (``<repo>/build``, with ``PYTHONPATH=python``)."""
     paths: list[Path] = []
     env = os.environ.get("KDTREE_LIBRARY")
     if env:
         paths.append(Path(env))
-    package = Path(__file__).resolve().parents[1]  # python/kdtree
-    paths.append(package.parents[1] / "build" / LIBRARY_NAME)
-    paths.append(package / LIBRARY_NAME)
+    package = Path(__file__).resolve().parents[1]  # the kdtree folder (python/kdtree in a checkout)
+    paths.append(package / LIBRARY_NAME)  # an installed wheel's library
+    paths.append(package.parents[1] / "build" / LIBRARY_NAME)  # this checkout's CMake build
     return paths
 
 
