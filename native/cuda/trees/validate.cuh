@@ -24,6 +24,12 @@ __device__ inline uint64_t mix_id(int32_t id) {
 // The CPU builder's verdict for one request, computed sequentially (the error path only):
 // root position, root token, then row by row: values (NaN, +inf, order) before ids
 // (range, repeats of an earlier id), each in rank order.
+// The CPU builder's bound on a log-prob (native/trees.c, KDT_LOGPROB_SLACK = 32 FLT_EPSILON
+// = 2^-18, exact in float): a larger entry is a probability or a raw logit, KDT_ERR_VALUE.
+// On a row sorted non-increasing only rank 0 can exceed it, so the fast checks test every
+// entry against it (it also covers +inf) and the verdict is the CPU's.
+constexpr float kLogprobSlack = 3.814697265625e-06f;
+
 __device__ int32_t exact_status(const kdt_draft& d, int64_t b, int64_t kp) {
     const int64_t L = d.depth, K = d.width;
     if (d.root_positions) {
@@ -39,7 +45,9 @@ __device__ int32_t exact_status(const kdt_draft& d, int64_t b, int64_t kp) {
         const int32_t* ids = d.token_ids + ((size_t)b * L + r0) * K;
         for (int64_t r = 0; r < kp; r++) {
             const float v = lp[r];
-            if (isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > lp[r - 1])) return KDT_ERR_VALUE;
+            if (isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > lp[r - 1]) || (r == 0 && v > kLogprobSlack)) {
+                return KDT_ERR_VALUE;
+            }
         }
         for (int64_t r = 0; r < kp; r++) {
             const int32_t id = ids[r];
@@ -78,7 +86,7 @@ __device__ __forceinline__ bool validate_global(const BuildParams& p, int64_t b,
         const int64_t row = idx / kp, r = idx % kp;
         const float v = lp[row * K + r];
         const int32_t id = ids[row * K + r];
-        bad |= isnan(v) || (isinf(v) && v > 0) || (r > 0 && v > lp[row * K + r - 1]);
+        bad |= isnan(v) || v > kLogprobSlack || (r > 0 && v > lp[row * K + r - 1]);
         bad |= id < 0 || (d.vocab_size > 0 && id >= d.vocab_size);
     }
     if (bad) atomicOr(s_bad, 1);
@@ -181,7 +189,7 @@ __device__ __forceinline__ int load_and_check_rows(const BuildParams& p, const f
                         if (ok) {
                             const float prev = prev_by_shuffle ? up : before[u];
                             lp_s[row[u] * ukp + rank[u]] = v[u];
-                            bad |= isnan(v[u]) || (isinf(v[u]) && v[u] > 0) || (rank[u] > 0 && v[u] > prev);
+                            bad |= isnan(v[u]) || v[u] > kLogprobSlack || (rank[u] > 0 && v[u] > prev);
                             bad |= id[u] < 0 || (d.vocab_size > 0 && id[u] >= d.vocab_size);
                         }
                         // A negative id is a range error, reported by exact_status.
