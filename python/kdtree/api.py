@@ -426,7 +426,8 @@ def verify_greedy(
 def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
-    ``logprob = logit - logsumexp(row)`` over the whole row, computed in float64 and rounded
+    ``logprob = logit - logsumexp(row)`` over the whole row, computed as ``(logit - max) -
+    log(sum(exp(row - max)))`` in float64 (exact up to float32's largest logits) and rounded
     once to float32, sorted descending with ties ordered by lower token id.
 
     Args:

@@ -244,8 +244,9 @@ def verify_greedy(
 
 
 def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reference for :func:`kdtree.topk_logprobs`: logsumexp in float64 (numpy's pairwise
-    sum), stable order by (-logit, id), log-probs ``float32(logit - lse)``."""
+    """Reference for :func:`kdtree.topk_logprobs`: in float64 (numpy's pairwise sum), stable
+    order by (-logit, id), log-probs ``float32((logit - m) - log(sum(exp(row - m))))`` with m
+    the row's max (never ``logit - (m + log sum)``, which loses ``log sum`` for large m)."""
     x = np.asarray(logits)
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise TypeError(f"logits must be a floating array, got dtype {x.dtype}")
@@ -260,7 +261,8 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("a row has every logit -inf")
     x64 = x.astype(np.float64)
     m = x64.max(axis=-1, keepdims=True)
-    lse = m + np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
+    log_sum = np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
     order = np.argsort(-x64, axis=-1, kind="stable")[..., :k]
     top = np.take_along_axis(x64, order, axis=-1)
-    return (top - lse).astype(np.float32), order.astype(np.int32)
+    with np.errstate(over="ignore"):  # -FLT_MAX - FLT_MAX: -inf in float32
+        return ((top - m) - log_sum).astype(np.float32), order.astype(np.int32)
