@@ -135,3 +135,22 @@ def test_cuda(cuda_device):
             got = lp.astype(np.float64)
             ok = np.where(np.isinf(want), got == want, np.abs(got - want) <= 2e-6 * np.abs(want) + 2e-6)
             assert ok.all(), (name, k, got[~ok][:4], want[~ok][:4])
+
+
+@pytest.mark.usefixtures("lib")
+def test_trees_take_extreme_logprobs_and_reject_probabilities():
+    """The top-k's log-probs of extreme rows build trees (the CPU builder and the reference
+    agree); their probabilities np.exp(lp), or the raw logits, are rejected by both, naming
+    request, depth and rank."""
+    x = np.stack([ROWS["six equal 6.17e16"], ROWS["float32 max"], ROWS["1e6"]])[None]  # [1, 3, 8]
+    lp, ids = kdtree.topk_logprobs(x, 4)
+    got = kdtree.build_trees(lp, ids, 9)
+    want = reference.build_trees(lp, ids, 9)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logw, want.logw)
+    assert got.num_nodes[0] == 9
+    for bad in (np.exp(lp), -np.sort(-x, axis=-1)[..., :4]):
+        with pytest.raises(ValueError, match=r"request 0, depth 1, rank 0: log-probability .* > 0"):
+            reference.build_trees(bad, ids, 9)
+        with pytest.raises(kdtree.KdtreeError, match=r"request 0, depth 1, rank 0: log-probability .* > 0"):
+            kdtree.build_trees(bad, ids, 9)

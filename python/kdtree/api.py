@@ -307,7 +307,8 @@ def build_trees(
     Raises:
         TypeError: non-floating log-probs or non-integer ids.
         ValueError / KdtreeError: shape mismatch, negative budget, NaN or +inf log-probs,
-            unsorted rows, duplicate ids in a row, ids out of range (the message names
+            unsorted rows, a log-prob > 0 beyond float32 rounding (3.8e-6: a probability or
+            a raw logit), duplicate ids in a row, ids out of range (the message names
             request, depth and rank).
         MemoryError: CPU: the outputs (about B x (N+1)^2 bytes, the dense mask) exceed this
             machine's memory (see :func:`empty_trees`).
