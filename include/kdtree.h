@@ -200,7 +200,14 @@ KDT_API kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth
  *   KDT_ERR_INVALID_ARGUMENT  negative batch, depth, width, budget or vocab_size
  *   KDT_ERR_SHAPE             out->batch != draft->batch
  *   KDT_ERR_VALUE             NaN or +inf log-prob, a row not sorted non-increasing, a
- *                             duplicate token id in a row ("request b, depth d, rank r: ...")
+ *                             log-prob > 32 FLT_EPSILON (3.8e-6: float32 rounding of a
+ *                             probability near 1 may leave a true log-prob of 0 slightly
+ *                             above; more is a probability or a raw logit passed as a
+ *                             log-prob), a duplicate token id in a row ("request b, depth
+ *                             d, rank r: ..."). Only the used part (ranks < K' = min(K, N))
+ *                             is checked; -inf entries (padding, masked tokens) are valid.
+ *                             Rows are not checked to sum to at most 1 (exp(lp) summed):
+ *                             scores that are not normalised still build the spec's tree.
  *   KDT_ERR_OUT_OF_RANGE      a negative token id, or one >= vocab_size
  *   KDT_ERR_BUFFER_TOO_SMALL  workspace_bytes below the query's answer
  *   KDT_ERR_OVERFLOW, KDT_ERR_OUT_OF_MEMORY

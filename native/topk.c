@@ -1,5 +1,5 @@
 /* Top-k log-probs from float32 logits on the CPU (spec: "Input":
- * lp = top_k(logits) - logsumexp(logits)). */
+ * lp = top_k(logits) - logsumexp(logits), computed as (logit - max) - log sum exp(x - max)). */
 #include <math.h>
 
 #include "internal.h"
@@ -89,7 +89,7 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
         float* v = out_logprobs + (size_t)r * (size_t)k;
         int32_t* id = out_ids + (size_t)r * (size_t)k;
         float m = -INFINITY;
-        double sum = 0.0, carry = 0.0, lse;
+        double sum = 0.0, carry = 0.0, log_sum;
         for (int64_t c = 0; c < vocab; c++) {
             if (x[c] > m) m = x[c];
         }
@@ -100,7 +100,7 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
             carry += fabs(sum) >= term ? (sum - t) + term : (term - t) + sum;
             sum = t;
         }
-        lse = (double)m + log(sum + carry);
+        log_sum = log(sum + carry);
         if (k == 0) continue;
         /* Keep the k best in a heap whose root is the worst kept entry. */
         for (int64_t c = 0; c < k; c++) {
@@ -125,9 +125,12 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
             id[size - 1] = ti;
             sift_down(v, id, size - 1, 0);
         }
-        /* In float64, then rounded once: logit - float32(lse) would lose the low digits
-         * of large logits (1e8 - (1e8 + log 2) must give -log 2). */
-        for (int64_t c = 0; c < k; c++) v[c] = (float)((double)v[c] - lse);
+        /* (logit - m) - log sum in float64, rounded once. Never logit - (m + log sum): m +
+         * log sum loses log sum when m is large (six equal logits of 6.17e16 would give 0
+         * instead of -log 6; at 1e12 float64's ulp is 1.2e-4). The difference of two
+         * float32 values is exact in float64, or (exponents 30 or more apart) rounded by
+         * 2^-53 relative. */
+        for (int64_t c = 0; c < k; c++) v[c] = (float)(((double)v[c] - (double)m) - log_sum);
     }
     return kdt_ok();
 }

@@ -4,6 +4,7 @@
  * candidates from a binary heap keyed by (-logw, rank path) until N nodes are emitted or
  * the heap is empty. Rank paths are never stored: two candidates with equal scores are
  * ordered by walking both up the emitted tree (O(depth), only on exact score ties). */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -191,8 +192,8 @@ overflow:
 
 /* ---- Validation -------------------------------------------------------------------- */
 
-/* Checks one row's used part: values (no NaN / +inf, non-increasing) then ids (range,
- * duplicates). Depth is reported 1-based (row d is depth d + 1). */
+/* Checks one row's used part: values (no NaN / +inf, non-increasing, none > 0) then ids
+ * (range, duplicates). Depth is reported 1-based (row d is depth d + 1). */
 static kdt_status id_range_error(int32_t id, int64_t vocab, int64_t b, int64_t d, int64_t r) {
     if (vocab > 0) {
         return kdt_fail(KDT_ERR_OUT_OF_RANGE,
@@ -251,6 +252,23 @@ static kdt_status check_row_by_sort(const int32_t* ids, int64_t eff_width, int64
     return KDT_OK;
 }
 
+/* Log-probs, not probabilities or raw logits (kdtree.h, kdt_trees_build_cpu): no entry
+ * above KDT_LOGPROB_SLACK. A true log-prob is <= 0; float32 rounding of a probability near
+ * 1 can leave it a few epsilons above (the GPU top-k's bound is 2e-6 * (1 + |lp|)), so 32
+ * epsilons (3.8e-6) are allowed. Probabilities given as log-probs (a row's largest is
+ * >= 1 / vocab > 0) or raw logits (the largest is > 0 unless every logit is negative) trip
+ * it. Called on a row sorted non-increasing with no NaN, so lp[0] is its largest. */
+#define KDT_LOGPROB_SLACK (32.0 * FLT_EPSILON)
+static kdt_status check_row_logprob_sign(const float* lp, int64_t b, int64_t d) {
+    if ((double)lp[0] > KDT_LOGPROB_SLACK) {
+        return kdt_fail(KDT_ERR_VALUE,
+                        "request %lld, depth %lld, rank 0: log-probability %.9g > 0 (a probability or a raw "
+                        "logit, not a log-probability?)",
+                        (long long)b, (long long)(d + 1), (double)lp[0]);
+    }
+    return KDT_OK;
+}
+
 static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_width,
                                int64_t vocab, int64_t b, int64_t d, kdt_scratch* s) {
     /* Fast path: one branch-free pass (vectorisable) decides whether the row is clean; the
@@ -289,6 +307,10 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
                                 (double)lp[r - 1]);
             }
         }
+    }
+    {
+        const kdt_status sst = check_row_logprob_sign(lp, b, d);
+        if (sst != KDT_OK) return sst;
     }
     if (s->idmap) {
         if (++s->map_stamp == 0) {

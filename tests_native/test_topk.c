@@ -1,5 +1,7 @@
 /* Top-k log-probs against fixtures/topk_cases.kdtr (expected values from the Python
- * reference: ids exact, log-probs within 1e-6), plus error handling. */
+ * reference: ids exact, log-probs within 1e-6), logits up to float32's largest (expected
+ * values from a long double reference here, and by hand), plus error handling. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +40,74 @@ static void fixture_cases(void) {
     kdt_kdtr_close(f);
 }
 
+/* One row's log-probs in long double, (x - max) - log sum exp(x - max), rounded to float
+ * (x[i] - max of two float32 values is exact in long double's 64-bit significand, or
+ * rounded far below float32's resolution). */
+static float ref_logprob(const float* x, int64_t vocab, int64_t i) {
+    long double m = -INFINITY, sum = 0.0L;
+    for (int64_t c = 0; c < vocab; c++) {
+        if (x[c] > m) m = x[c];
+    }
+    for (int64_t c = 0; c < vocab; c++) sum += expl((long double)x[c] - m);
+    return (float)(((long double)x[i] - m) - logl(sum));
+}
+
+/* Within 1 float32 ulp of want (equal when want is infinite). */
+static int within_ulp(float got, float want) {
+    if (isinf(want) || isinf(got)) return got == want;
+    return fabsf(got - want) <= fabsf(nextafterf(want, INFINITY) - want);
+}
+
+/* Logits up to FLT_MAX: log-probs are (logit - max) - log sum, never logit - (max + log
+ * sum), which loses log sum once max is large. */
+static void extreme_logits(void) {
+    enum { V = 8 };
+    const float big = 6.17e16f, t = 1e12f, sp = 65536.0f; /* sp: float32's spacing at 1e12 */
+    const float rows[][V] = {
+        {big, big, big, big, big, big, -INFINITY, -INFINITY},   /* six equal: -log 6 each */
+        {t, t, t, t - sp, t - 2 * sp, -t, 0.0f, -INFINITY},     /* 1e12 ties: -log 3 */
+        {t, t - 1.5e-4f * t, t, 1.0f, -1.0f, t, t, t},          /* five 1e12 ties, others far below */
+        {FLT_MAX, FLT_MAX, -FLT_MAX, 0.0f, -INFINITY, FLT_MAX / 2, -FLT_MAX, 1.0f},
+        {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX, -INFINITY, -INFINITY, -INFINITY, -INFINITY},
+        {-3.4e38f, -3.4e38f, -3.4e38f - 1e31f * 2, -INFINITY, -3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f},
+        {3.4e38f, -3.4e38f, 1e38f, -1e38f, 3.4e38f, 0.0f, 1e-38f, -3.4e38f}, /* mixed signs */
+        {1e6f, 1e6f + 1.0f, 1e6f - 2.0f, 1e6f + 0.5f, -1e6f, 1e6f, 1e6f - 0.0625f, 1e6f + 3.0f},
+    };
+    const int nrows = (int)(sizeof rows / sizeof rows[0]);
+    float lp[V];
+    int32_t ids[V];
+    int bad = 0;
+    for (int r = 0; r < nrows; r++) {
+        CHECK_OK(kdt_topk_logprobs_cpu(rows[r], 1, V, V, V, lp, ids));
+        for (int i = 0; i < V; i++) {
+            const float want = ref_logprob(rows[r], V, ids[i]);
+            if (!within_ulp(lp[i], want)) {
+                fprintf(stderr, "extreme row %d, rank %d (id %d, logit %.9g): log-prob %.9g, expected %.9g\n", r, i,
+                        ids[i], rows[r][ids[i]], lp[i], want);
+                bad++;
+            }
+        }
+    }
+    CHECK_EQ(bad, 0);
+    /* By hand. */
+    CHECK_OK(kdt_topk_logprobs_cpu(rows[0], 1, V, V, 6, lp, ids));
+    for (int i = 0; i < 6; i++) {
+        CHECK_EQ(ids[i], i);
+        CHECK(within_ulp(lp[i], (float)-log(6.0)));
+    }
+    CHECK_OK(kdt_topk_logprobs_cpu(rows[1], 1, V, V, 3, lp, ids));
+    for (int i = 0; i < 3; i++) CHECK(within_ulp(lp[i], (float)-log(3.0)));
+    CHECK_OK(kdt_topk_logprobs_cpu(rows[3], 1, V, V, 4, lp, ids));
+    CHECK(within_ulp(lp[0], (float)-log(2.0)) && within_ulp(lp[1], (float)-log(2.0)));
+    CHECK_EQ(ids[2], 5); /* FLT_MAX / 2 */
+    CHECK(lp[2] == -FLT_MAX / 2);  /* -FLT_MAX / 2 - log 2 rounds to -FLT_MAX / 2 */
+    CHECK(lp[3] == -FLT_MAX);      /* 1 - FLT_MAX - log 2 */
+    CHECK_OK(kdt_topk_logprobs_cpu(rows[4], 1, V, V, 4, lp, ids));
+    for (int i = 0; i < 4; i++) CHECK(within_ulp(lp[i], (float)-log(4.0)));
+    CHECK_OK(kdt_topk_logprobs_cpu(rows[3], 1, V, V, V, lp, ids));
+    CHECK(lp[V - 1] == -INFINITY && lp[V - 2] == -INFINITY); /* -FLT_MAX - FLT_MAX: below float32 */
+}
+
 static void strided_and_errors(void) {
     /* Two rows of 3 logits with a row stride of 5 (the gaps hold NaN, never read). */
     float x[10] = {1.0f, 3.0f, 3.0f, NAN, NAN, -INFINITY, 0.0f, 2.0f, NAN, NAN};
@@ -72,6 +142,7 @@ static void strided_and_errors(void) {
 
 int main(void) {
     fixture_cases();
+    extreme_logits();
     strided_and_errors();
     HARNESS_EXIT();
 }

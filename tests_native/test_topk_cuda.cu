@@ -28,6 +28,7 @@
 // compute-sanitizer).
 #include <cuda_runtime.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -399,6 +400,67 @@ static void run_case(Device* d, const Tensor& t, int64_t K, const char* label) {
     if (bad) harness_failures++;
 }
 
+// ---- logits up to float32's largest ------------------------------------------------------
+
+// A float32 [1, rows, V] tensor of the given rows (row-major, rows * V values).
+static void tensor_of_rows(const std::vector<float>& values, int64_t rows, int64_t V, Tensor* t) {
+    t->values = values;
+    t->kinds.assign((size_t)rows, kLarge);
+    t->refs.resize((size_t)rows);
+    for (int64_t r = 0; r < rows; r++) t->refs[(size_t)r] = reference(&t->values[(size_t)(r * V)], V);
+    CUDA_OK(cudaMalloc(&t->base, values.size() * 4));
+    CUDA_OK(cudaMemcpy(t->base, values.data(), values.size() * 4, cudaMemcpyHostToDevice));
+    t->desc.data = t->base;
+    t->desc.dtype = KDT_DTYPE_FLOAT32;
+    t->desc.reserved = 0;
+    t->desc.batch = 1;
+    t->desc.length = rows;
+    t->desc.vocab = V;
+    t->desc.batch_stride = rows * V;
+    t->desc.row_stride = V;
+}
+
+// Rows whose log-probs need (x - m) - log S, never x - (m + log S): six equal 6.17e16, ties
+// at 1e12, +-FLT_MAX, all -3.4e38, mixed signs (padded with -inf to V), and random rows
+// around large offsets (1e4 .. 1e12, +-), where the row kernel's log S correction for its
+// float32 c = m log2 e must be exact (c_max ln 2 - m was 1.3e-8 |m| off: 0.013 at 1e6).
+// Each at k = 8 and 64 (the row kernel) and 129 (the chunk kernels).
+static void extreme_rows(Device* d, int64_t V) {
+    const float big = 6.17e16f, t12 = 1e12f, sp = 65536.0f, fm = FLT_MAX, ninf = -INFINITY;
+    const float heads[][8] = {
+        {big, big, big, big, big, big, ninf, ninf},
+        {t12, t12, t12, t12 - sp, t12 - 2 * sp, -t12, 0.0f, ninf},
+        {fm, fm, -fm, 0.0f, ninf, fm / 2, -fm, 1.0f},
+        {-fm, -fm, -fm, -fm, ninf, ninf, ninf, ninf},
+        {-3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f},
+        {3.4e38f, -3.4e38f, 1e38f, -1e38f, 3.4e38f, 0.0f, 1e-38f, -3.4e38f},
+        {1e6f, 1e6f + 1.0f, 1e6f - 2.0f, 1e6f + 0.5f, -1e6f, 1e6f, 1e6f - 0.0625f, 1e6f + 3.0f},
+    };
+    const double offsets[] = {30.0, 1e4, 1e6, -1e6, 3e7, 9e7, 1e9, -1e9, 1e12, 3e38};
+    const int64_t n_heads = (int64_t)(sizeof heads / sizeof heads[0]);
+    const int64_t n_off = (int64_t)(sizeof offsets / sizeof offsets[0]);
+    const int64_t rows = n_heads + n_off;
+    std::vector<float> values((size_t)(rows * V), -INFINITY);
+    for (int64_t r = 0; r < n_heads; r++) {
+        for (int64_t i = 0; i < 8 && i < V; i++) values[(size_t)(r * V + i)] = heads[r][i];
+    }
+    for (int64_t j = 0; j < n_off; j++) {
+        const double off = offsets[j];
+        const float o = (float)fabs(off);
+        const double spacing = (double)(nextafterf(o, INFINITY) - o);
+        const double spread = spacing * 2 > 3.0 ? spacing * 2 : 3.0;
+        float* x = &values[(size_t)((n_heads + j) * V)];
+        for (int64_t v = 0; v < V; v++) x[v] = (float)(off + spread * normal());
+        for (int i = 0; i < 5; i++) x[uniform(0, V - 1)] = (float)(off + 4 * spread);  // ties at the top
+    }
+    Tensor t;
+    tensor_of_rows(values, rows, V, &t);
+    for (int64_t K : {8, 64, 129}) {
+        if (K <= V) run_case(d, t, K, "extreme logits");
+    }
+    CUDA_OK(cudaFree(t.base));
+}
+
 // ---- host-side checks ---------------------------------------------------------------------
 
 static void host_checks(Device* d) {
@@ -561,6 +623,9 @@ int main(int argc, char** argv) {
             CUDA_OK(cudaFree(t.base));
         }
     }
+
+    extreme_rows(&d, 1025);
+    if (!quick) extreme_rows(&d, 8193);
 
     // The row that fills the row kernel's buffer exactly (k = 128, 16-bit dtypes).
     for (int32_t dtype : {KDT_DTYPE_BFLOAT16, KDT_DTYPE_FLOAT16}) {

@@ -1,6 +1,8 @@
 /* The CPU tree builder against fixtures/trees_cases.kdtr (expected values from the Python
  * reference): every field of every case, into fresh buffers and into buffers holding
- * garbage or an earlier, larger tree; caller workspace vs. library workspace. */
+ * garbage or an earlier, larger tree; caller workspace vs. library workspace. Plus rows
+ * that are not log-probs (an entry > 0 beyond float32 rounding) rejected with the place. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,6 +108,74 @@ static void build_full_tree(kdt_trees* big) {
     CHECK_EQ(big->num_nodes[0], 64);
 }
 
+/* Log-probs > 0 (beyond float32 rounding: 32 FLT_EPSILON) are probabilities or raw
+ * logits, rejected with request, depth and rank; 0, tiny rounding above 0, -inf padding and
+ * unused ranks (>= K' = min(K, N)) are accepted. */
+static void logprob_sign(void) {
+    enum { B = 2, L = 2, K = 3 };
+    float lp[B * L * K];
+    int32_t ids[B * L * K];
+    for (int i = 0; i < B * L * K; i++) {
+        lp[i] = -0.5f - (float)(i % K);
+        ids[i] = i % K;
+    }
+    kdt_draft d;
+    memset(&d, 0, sizeof d);
+    d.batch = B;
+    d.depth = L;
+    d.width = K;
+    d.logprobs = lp;
+    d.token_ids = ids;
+    d.pad_token = -1;
+    kdt_trees t = alloc_trees(B, 4, 0xa5);
+    CHECK_OK(kdt_trees_build_cpu(&d, &t, NULL, 0));
+
+    /* Probabilities passed as log-probs, at request 1, depth 2. */
+    const float probs[K] = {0.6f, 0.3f, 0.1f};
+    memcpy(lp + (1 * L + 1) * K, probs, sizeof probs);
+    CHECK_STATUS(kdt_trees_build_cpu(&d, &t, NULL, 0), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("request 1, depth 2, rank 0: log-probability 0.6");
+    /* Raw logits, at request 0, depth 1. */
+    const float logits[K] = {3.25f, 1.0f, -0.5f};
+    memcpy(lp, logits, sizeof logits);
+    CHECK_STATUS(kdt_trees_build_cpu(&d, &t, NULL, 0), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("request 0, depth 1, rank 0: log-probability 3.25 > 0");
+
+    /* Valid again: exactly 0 (probability 1), float32 rounding above 0, -inf padding. */
+    const float edge[K] = {0.0f, -INFINITY, -INFINITY};
+    const float rounding[K] = {(float)(31.0 * FLT_EPSILON), -3.0f, -INFINITY};
+    memcpy(lp, edge, sizeof edge);
+    memcpy(lp + (1 * L + 1) * K, rounding, sizeof rounding);
+    CHECK_OK(kdt_trees_build_cpu(&d, &t, NULL, 0));
+    /* Just past the slack. */
+    lp[(1 * L + 1) * K] = (float)(33.0 * FLT_EPSILON);
+    CHECK_STATUS(kdt_trees_build_cpu(&d, &t, NULL, 0), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("request 1, depth 2, rank 0");
+    lp[(1 * L + 1) * K] = -1.0f;
+    /* A NaN is still reported as NaN (checked first). */
+    lp[K + 1] = NAN;
+    lp[(1 * L + 1) * K] = 0.5f;
+    CHECK_STATUS(kdt_trees_build_cpu(&d, &t, NULL, 0), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("request 0, depth 2, rank 1: NaN log-probability");
+    free_trees(&t);
+
+    /* Budget 1: K' = 1 and rank 0 is the whole used part. An all -inf row (a dead depth). */
+    float lp1[K] = {-INFINITY, -INFINITY, -INFINITY};
+    int32_t ids1[K] = {0, 1, 2};
+    kdt_draft d1 = d;
+    d1.batch = 1;
+    d1.depth = 1;
+    d1.logprobs = lp1;
+    d1.token_ids = ids1;
+    kdt_trees t1 = alloc_trees(1, 1, 0xa5);
+    CHECK_OK(kdt_trees_build_cpu(&d1, &t1, NULL, 0));
+    CHECK_EQ(t1.num_nodes[0], 0);
+    lp1[0] = 1.0f;
+    CHECK_STATUS(kdt_trees_build_cpu(&d1, &t1, NULL, 0), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("request 0, depth 1, rank 0: log-probability 1 > 0");
+    free_trees(&t1);
+}
+
 int main(void) {
     kdt_kdtr_file* f = fixture_open("trees_cases.kdtr");
     kdt_kdtr_array count_a = fixture_get(f, KDT_DTYPE_INT64, "count");
@@ -147,6 +217,7 @@ int main(void) {
         }
         passed += ok;
     }
+    logprob_sign();
     printf("trees: %lld of %lld reference cases identical in every field\n", (long long)passed,
            (long long)count);
     CHECK_EQ(passed, count);

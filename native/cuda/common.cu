@@ -6,7 +6,9 @@ namespace kdt {
 kdt_status launch_status(const char* what) {
     const cudaError_t err = cudaGetLastError();
     if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
-        return kdt_fail(KDT_ERR_NO_DEVICE, "%s: no usable CUDA device: %s", what, cudaGetErrorString(err));
+        // (InsufficientDriver: no driver at all, as on a machine without a GPU, or one older
+        // than this build's runtime; kdt_cuda_device_count says which.)
+        return kdt_fail(KDT_ERR_NO_DEVICE, "%s: no CUDA GPU or driver found (%s)", what, cudaGetErrorName(err));
     }
     if (err != cudaSuccess) return kdt_fail(KDT_ERR_CUDA, "%s launch failed: %s", what, cudaGetErrorString(err));
     return KDT_OK;

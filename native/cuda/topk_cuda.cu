@@ -1007,12 +1007,14 @@ __global__ void __launch_bounds__(NT, RowShape<NT>::kMinBlocks) topk_row_kernel(
         const uint32_t v_lo = (a + kVec - 1) / kVec, v_hi = (a + V) / kVec;
         const uint32_t in_lo = (v_lo + kTrip - 1) / kTrip, in_hi = v_hi / kTrip;
         const uint32_t in_n = in_hi > in_lo ? in_hi - in_lo : 0u;
+        __syncthreads();  // the previous row is done with the shared state
+        // Reset after that barrier: the previous row's last step reads cand_n, and threads
+        // leaving a bad or overflowed row read overflow, with no barrier after. The first
+        // reads of this row's count and overflow come after trip 0's barrier (k > 0; with
+        // k = 0 nothing is buffered and only thread 0 reads overflow).
         if (tid == 0) {
             s.count = 0;
             s.overflow = 0;
-        }
-        __syncthreads();  // the previous row is done with the shared state
-        if (tid == 0) {  // after the barrier: the previous row's last step reads cand_n without one
             s.out_n = 0;
             s.vsel_n = 0;
             s.cand_n = 0;
@@ -1171,9 +1173,14 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     uint32_t rflags;
     load_block_max_flags<kW>(s, rmax, rflags);
     const bool bad = (rflags & (kFlagNaN | kFlagPosInf)) != 0 || (rflags & kFlagFinite) == 0;
-    // S = sum over threads of sum * 2^(c - c_max) = sum over the row of 2^(x log2 e -
-    // c_max), c_max = rmax log2 e rounded as the threads rounded it; then
-    // log sum exp(x - rmax) = log S + (c_max ln 2 - rmax), the correction in float64.
+    // S = sum over threads of sum * 2^(c - c_max) = sum over the row of 2^(x log2e_f -
+    // c_max), c_max = rmax log2e_f rounded to float as the threads rounded it (log2e_f:
+    // kLog2e, the float32 log2 e). So S = 2^-delta sum exp(x - rmax) with delta = c_max -
+    // rmax log2e_f (2^(y log2e_f) is e^y within 1.3e-8 |y|, nothing for the terms that
+    // count), and log sum exp(x - rmax) = log S + delta ln 2. delta comes from one fma, the
+    // same rounding as a tie's term 2^(fma(rmax, log2e_f, -c_max)), so ties cancel exactly.
+    // (c_max ln 2 - rmax instead of delta ln 2 is off by (log2e_f ln 2 - 1) rmax = -1.3e-8
+    // rmax: 0.013 at 1e6.)
     const float c_max = __fmul_rn(rmax, kLog2e);
     float term = bad ? 0.0f : sum * exp2f((m == -FLT_MAX ? -FLT_MAX : __fmul_rn(m, kLog2e)) - c_max);
     for (int off = 16; off > 0; off >>= 1) term += __shfl_xor_sync(0xFFFFFFFFu, term, off);
@@ -1181,9 +1188,13 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
     __syncthreads();
     float rsum = 0.0f;
     for (int i = 0; i < kW; i++) rsum += s.red_sum[i];
-    float log_sum = logf(rsum) + (float)((double)c_max * 0.69314718055994530942 - (double)rmax);
-    if (!bad && !(rsum > 0.0f && rsum < INFINITY)) {
-        // |rmax| > FLT_MAX / log2 e: c overflowed. Read the row again with x - rmax.
+    const float delta = __fmaf_rn(-rmax, kLog2e, c_max);
+    float log_sum = logf(rsum) + __fmul_rn(delta, 0.69314718055994530942f);
+    if (!bad && !(rsum > 0.0f && rsum < INFINITY && fabsf(delta) <= 4.0f)) {
+        // c overflowed (|rmax| > FLT_MAX / log2 e), or c's rounding is coarse (|delta| > 4,
+        // possible from |c_max| >= 2^27, |rmax| >= 9.3e7), where log S and delta ln 2 would
+        // cancel in float and the threads' terms (each thread rounds its own c) could
+        // leave float's range. Read the row again with x - rmax.
         float s2 = 0.0f;
         for (uint32_t id = (uint32_t)tid; id < V; id += NT) {
             s2 += hw_exp2(__fmul_rn(__fsub_rn(kdt::load_logit<D>(rowp, id), rmax), kLog2e));

@@ -101,7 +101,8 @@ def build_trees(
     Raises:
         TypeError: non-floating log-probs or non-integer ids.
         ValueError / KdtreeError: shape mismatch, negative budget, NaN or +inf log-probs,
-            unsorted rows, duplicate ids in a row, ids out of range (the message names
+            unsorted rows, a log-prob > 0 beyond float32 rounding (3.8e-6: a probability or
+            a raw logit), duplicate ids in a row, ids out of range (the message names
             request, depth and rank).
         MemoryError: CPU: the outputs (about B x (N+1)^2 bytes, the dense mask) exceed this
             machine's memory (see :func:`empty_trees`).
@@ -164,7 +165,8 @@ def verify_greedy(
 def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
-    ``logprob = logit - logsumexp(row)`` over the whole row, computed in float64 and rounded
+    ``logprob = logit - logsumexp(row)`` over the whole row, computed as ``(logit - max) -
+    log(sum(exp(row - max)))`` in float64 (exact up to float32's largest logits) and rounded
     once to float32, sorted descending with ties ordered by lower token id.
 
     Args:

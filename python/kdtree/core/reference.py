@@ -21,10 +21,16 @@ from .types import Acceptance, TreeBatch
 __all__ = ["build_tree", "build_trees", "verify_greedy", "topk_logprobs"]
 
 
+# A log-prob may exceed 0 by float32 rounding of a probability near 1, up to 32 float32
+# epsilons (3.8e-6); more is a probability or a raw logit (the library's rule, kdtree.h).
+LOGPROB_SLACK = 32.0 * float(np.finfo(np.float32).eps)
+
+
 def _validate(lp: np.ndarray, ids: np.ndarray, width: int, vocab_size: int | None, b: int) -> None:
     """Spec "Degenerate and invalid inputs", on the used part ``[L, width]``. Rows are
-    checked in depth order; within a row, log-probs (NaN, +inf, order) before ids (range,
-    duplicates); the first bad entry is reported (the library's order too)."""
+    checked in depth order; within a row, log-probs (NaN, +inf, order, > LOGPROB_SLACK)
+    before ids (range, duplicates); the first bad entry is reported (the library's order
+    too)."""
     for d in range(lp.shape[0]):
         row = lp[d, :width].astype(np.float64)
         bad = np.isnan(row) | np.isposinf(row)
@@ -34,6 +40,9 @@ def _validate(lp: np.ndarray, ids: np.ndarray, width: int, vocab_size: int | Non
             v = row[r]
             what = "NaN" if math.isnan(v) else "+inf" if v == math.inf else "unsorted"
             raise ValueError(f"request {b}, depth {d + 1}, rank {r}: {what} log-probability")
+        if row.size and row[0] > LOGPROB_SLACK:
+            raise ValueError(f"request {b}, depth {d + 1}, rank 0: log-probability {row[0]:.9g} > 0 "
+                             "(a probability or a raw logit, not a log-probability?)")
         seen: set[int] = set()
         for r, t in enumerate(ids[d, :width].tolist()):
             if t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -244,8 +253,9 @@ def verify_greedy(
 
 
 def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reference for :func:`kdtree.topk_logprobs`: logsumexp in float64 (numpy's pairwise
-    sum), stable order by (-logit, id), log-probs ``float32(logit - lse)``."""
+    """Reference for :func:`kdtree.topk_logprobs`: in float64 (numpy's pairwise sum), stable
+    order by (-logit, id), log-probs ``float32((logit - m) - log(sum(exp(row - m))))`` with m
+    the row's max (never ``logit - (m + log sum)``, which loses ``log sum`` for large m)."""
     x = np.asarray(logits)
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise TypeError(f"logits must be a floating array, got dtype {x.dtype}")
@@ -260,7 +270,8 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("a row has every logit -inf")
     x64 = x.astype(np.float64)
     m = x64.max(axis=-1, keepdims=True)
-    lse = m + np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
+    log_sum = np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
     order = np.argsort(-x64, axis=-1, kind="stable")[..., :k]
     top = np.take_along_axis(x64, order, axis=-1)
-    return (top - lse).astype(np.float32), order.astype(np.int32)
+    with np.errstate(over="ignore"):  # -FLT_MAX - FLT_MAX: -inf in float32
+        return ((top - m) - log_sum).astype(np.float32), order.astype(np.int32)
