@@ -811,8 +811,8 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // After trips 0, 4, 8, ... (kRowCheckEvery), when the buffer holds more than refine_at =
 // max(3k, 192) keys, the block radix-selects a cut keeping between k and retain =
 // k + max(k / 4, 8) keys (block_select with a retain bound), compacts the buffer and sets
-// tau = cut - 1 (both constants measured on the H200, session 9 for element keys, again
-// in session 12). A trip adds at most 256 keys and the buffer has room for kRowCheckEvery
+// tau = cut - 1 (both constants measured on the H200 for element keys; docs/performance.md).
+// A trip adds at most 256 keys and the buffer has room for kRowCheckEvery
 // trips past refine_at, so it never overflows (a refine that finds more keys than it
 // holds marks the row KDT_ERR_INTERNAL: a tripwire for the tests). At the row's end
 // (finish_row) at most 128 buffered vectors are kept (a cut with retain 128 when more are
@@ -821,19 +821,19 @@ __global__ void __launch_bounds__(kThreads, KDT_TOPK_FINISH_BLOCKS) topk_finish_
 // select to exactly k first when more than kRowRankMax tie), and the k largest written as
 // the finish kernel does. No workspace is used.
 constexpr int kRowMaxK = 128;
-// Vectors per thread per trip. 4 measured ~1 us faster on the H200 (session 12) but spills
+// Vectors per thread per trip. 4 measured ~1 us faster on the H200 but spills
 // 40 bytes at the 64 registers that 8 blocks a SM allow.
 constexpr int kRowU = 2;
 // Trips between refine checks (a power of two): each check is a block barrier, and the
-// buffer must hold the keys that many trips can add. On the H200 (session 12, one call,
-// two runs each) 1 / 2 / 4 gave 117.2 / 116.2 / 114.7 us; later 8 matched 4.
+// buffer must hold the keys that many trips can add. On the H200 (two runs each)
+// 1 / 2 / 4 gave 117.2 / 116.2 / 114.7 us; later 8 matched 4.
 constexpr uint32_t kRowCheckEvery = 4;
 static_assert((kRowCheckEvery & (kRowCheckEvery - 1)) == 0, "a power of two");
 constexpr uint32_t kRowRankMax = 256;  // final candidates ranked by counting, without a select
 
 // The row kernel's shape for NT threads a block. 128 threads (8 blocks per SM on sm_90)
-// are used: on the H200 they beat 256 threads (4 blocks per SM) by ~6% (docs/perf-notes.md,
-// session 9): twice as many rows stream at once, so a block waiting at its per-trip
+// are used: on the H200 they beat 256 threads (4 blocks per SM) by ~6% (docs/performance.md):
+// twice as many rows stream at once, so a block waiting at its per-trip
 // barrier leaves more of the SM to the others, and the benchmark's 1,024 rows fit in one
 // wave of 1,056 blocks.
 constexpr int kRowThreads = 128;
@@ -1306,14 +1306,14 @@ __device__ void finish_row(Smem& s, const RowParams& p, int64_t row, const char*
 
 // The row kernel's refine threshold: max(3k, 192) buffered keys, at most kRefineMax, so the
 // keys of the kRowCheckEvery trips between two checks always fit behind it (constants
-// measured on the H200, session 9).
+// measured on the H200).
 uint32_t row_refine_at(int64_t k) {
     const int64_t r = 3 * k > 192 ? 3 * k : 192;
     return (uint32_t)(r < RowShape<kRowThreads>::kRefineMax ? r : RowShape<kRowThreads>::kRefineMax);
 }
 
 // What a refine keeps: k .. k + max(k / 4, 8) keys (at most kRowMaxK + kRowMaxK / 4, the
-// size of RowSmem::kept; measured on the H200, session 9).
+// size of RowSmem::kept; measured on the H200).
 uint32_t row_retain(int64_t k) { return (uint32_t)(k + (k / 4 > 8 ? k / 4 : 8)); }
 
 template <int D>
