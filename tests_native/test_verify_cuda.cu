@@ -176,6 +176,7 @@ static Trees random_trees(int64_t B, int64_t N, int64_t L, int64_t K, int64_t vo
                          : kind == 1 ? -logf((float)K) + 0.3f * normal()
                                      : -2.0f * fabsf(normal());
             }
+            for (int64_t r = 0; r < K; r++) row[r] = fminf(row[r], 0.0f);  // log-probs: <= 0
             std::sort(row, row + K, [](float a, float c) { return a > c; });
             if (unit() < 0.1) {
                 for (int64_t r = uniform(1, K); r < K; r++) row[r] = -INFINITY;

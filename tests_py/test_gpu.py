@@ -49,6 +49,7 @@ def test_build_trees_matches_cpu_bit_for_bit(cuda):
     rng = np.random.default_rng(0)
     for budget, depth, width in ((1, 1, 1), (7, 3, 4), (64, 16, 8), (300, 12, 32)):
         lp = np.sort(rng.standard_normal((5, depth, width)).astype(np.float32) * 2, axis=-1)[..., ::-1] - 1
+        lp = np.ascontiguousarray(np.minimum(lp, 0))  # log-probs are <= 0 (the builders refuse more)
         lp = np.ascontiguousarray(lp)
         ids = np.argsort(rng.random((5, depth, 5000)), axis=-1)[..., :width].astype(np.int32)
         cpu = kdtree.build_trees(lp, ids, budget, root_tokens=np.arange(5), root_positions=np.arange(5) * 3)

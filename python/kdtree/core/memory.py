@@ -10,6 +10,9 @@ import os
 from . import checks
 
 SHARE = 0.75  # of the memory available now (see available_bytes)
+# Outputs below this size are not checked: reading /proc and the cgroup files costs more
+# than such an allocation, and no machine this runs on has so little memory left.
+UNCHECKED_BYTES = 64 * 2**20
 
 
 def _read(path: str) -> str | None:
@@ -66,7 +69,10 @@ def bytes_text(n: float) -> str:
 
 def outputs_fit(nbytes: int, what: str, hint: str = "") -> None:
     """Raises KdtreeMemoryError (a MemoryError, status KDT_ERR_OUT_OF_MEMORY) when `nbytes`
-    of outputs (`what`, for the message) exceed SHARE of :func:`available_bytes`."""
+    of outputs (`what`, for the message) exceed SHARE of :func:`available_bytes`. Sizes
+    under UNCHECKED_BYTES pass without reading the system's figures."""
+    if nbytes < UNCHECKED_BYTES:
+        return
     available = available_bytes()
     if available is not None and nbytes > SHARE * available:
         raise checks.memory_error(
