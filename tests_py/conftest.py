@@ -1,7 +1,7 @@
 """Shared pytest fixtures for the Python tests of kdtree.
 
 The native library is found only through the package loader (``kdtree._native.load()``:
-``KDTREE_LIBRARY``, then ``<repo>/build``, then the package folder); tests that need it
+``KDTREE_LIBRARY``, then the package folder, then ``<repo>/build``); tests that need it
 use the ``lib`` fixture (or ``pytestmark = pytest.mark.usefixtures("lib")``) and are
 skipped, with the loader's message, when it is not built.
 """

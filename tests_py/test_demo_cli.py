@@ -28,6 +28,11 @@ def test_demo_runs_and_matches_ar(tmp_path):
     out = r.stdout
     assert "identical to greedy autoregressive decoding: YES" in out
     assert "target calls       : AR 48, DDTree " in out
+    # the native library ran the tree ops (a failed load falls back to the reference, and says so)
+    assert "tree ops : native libkdtree " in out and "in C on the CPU" in out
+    # the extra rows the target computed, and how the wall times were taken
+    assert "target rows        : AR 48, DDTree " in out
+    assert "median of 3 runs each, after a warm-up" in out or "not the 3 asked" in out
     assert "acceptance length" in out and "draft tree of round" in out
     # stage names follow the library: "target" is the target's call, "verify" the walk
     for stage in ("draft", "topk", "build", "target", "verify", "commit"):

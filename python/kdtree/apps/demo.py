@@ -131,10 +131,7 @@ def _ops(backend: str):
         try:
             import kdtree
 
-            from . import _lib
-
-            _lib.load()
-            return kdtree, f"native libkdtree {kdtree.library_version()}"
+            return kdtree, f"native libkdtree {kdtree.library_version()} ({kdtree.library_path()}), in C on the CPU"
         except Exception as exc:  # noqa: BLE001 - any load failure: report or fall back
             if backend == "native":
                 raise UsageError(f"cannot load libkdtree: {exc}") from None
