@@ -177,8 +177,11 @@ def sanitize(session: nox.Session) -> None:
     """
     asan = ROOT / "build-asan"
     _sanitizer_build(session, asan, ASAN_FLAGS)
-    session.run("ctest", "--test-dir", str(asan), "-L", "cpu", "--output-on-failure", external=True,
-                env={"UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
+    # example_installed builds a separate, uninstrumented program against `cmake --install` of
+    # this build: an ASan library under it fails ASan's runtime-first check, not the code
+    # (the test session runs it on the plain build).
+    session.run("ctest", "--test-dir", str(asan), "-L", "cpu", "-E", "^example_installed$", "--output-on-failure",
+                external=True, env={"UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
     session.install(*PYTHON_DEPS, *TEST_DEPS)
     session.run("python", "-m", "pytest", *(str(ROOT / "tests_py" / f) for f in SANITIZE_PYTESTS), "-q", "-rs",
                 "-p", "no:cacheprovider", *session.posargs,
