@@ -313,3 +313,63 @@ def test_library_path_and_cuda_devices():
     path = kdtree.library_path()
     assert os.path.isfile(path) and os.path.basename(path) == _native.LIBRARY_NAME
     assert kdtree.cuda_devices() >= 0  # 0 here without a GPU; the count where there is one
+
+
+def small_round():
+    lp = np.log(np.array([[[.6, .3], [.5, .4]]] * 2))
+    ids = np.array([[[1, 2], [3, 4]]] * 2)
+    t = kdtree.build_trees(lp, ids, 4)
+    acc = kdtree.verify_greedy(t, np.array([[2, 4, 4, 4, 4]] * 2, np.int32))  # path [0, 3] in both
+    return lp, ids, t, acc
+
+
+def test_compaction_reads_a_generator_of_v_layers_once():
+    _, _, _, acc = small_round()
+    k = np.arange(32, dtype=np.float32).reshape(2, 1, 8, 2)
+    v = k.copy()
+    kdtree.compact_kv([k], (x for x in [v]), [0, 0], acc)
+    np.testing.assert_array_equal(v, k)  # V moved exactly as K: row 3 -> row 1
+    assert k[0, 0, 1].tolist() == [6.0, 7.0]
+
+
+def test_compaction_refuses_a_read_only_layer_before_moving_any_row():
+    _, _, _, acc = small_round()
+    k1 = np.arange(32, dtype=np.float32).reshape(2, 1, 8, 2)
+    k2 = k1.copy()
+    k2.setflags(write=False)
+    before = k1.copy()
+    with pytest.raises(kdtree.KdtreeError, match=r"k_layers\[1\] is read-only"):
+        kdtree.compact_kv([k1, k2], None, [0, 0], acc, errors="status")
+    np.testing.assert_array_equal(k1, before)
+
+
+def test_ragged_lists_are_kdtree_errors():
+    _, _, t, _ = small_round()
+    with pytest.raises(kdtree.KdtreeError, match="not a rectangular array") as e:
+        kdtree.build_trees([[[0.0], [0.0, -1.0]]], [[[1], [1, 2]]], 2)
+    assert e.value.status == STATUS["KDT_ERR_SHAPE"]
+    with pytest.raises(kdtree.KdtreeError, match="not a rectangular array"):
+        kdtree.topk_logprobs([[0.0], [1.0, 2.0]], 1)
+    with pytest.raises(kdtree.KdtreeError, match="not a rectangular array"):
+        kdtree.tree_attention_mask(t, [[0], [1, 2]])
+    with pytest.raises(kdtree.KdtreeError, match="not a rectangular array"):
+        kdtree.verify_greedy(t, [[0] * 5, [0] * 4])
+
+
+def test_hand_built_trees_get_kdtree_messages_in_masks_and_verify():
+    import dataclasses
+
+    _, _, t, _ = small_round()
+    for field, value in (("visibility", t.visibility[:, :2, :2].copy()), ("depths", t.depths[:, :2].copy()),
+                         ("num_nodes", t.num_nodes + 0.5), ("parents", None)):
+        with pytest.raises(kdtree.KdtreeError, match=f"trees.{field} must be"):
+            kdtree.tree_attention_mask(dataclasses.replace(t, **{field: value}), [0, 0])
+    with pytest.raises(kdtree.KdtreeError, match="trees.budget must be an int"):
+        kdtree.tree_attention_mask(dataclasses.replace(t, budget=4.0), [0, 0])
+    with pytest.raises(kdtree.KdtreeError, match="trees.visibility must be"):
+        kdtree.verify_greedy(dataclasses.replace(t, visibility=None), np.zeros((2, 5), np.int32))
+    with pytest.raises(kdtree.KdtreeError, match="dtype must be"):
+        kdtree.tree_attention_mask(t, [0, 0], kind="additive", dtype=[1])
+    lp, ids, _, _ = small_round()
+    with pytest.raises(kdtree.KdtreeTypeError, match="out must be a TreeBatch"):
+        kdtree.build_trees(lp, ids, 4, out=dict())

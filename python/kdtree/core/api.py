@@ -453,6 +453,7 @@ def compact_kv(
                             f"tensor per layer), got a single {layers.ndim}-D {type(layers).__name__} of shape "
                             f"{tuple(layers.shape)}; pass [tensor] for one layer")
     k_layers = list(k_layers)
+    v_layers = None if v_layers is None else list(v_layers)  # read once: a generator is consumed
     if k_layers and _device.is_device_array(k_layers[0]):
         return _gpu().compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
                                  stream=stream)

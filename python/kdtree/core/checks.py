@@ -38,6 +38,8 @@ def host_array(x, name: str) -> np.ndarray:
     numpy (e.g. a bfloat16 torch CPU tensor)."""
     try:
         return np.asarray(x)
+    except ValueError as exc:  # ragged nested lists
+        raise shape_error(f"{name} is not a rectangular array ({exc})") from None
     except (TypeError, RuntimeError) as exc:
         dtype = getattr(x, "dtype", None)
         if getattr(x, "is_meta", False):
@@ -68,7 +70,7 @@ def float_array(x, name: str) -> np.ndarray:
 
 def int_array(x, name: str, dtype=np.int32) -> np.ndarray:
     """C-contiguous int32/int64 array of an integer input, range-checked (never wrapped)."""
-    a = np.asarray(x)
+    a = host_array(x, name)
     if a.dtype.kind not in "iu":
         raise type_error(f"{name} must be an integer array, got dtype {a.dtype}")
     if dtype == np.int32 and a.size and a.dtype.itemsize >= 4 and a.dtype != np.int32:
@@ -92,7 +94,7 @@ def per_request(values, name: str, batch: int, dtype=np.int32, batch_from: str =
 
 def prefix_lengths(prefix_lengths, batch: int) -> np.ndarray:
     """prefix_lengths as int64 [B] (an int is used for every request)."""
-    a = np.asarray(prefix_lengths)
+    a = host_array(prefix_lengths, "prefix_lengths")
     if a.size == 0 and batch == 0:
         return np.zeros(0, np.int64)
     if a.ndim == 0:

@@ -50,7 +50,28 @@ def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
     )
 
 
+def check_tree_fields(trees, names) -> None:
+    """KdtreeError naming the first of `names` that is not a C-contiguous numpy array of
+    its TREE_FIELDS dtype and shape for the TreeBatch's batch and budget."""
+    if not isinstance(trees, TreeBatch):
+        raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
+    budget = checks.int_scalar(trees.budget, "trees.budget", 0, checks.MAX_BUDGET)
+    if not isinstance(trees.num_nodes, np.ndarray) or trees.num_nodes.ndim != 1:
+        raise checks.shape_error("trees.num_nodes must be a C-contiguous int32 array of shape (B,)")
+    batch, rows = trees.num_nodes.shape[0], budget + 1
+    for name in names:
+        dtype, ndim = TREE_FIELDS[name]
+        want = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows if name == "visibility" else (rows + 31) // 32)}[ndim]
+        a = getattr(trees, name)
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != want or not a.flags.c_contiguous:
+            got = f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise checks.shape_error(f"trees.{name} must be a C-contiguous {dtype} array of shape {want}, got {got}")
+
+
 def _check_out(out: TreeBatch, batch: int, budget: int) -> None:
+    if not isinstance(out, TreeBatch):
+        raise checks.type_error(f"out must be a TreeBatch (from kdtree.empty_trees or an earlier call), got "
+                                f"{type(out).__name__}")
     rows = budget + 1
     words = (rows + 31) // 32
     ranges = []
@@ -224,12 +245,8 @@ def _build_each(lib, lp, ids, roots, pos, vocab: int, pad: int, out: TreeBatch, 
 
 
 def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors):
+    check_tree_fields(trees, TREE_FIELDS)  # the C view takes every field's address
     batch, rows = trees.batch, trees.budget + 1
-    for name in ("num_nodes", "tokens", "first_child", "next_sibling"):
-        a = getattr(trees, name)
-        want = (batch,) if name == "num_nodes" else (batch, rows)
-        if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.shape != want or not a.flags.c_contiguous:
-            raise checks.shape_error(f"trees.{name} must be a C-contiguous int32 array of shape {want}")
     target = checks.int_array(target_tokens, "target_tokens")
     if target.ndim == 1 and batch == 1:
         target = target[None]
@@ -268,9 +285,9 @@ def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors):
 
 
 def topk_logprobs(logits, k, *, errors):
-    if np.ndim(logits) < 1:
-        raise checks.shape_error("logits must have at least one dimension [..., V], got a scalar")
     x = checks.float_array(logits, "logits")
+    if x.ndim < 1:
+        raise checks.shape_error("logits must have at least one dimension [..., V], got a scalar")
     vocab = x.shape[-1]
     k = checks.int_scalar(k, "k", 0, vocab)
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
@@ -315,11 +332,12 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
 
 
 def tree_attention_mask(trees, prefix_lengths, *, kind, dtype, columns, errors):
+    check_tree_fields(trees, ("num_nodes", "depths", "parents", "visibility"))
     batch, rows = trees.batch, trees.budget + 1
     prefix = checks.prefix_lengths(prefix_lengths, batch)
     if kind not in ("bool", "bits", "additive", "flashinfer"):
         raise checks.invalid(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
-    if kind == "additive" and dtype not in ADDITIVE_LOWEST:
+    if kind == "additive" and (not isinstance(dtype, str) or dtype not in ADDITIVE_LOWEST):
         raise checks.invalid(f"dtype must be 'float32', 'float16' or 'bfloat16' (a name, or a numpy or torch "
                              f"dtype), got {dtype!r}")
     if kind == "flashinfer" and columns is not None:
@@ -380,8 +398,10 @@ def tree_attention_mask(trees, prefix_lengths, *, kind, dtype, columns, errors):
             width = max(int(prefix[b]), 0) + rows
             mask[indptr[b] : indptr[b + 1]] = np.packbits(request_mask(b, width).reshape(-1), bitorder="little")
         return TreeMask(mask, indptr.astype(np.int32), positions, status)
-    itemsize = {"bool": 1, "bits": 1 / 8, "additive": 4}[kind]
-    memory.outputs_fit(int(batch * rows * ncols * (1 + itemsize)), f"the {kind} masks [{batch}, {rows}, {ncols}]")
+    # Bytes an entry takes at the peak: the per-request masks and their stack (bool), the
+    # word-padded copy (bits), the float32 mask and its cast (additive).
+    per_entry = {"bool": 2, "bits": 2.2, "additive": 2 + 4 + (4 if dtype == "float32" else 2)}[kind]
+    memory.outputs_fit(int(batch * rows * ncols * per_entry), f"the {kind} masks [{batch}, {rows}, {ncols}]")
     dense = np.stack([request_mask(b, ncols) for b in range(batch)]) if batch else np.zeros((0, rows, ncols), bool)
     if kind == "bool":
         return TreeMask(dense, None, positions, status)
@@ -422,9 +442,16 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
         raise checks.invalid(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if not k_layers:
         raise checks.invalid("k_layers is empty")
-    if v_layers is not None and len(list(v_layers)) != len(k_layers):
-        raise checks.invalid(f"{len(k_layers)} K layers but {len(list(v_layers))} V layers")
-    layers = k_layers + ([] if v_layers is None else list(v_layers))
+    v_layers = None if v_layers is None else list(v_layers)
+    if v_layers is not None and len(v_layers) != len(k_layers):
+        raise checks.invalid(f"{len(k_layers)} K layers but {len(v_layers)} V layers")
+    layers = k_layers + ([] if v_layers is None else v_layers)
+    for i, t in enumerate(layers):  # before any row moves: the cache is written whole or not at all
+        which = f"k_layers[{i}]" if i < len(k_layers) else f"v_layers[{i - len(k_layers)}]"
+        if isinstance(t, np.ndarray) and not t.flags.writeable:
+            raise checks.invalid(f"{which} is read-only; the compaction writes the cache in place")
+        if getattr(t, "requires_grad", False):
+            raise checks.invalid(f"{which} requires grad; pass the cache tensors detached (tensor.detach())")
     shape = tuple(np.shape(layers[0]))
     if len(shape) != 4 or any(tuple(np.shape(t)) != shape for t in layers):
         raise checks.shape_error(f"every K and V layer must have the same 4-D shape, got "
