@@ -276,6 +276,8 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             const int32_t* id = ids + (b * L + d) * K;
             for (int r = 0; r < Kp; ++r) {
                 if (isnan(row[r]) || row[r] == INFINITY || (r > 0 && row[r] > row[r - 1])) expect_value = 1;
+                /* a log-prob above float32 rounding of 0 (32 FLT_EPSILON = 2^-18; kdtree.h) */
+                if (r == 0 && row[r] > 0x1p-18f) expect_value = 1;
                 if (id[r] < 0 || ((flags & 1) && id[r] >= VOCAB)) expect_range = 1;
                 for (int q = 0; q < r; ++q) expect_value |= id[q] == id[r];
             }
