@@ -30,7 +30,7 @@ import numpy as np
 from . import checks, host
 from . import device as _device
 from .host import empty_trees
-from .types import Acceptance, TreeBatch
+from .types import Acceptance, TopK, TreeBatch, TreeMask
 
 __all__ = [
     "build_trees",
@@ -162,7 +162,26 @@ def verify_greedy(
     return host.verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
 
 
-def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
+def _copy_host_out(result, out, names: tuple[str, ...], what: str):
+    """Host results copied into the caller's ``out`` arrays (numpy), all checked first so
+    that ``out`` is written whole or not at all; returns ``out``."""
+    pairs = []
+    for name in names:
+        src, dst = np.asarray(getattr(result, name)), getattr(out, name)
+        if not isinstance(dst, np.ndarray):
+            raise checks.type_error(f"{what}: out.{name} must be a numpy array for host inputs, got "
+                                    f"{type(dst).__name__}")
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise checks.shape_error(f"{what}: out.{name} must be {src.dtype} {src.shape}, got {dst.dtype} {dst.shape}")
+        if not dst.flags.writeable:
+            raise checks.invalid(f"{what}: out.{name} is read-only")
+        pairs.append((dst, src))
+    for dst, src in pairs:
+        np.copyto(dst, src)
+    return out
+
+
+def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None, out=None):
     """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
     ``logprob = logit - logsumexp(row)`` over the whole row, computed as ``(logit - max) -
@@ -181,6 +200,11 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     KDT_ERR_VALUE in ``row_status``, its log-probs are NaN and its ids 0 .. k-1 (so a tree
     built from it fails), and the other rows are computed normally.
 
+    ``out``: a :class:`TopK` of preallocated arrays (float32 ``[..., k]``, int32
+    ``[..., k]``, int32 row statuses) on the logits' device (numpy for host logits),
+    rewritten whole and returned; with device arrays and ``errors="status"`` the call
+    allocates nothing and can be captured in a CUDA graph.
+
     Returns:
         :class:`TopK`, which unpacks as ``(logprobs float32 [..., k], ids int32 [..., k])``,
         with ``row_status`` int32 ``[...]`` (``[1]`` for 1-D logits).
@@ -192,9 +216,14 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None):
     """
     if _device.is_device_array(logits):
         k = checks.int_scalar(k, "k", 0, 2**31 - 1)
-        return _gpu().topk_logprobs(logits, k, errors=errors, stream=stream)
+        return _gpu().topk_logprobs(logits, k, errors=errors, stream=stream, out=out)
     checks.cpu_only(stream, errors, "topk_logprobs")
-    return host.topk_logprobs(logits, k, errors=errors)
+    result = host.topk_logprobs(logits, k, errors=errors)
+    if out is None:
+        return result
+    if not isinstance(out, TopK):
+        raise checks.type_error(f"out must be a TopK, got {type(out).__name__}")
+    return _copy_host_out(result, out, ("logprobs", "ids", "row_status"), "topk_logprobs")
 
 
 def build_trees_from_logits(
@@ -248,6 +277,7 @@ def tree_attention_mask(
     check_positions: bool = False,
     errors: str = "raise",
     stream=None,
+    out=None,
 ):
     """Tree attention masks over the KV prefix and the tree, in the layouts engines use.
 
@@ -267,8 +297,14 @@ def tree_attention_mask(
             little-endian, as FlashInfer's ``segment_packbits``; with ``mask_indptr``).
         dtype: additive masks: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (on the CPU via
             ml_dtypes), or the same as a numpy / ml_dtypes / torch dtype; ignored by the other kinds.
-        columns: C for the dense kinds (default ``max(p) + N + 1``); must be None for
-            ``"flashinfer"``.
+        columns: C for the dense kinds (default ``max(p) + N + 1``, read from
+            ``prefix_lengths``: on the GPU that copies them to the host, so inside a CUDA
+            graph capture ``columns`` is required and its absence is a KdtreeError); must
+            be None for ``"flashinfer"``.
+        out: a :class:`TreeMask` of preallocated ``mask``, ``positions`` and
+            ``request_status`` arrays of this call's shapes and dtypes (dense kinds only),
+            rewritten whole and returned; on the GPU with ``columns`` and
+            ``errors="status"`` the call then allocates and synchronises nothing.
         errors: as :func:`build_trees`. Per request: KDT_ERR_OUT_OF_RANGE (negative prefix,
             ``p + N + 1 > columns``), KDT_ERR_VALUE (num_nodes outside [0, N], a parent not
             in [0, i)); with ``"status"`` a failed request's rows are all hidden and its
@@ -301,9 +337,14 @@ def tree_attention_mask(
         _check_root_positions(trees, prefix_lengths)
     if _device.is_device_array(trees.num_nodes):
         return _gpu().tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns,
-                                          errors=errors, stream=stream)
+                                          errors=errors, stream=stream, out=out)
     checks.cpu_only(stream, errors, "tree_attention_mask")
-    return host.tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns, errors=errors)
+    result = host.tree_attention_mask(trees, prefix_lengths, kind=kind, dtype=dtype, columns=columns, errors=errors)
+    if out is None:
+        return result
+    if not isinstance(out, TreeMask) or kind == "flashinfer":
+        raise checks.type_error(f"out must be a TreeMask of a dense kind, got {type(out).__name__} for kind {kind!r}")
+    return _copy_host_out(result, out, ("mask", "positions", "request_status"), "tree_attention_mask")
 
 
 def _check_root_positions(trees: TreeBatch, prefix_lengths) -> None:
@@ -420,6 +461,7 @@ def compact_kv(
     layout: str = "bhsd",
     errors: str = "raise",
     stream=None,
+    out=None,
 ):
     """KV-cache compaction after verification, in place: the accepted path's rows move to
     the rows right after each request's prefix (row ``p + accepted_nodes[b][j]`` -> row
@@ -438,6 +480,9 @@ def compact_kv(
             KDT_ERR_OUT_OF_RANGE (negative prefix, a row beyond the cache); a failed
             request's cache rows are not touched.
         stream: GPU only, as :func:`build_trees`.
+        out: GPU only: a preallocated int32 ``[B]`` device array for the statuses (the
+            call then allocates nothing; the layers' pointer table is built on the first
+            call with a set of tensors, so make that call before capturing a CUDA graph).
 
     Returns:
         ``request_status`` int32 ``[B]`` (KDT_OK or each request's status).
@@ -456,6 +501,8 @@ def compact_kv(
     v_layers = None if v_layers is None else list(v_layers)  # read once: a generator is consumed
     if k_layers and _device.is_device_array(k_layers[0]):
         return _gpu().compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
-                                 stream=stream)
+                                 stream=stream, out=out)
     checks.cpu_only(stream, errors, "compact_kv")
+    if out is not None:
+        raise checks.invalid("compact_kv: out= is for GPU tensors (host compaction returns a new status array)")
     return host.compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors)

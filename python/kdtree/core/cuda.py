@@ -33,6 +33,9 @@ _STATUS_OK = 0
 
 def _raise_on_status(status, what: str, unit: str = "request") -> None:
     """Copies a device status array to the host and raises on the first failure."""
+    if dev.capturing(status):
+        raise checks.invalid(f"{what}: errors='raise' reads the per-{unit} statuses to the host, which cannot "
+                             "happen inside CUDA graph capture; pass errors='status' and read request_status later")
     host = dev.to_host(status).reshape(-1)
     bad = np.flatnonzero(host != _STATUS_OK)
     if bad.size:
@@ -142,6 +145,7 @@ def _optional(obj, name, dtype, shape, like, stream):
     if obj is None:
         return None, None
     if not dev.is_device_array(obj):
+        dev.require_not_capturing(like, f"{name} is a host array and would be copied to the device")
         host = np.asarray(obj)
         if host.size != int(np.prod(shape)):  # (numpy's reshape error would not name the array)
             raise checks.shape_error(f"{name} must have shape {tuple(shape)}, got {host.shape}")
@@ -150,6 +154,16 @@ def _optional(obj, name, dtype, shape, like, stream):
     if v.shape != tuple(shape):
         raise checks.shape_error(f"{name} must have shape {tuple(shape)}, got {v.shape}")
     return obj, v
+
+
+def _status_out(old, like, batch: int, name: str = "request_status"):
+    """The int32 [batch] status array of a reused output when it has that shape on the
+    device, else a new one."""
+    if old is not None and dev.is_device_array(old):
+        v = dev.view(old, name)
+        if v.dtype == "int32" and v.shape == (batch,) and v.c_contiguous:
+            return old
+    return dev.empty(like, (batch,), "int32")
 
 
 def _prepare_out(out, like, batch, budget, depth):
@@ -184,7 +198,7 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
         out = _prepare_out(out, logprobs, batch, budget, depth)
         struct, views = _trees_struct(out, s)
         _same_device([lp, ids, *views] + [v for v in (rv, pv) if v is not None])
-        status = dev.empty(logprobs, (batch,), "int32")
+        status = _status_out(out.request_status, logprobs, batch)
         sv = dev.view(status, "request_status")
         need = ctypes.c_size_t()
         lib.kdt_trees_build_cuda_workspace_bytes(batch, budget, depth, width, ctypes.byref(need))
@@ -199,7 +213,18 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     return out
 
 
-def topk_logprobs(logits, k: int, *, errors: str, stream):
+def _out_array(obj, name: str, dtype: str, shape: tuple, like, stream):
+    """A caller's output array checked for dtype, shape, contiguity and device."""
+    v = _view(obj, name, dtype, len(shape), stream)
+    if v.shape != tuple(shape):
+        raise checks.shape_error(f"{name} must have shape {tuple(shape)}, got {v.shape}")
+    if v.readonly:
+        raise checks.invalid(f"{name} is read-only")
+    _same_device([v, dev.view(like, "input")])
+    return v
+
+
+def topk_logprobs(logits, k: int, *, errors: str, stream, out=None):
     checks.check_errors(errors)
     s = dev.current_stream(logits, stream)
     v = dev.view(logits, "logits", s)
@@ -220,9 +245,17 @@ def topk_logprobs(logits, k: int, *, errors: str, stream):
     rows = int(struct.batch * struct.length)
     lib = _lib.load()
     with dev.on_device(logits):
-        out_lp = dev.empty(logits, lead + (k,), "float32")
-        out_ids = dev.empty(logits, lead + (k,), "int32")
-        status = dev.empty(logits, lead if lead else (1,), "int32")
+        if out is None:
+            out_lp = dev.empty(logits, lead + (k,), "float32")
+            out_ids = dev.empty(logits, lead + (k,), "int32")
+            status = dev.empty(logits, lead if lead else (1,), "int32")
+        else:
+            if not isinstance(out, TopK):
+                raise checks.type_error(f"out must be a TopK, got {type(out).__name__}")
+            out_lp, out_ids, status = out.logprobs, out.ids, out.row_status
+            _out_array(out_lp, "out.logprobs", "float32", lead + (k,), logits, s)
+            _out_array(out_ids, "out.ids", "int32", lead + (k,), logits, s)
+            _out_array(status, "out.row_status", "int32", lead if lead else (1,), logits, s)
         need = ctypes.c_size_t()
         lib.kdt_topk_logprobs_cuda_workspace_bytes(rows, vocab, k, ctypes.byref(need))
         ws, ws_ptr, ws_bytes = _workspace(logits, need.value)
@@ -264,7 +297,7 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
         out = _prepare_out(out, logits, batch, budget, depth)
         tstruct, views = _trees_struct(out, s)
         _same_device([v, *views])
-        status = dev.empty(logits, (batch,), "int32")
+        status = _status_out(out.request_status, logits, batch)
         need = ctypes.c_size_t()
         lib.kdt_trees_build_from_logits_cuda_workspace_bytes(batch, budget, depth, vocab, width, ctypes.byref(need))
         ws, ws_ptr, ws_bytes = _workspace(logits, need.value)
@@ -278,7 +311,8 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
     return out
 
 
-def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: str, columns, errors, stream):
+def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: str, columns, errors, stream,
+                        out=None):
     checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
@@ -290,9 +324,15 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
         if pv is None:
             raise checks.invalid("prefix_lengths is required (zeros for no prefix)")
         _same_device([*views, pv])
+        if out is not None and kind == "flashinfer":
+            raise checks.invalid("out= is not supported with kind='flashinfer' (its size depends on prefix_lengths)")
         if kind == "flashinfer":
             if columns is not None:
                 raise checks.invalid("columns is not used with kind='flashinfer'")
+            if dev.capturing(like):
+                raise checks.invalid("tree_attention_mask(kind='flashinfer') reads prefix_lengths to the host to size "
+                                     "its ragged output, which cannot happen inside CUDA graph capture; use a dense "
+                                     "kind with columns= there")
             host_prefix = dev.to_host(prefix).astype(np.int64)  # sizes the ragged output
             if (host_prefix < 0).any():
                 raise checks.range_error(f"prefix_lengths must be >= 0, got {host_prefix.tolist()}")
@@ -302,6 +342,10 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
             code, ncols = MASK_KINDS["flashinfer"], 0
         else:
             if columns is None:
+                if dev.capturing(like):
+                    raise checks.invalid("tree_attention_mask without columns= reads prefix_lengths to the host to "
+                                         "size the mask, which cannot happen inside CUDA graph capture; pass columns= "
+                                         "(the key columns of the KV cache, e.g. its capacity)")
                 host_prefix = dev.to_host(prefix)
                 columns = int(host_prefix.max()) + rows if batch else rows
             ncols = int(columns)
@@ -316,17 +360,28 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
                 code, shape, odt = _ADDITIVE[dtype], (batch, rows, ncols), dtype
             else:
                 raise checks.invalid(f"kind must be 'bool', 'bits', 'additive' or 'flashinfer', got {kind!r}")
-            mask = dev.empty(like, shape, odt)
             indptr = None
             nbytes = int(np.prod(shape, dtype=np.int64)) * dev._ITEMSIZE[odt]
-        positions = dev.empty(like, (batch, rows), "int64")
-        status = dev.empty(like, (batch,), "int32")
+            if out is None:
+                mask = dev.empty(like, shape, odt)
+            else:
+                if not isinstance(out, TreeMask):
+                    raise checks.type_error(f"out must be a TreeMask, got {type(out).__name__}")
+                mask = out.mask
+                _out_array(mask, "out.mask", ("bool", "uint8") if kind == "bool" else odt, shape, like, s)
+        if out is None:
+            positions = dev.empty(like, (batch, rows), "int64")
+            status = dev.empty(like, (batch,), "int32")
+        else:
+            positions, status = out.positions, out.request_status
+            _out_array(positions, "out.positions", "int64", (batch, rows), like, s)
+            _out_array(status, "out.request_status", "int32", (batch,), like, s)
         lib.kdt_tree_attention_mask_cuda(
             ctypes.byref(tstruct), pv.ptr, code, ncols, dev.view(mask, "mask").ptr if nbytes else None, nbytes,
             dev.view(indptr, "indptr").ptr if indptr is not None else None, dev.view(positions, "positions").ptr,
             dev.view(status, "status").ptr, s)
         del prefix
-    if kind == "bool" and dev._library(mask) == "torch":
+    if kind == "bool" and dev._library(mask) == "torch" and str(mask.dtype) != "torch.bool":
         mask = mask.view(dtype=__import__("sys").modules["torch"].bool)
     if errors == "raise":
         _raise_on_status(status, "tree_attention_mask")
@@ -410,6 +465,10 @@ def _pointer_table(like, views: list[dev.DeviceArray]):
     key = (tuple(v.ptr for v in views), views[0].device)
     table = _POINTER_TABLES.get(key)
     if table is None:
+        if dev.capturing(like):
+            raise checks.invalid("compact_kv builds a device table of the layers' pointers on first use, which "
+                                 "cannot happen inside CUDA graph capture; call compact_kv once on these tensors "
+                                 "(a warm-up) before capturing")
         if len(_POINTER_TABLES) > 64:
             _POINTER_TABLES.clear()
         table = dev.from_host(like, np.asarray([v.ptr for v in views], np.uint64).view(np.int64))
@@ -417,7 +476,8 @@ def _pointer_table(like, views: list[dev.DeviceArray]):
     return table
 
 
-def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, layout: str, errors, stream):
+def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, layout: str, errors, stream,
+               out=None):
     checks.check_errors(errors)
     k_layers = list(k_layers)
     v_layers = None if v_layers is None else list(v_layers)
@@ -465,7 +525,11 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         _same_device([*kv, *vv, pv, acc, alen])
         cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, dev.view(vtab, "v").ptr if vtab is not None else None,
                                 len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads, seq, dim, bs, hs, ss)
-        status = dev.empty(like, (batch,), "int32")
+        if out is None:
+            status = dev.empty(like, (batch,), "int32")
+        else:
+            status = out
+            _out_array(status, "out", "int32", (batch,), like, s)
         lib.kdt_compact_kv_cuda(ctypes.byref(cache), pv.ptr, acc.ptr, alen.ptr, acc.shape[1],
                                 dev.view(status, "s").ptr, s)
         del prefix

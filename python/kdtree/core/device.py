@@ -288,8 +288,25 @@ def empty(like, shape, dtype: str):
     )
 
 
+def capturing(like) -> bool:
+    """Whether the current torch stream of `like`'s device is capturing a CUDA graph (a
+    host copy or a pageable upload would fail or be baked into the graph there)."""
+    if _library(like) != "torch" or not getattr(like, "is_cuda", False):
+        return False
+    return bool(sys.modules["torch"].cuda.is_current_stream_capturing())
+
+
+def require_not_capturing(like, what: str) -> None:
+    """KdtreeError naming `what` when a CUDA graph is being captured on `like`'s stream."""
+    if capturing(like):
+        raise checks.invalid(f"{what} inside CUDA graph capture; pass it as a device array (or the static value "
+                             "the call would read) before capturing")
+
+
 def to_host(obj) -> np.ndarray:
-    """A numpy copy of a GPU array (synchronises with its stream)."""
+    """A numpy copy of a GPU array (synchronises with its stream). KdtreeError inside a
+    CUDA graph capture, where the copy cannot run."""
+    require_not_capturing(obj, "a device array would be copied to the host")
     lib = _library(obj)
     if lib == "torch":
         return obj.detach().cpu().numpy()
@@ -301,7 +318,9 @@ def to_host(obj) -> np.ndarray:
 
 
 def from_host(like, array: np.ndarray):
-    """A GPU copy of a small host array, on `like`'s device and library."""
+    """A GPU copy of a small host array, on `like`'s device and library. KdtreeError inside
+    a CUDA graph capture (a captured upload would replay the capture-time values)."""
+    require_not_capturing(like, "a host array would be copied to the device")
     lib = _library(like)
     if lib == "torch":
         torch = sys.modules["torch"]

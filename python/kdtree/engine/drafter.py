@@ -326,3 +326,98 @@ class CallableDrafter:
             raise ValueError(f"drafter logit {raw[d, v]!r} at depth {d}, token {v} is beyond float32's range "
                              f"(logits are used as float32)")
         return out
+
+
+class BlockDrafterKV:
+    """A :class:`BlockDrafter` with its context keys and values cached on the device, for
+    the batched engine: each committed position's target features are projected once
+    (:meth:`append`), and a draft (:meth:`forward`) attends to the cached rows instead of
+    recomputing them from every context feature each round. Computes what
+    ``BlockDrafterModule.forward`` computes (tested equal in float32).
+
+    Per drafter layer, K and V are ``[slots, heads, capacity + block_size, head_dim]``:
+    rows ``0 .. capacity - 1`` hold the context (row ``i`` = context position ``i``, keys
+    rotated at ``i``), the last ``block_size`` rows the block of the draft in progress.
+    Nothing here synchronises with the host, so :meth:`forward` and :meth:`append` can be
+    captured in a CUDA graph (with static input tensors).
+
+    Args:
+        model: a :class:`BlockDrafter` (any device and float dtype).
+        slots: requests held.
+        capacity: context positions per request.
+    """
+
+    def __init__(self, model: Any, slots: int, capacity: int):
+        torch = _torch()
+        self.model = model.eval()
+        self.config: BlockDrafterConfig = model.config
+        cfg = self.config
+        param = next(model.parameters())
+        self.capacity = int(capacity)
+        shape = (int(slots), cfg.num_heads, self.capacity + cfg.block_size, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.layers]
+        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.layers]
+        self._cols = torch.arange(self.capacity + cfg.block_size, device=param.device)
+
+    def _slot_views(self, i: int, b: int, slot: int | None):
+        if slot is None:
+            return self.keys[i][:b], self.values[i][:b]
+        return self.keys[i][slot:slot + 1], self.values[i][slot:slot + 1]
+
+    def append(self, features: Any, rows: Any, slot: int | None = None) -> None:
+        """Caches the context keys and values of ``features`` ``[b, r, feature_size]``
+        (the target's hidden states at the chosen layers, concatenated) at context rows
+        ``rows`` int64 ``[b, r]`` (the positions, < capacity; rows past a request's
+        length are later overwritten and never read). ``slot``: None for requests
+        ``0 .. b-1``, or the one slot ``b = 1`` writes."""
+        torch = _torch()
+        m = self.model
+        theta = self.config.rope_theta
+        with torch.no_grad():
+            ctx = m.fuse_norm(m.fuse(features.to(self.keys[0].dtype)))
+            b, r = rows.shape
+            for i, layer in enumerate(m.layers):
+                kc, vc = self._slot_views(i, b, slot)
+                k = _rope(layer._heads(layer.k(ctx)), rows, theta)
+                v = layer._heads(layer.v(ctx))
+                idx = rows[:, None, :, None].expand(b, k.shape[1], r, k.shape[3])
+                kc.scatter_(2, idx, k)
+                vc.scatter_(2, idx, v)
+
+    def forward(self, roots: Any, lengths: Any, depth: int | None = None) -> Any:
+        """Drafter logits ``[b, depth, V]`` for the positions after each request's root.
+
+        roots    int ``[b]``: the root (last committed) token of requests ``0 .. b-1``
+        lengths  int64 ``[b]``: context positions cached (the root's position)
+        depth    drafted positions, 1 .. block_size - 1 (default all)
+        """
+        torch = _torch()
+        F = torch.nn.functional
+        m, cfg = self.model, self.config
+        depth = cfg.max_depth if depth is None else int(depth)
+        if not 1 <= depth <= cfg.max_depth:
+            raise ValueError(f"depth must be in [1, {cfg.max_depth}], got {depth}")
+        b, s = int(roots.shape[0]), depth + 1
+        dev = roots.device
+        with torch.no_grad():
+            dtype = self.keys[0].dtype
+            h = torch.cat([m.embed(roots.long())[:, None, :], m.mask_embedding.to(dtype).expand(b, depth, -1)], dim=1)
+            pos = lengths[:, None] + torch.arange(s, device=dev)[None, :]
+            tail = self.capacity + torch.arange(s, device=dev)
+            cols = self._cols
+            visible = (cols[None, :] < lengths[:, None]) | ((cols[None, :] >= self.capacity)
+                                                          & (cols[None, :] < self.capacity + s))
+            mask = torch.zeros((b, 1, 1, cols.shape[0]), dtype=dtype, device=dev)
+            mask.masked_fill_(~visible[:, None, None, :], torch.finfo(dtype).min)
+            idx = tail[None, None, :, None].expand(b, cfg.num_heads, s, cfg.head_dim)
+            for i, layer in enumerate(m.layers):
+                kc, vc = self._slot_views(i, b, None)
+                x = layer.attn_norm(h)
+                q = _rope(layer._heads(layer.q(x)), pos, cfg.rope_theta)
+                kc.scatter_(2, idx, _rope(layer._heads(layer.k(x)), pos, cfg.rope_theta))
+                vc.scatter_(2, idx, layer._heads(layer.v(x)))
+                a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+                h = h + layer.o(a.transpose(1, 2).reshape(b, s, -1))
+                y = layer.mlp_norm(h)
+                h = h + layer.down(F.silu(layer.gate(y)) * layer.up(y))
+            return F.linear(m.norm(h[:, 1:]), m.embed.weight)

@@ -1,0 +1,162 @@
+"""Tree attention for transformers' own model code, over a per-request static KV cache.
+
+The batched engine (:mod:`kdtree.engine.batched`) runs Llama, Qwen2 and Qwen3 models
+through their transformers classes, with ``config._attn_implementation = "kdtree"``: the
+attention function registered here (transformers' ``AttentionInterface``) receives each
+layer's new keys and values after the rotary embedding, writes them into the engine's
+static cache at each request's own rows, and attends over the whole cache with the mask
+the engine passes as ``attention_mask`` (kdtree's tree attention mask for a tree round, a
+causal mask for prefill and one-token steps). transformers' ``StaticCache`` writes one
+``cache_position`` vector for the whole batch; ragged requests need each request's rows
+written at its own length, which is why the function writes K/V itself and the model is
+called with no transformers cache.
+
+Behind it is PyTorch's ``scaled_dot_product_attention`` over the cache's full capacity
+(an additive mask hides the rows that are not the request's prefix or the node's
+ancestors); a tree-attention kernel takes its place without changing the engine.
+
+Shapes: the cache of one layer is ``[slots, kv_heads, capacity, head_dim]`` (Hugging
+Face's layout, the one :func:`kdtree.compact_kv` takes as ``"bhsd"``); a forward over
+``q`` rows of ``b`` requests writes row ``rows[r, i]`` of request ``r``'s slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTENTION_NAME = "kdtree"
+_REGISTERED = False
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@dataclass
+class StepState:
+    """What the attention function reads for the forward in progress (set by the engine
+    before each forward or graph capture; the tensors are static for a captured graph).
+
+    Attributes:
+        rows   int64 ``[b, q]``: the cache row each input row's K/V goes to.
+        slots  ``None`` (input request r is slot r, ``b`` slots from 0) or a Python int:
+               the single slot a one-request forward (prefill) writes.
+    """
+
+    rows: Any = None
+    slots: int | None = None
+
+
+@dataclass
+class StaticKV:
+    """Per-layer K and V buffers ``[slots, kv_heads, capacity, head_dim]`` on the model's
+    device and dtype, and the :class:`StepState` the attention function reads."""
+
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    step: StepState = field(default_factory=StepState)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.keys[0].shape[0])
+
+
+def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function (``AttentionInterface``) for the engine's cache.
+
+    ``query`` ``[b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, q, d]`` (after the
+    rotary embedding), ``attention_mask`` additive ``[b, 1, q, capacity]`` in the query's
+    dtype. Returns ``([b, q, heads, d], None)`` as transformers' functions do.
+
+    Raises:
+        RuntimeError: a model module not attached to an engine cache (``_kdtree_kv``).
+    """
+    torch = _torch()
+    cache: StaticKV | None = getattr(module, "_kdtree_kv", None)
+    if cache is None:
+        raise RuntimeError("attention implementation 'kdtree' needs the model attached to a kdtree engine cache "
+                           "(kdtree.engine.batched.Engine does this)")
+    layer = module.layer_idx
+    step = cache.step
+    b, kv_heads, q, d = key.shape
+    if step.slots is None:
+        kc, vc = cache.keys[layer][:b], cache.values[layer][:b]
+    else:
+        s = int(step.slots)
+        kc, vc = cache.keys[layer][s:s + 1], cache.values[layer][s:s + 1]
+    idx = step.rows[:, None, :, None].expand(b, kv_heads, q, d)
+    kc.scatter_(2, idx, key.to(kc.dtype))
+    vc.scatter_(2, idx, value.to(vc.dtype))
+    heads = query.shape[1]
+    if heads != kv_heads:
+        out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask,
+                                                               scale=scaling, enable_gqa=True)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask,
+                                                               scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Registers :func:`kdtree_attention` under ``"kdtree"`` in transformers'
+    ``AttentionInterface`` (and no mask function: the engine passes its own 4-D masks).
+    Idempotent; returns the name."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, kdtree_attention)
+        try:  # a mask interface entry keeps transformers from building masks of its own
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        except ImportError:  # pragma: no cover - releases without a mask interface
+            pass
+        _REGISTERED = True
+    return ATTENTION_NAME
+
+
+def attach(model: Any, slots: int, capacity: int) -> StaticKV:
+    """Allocates the static cache for ``model`` (``slots`` requests of ``capacity`` rows),
+    points every attention module at it and switches the model to the ``"kdtree"``
+    attention implementation. Returns the cache.
+
+    Raises:
+        ValueError: a model without ``layer_idx`` on its attention modules, or with
+            sliding-window layers (their cache drops rows the tree rows need).
+    """
+    torch = _torch()
+    cfg = model.config
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    window_on = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
+    if window_on or any("sliding" in str(t) for t in layer_types):
+        raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
+                         "and compaction assume a cache that keeps every row (use a full-attention model)")
+    register()
+    param = next(model.parameters())
+    n_layers = int(cfg.num_hidden_layers)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    shape = (int(slots), kv_heads, int(capacity), head_dim)
+    cache = StaticKV(keys=[torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(n_layers)],
+                     values=[torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(n_layers)])
+    found = 0
+    for mod in model.modules():
+        if hasattr(mod, "layer_idx") and hasattr(mod, "q_proj") and hasattr(mod, "k_proj"):
+            mod._kdtree_kv = cache
+            found += 1
+    if found != n_layers:
+        raise ValueError(f"found {found} attention modules with layer_idx in a {n_layers}-layer model; the kdtree "
+                         "attention supports the Llama, Qwen2 and Qwen3 families")
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTENTION_NAME)
+    else:  # pragma: no cover - older releases
+        cfg._attn_implementation = ATTENTION_NAME
+    return cache

@@ -1,0 +1,739 @@
+"""The batched DDTree engine: request slots on the device, one CUDA graph a round,
+continuous batching.
+
+A round, for the requests in slots ``0 .. b-1`` (``b`` the batch bucket: the smallest
+power of two holding every active slot), with no host synchronisation inside:
+
+1. draft     the drafter's logits ``[b, L, V]`` from its cached context keys/values
+             (:class:`kdtree.engine.drafter.BlockDrafterKV`);
+2. build     :func:`kdtree.build_trees_from_logits` (top-k + the best-first builder);
+3. mask      :func:`kdtree.tree_attention_mask` (additive, over the cache's capacity) and
+             the node positions;
+4. target    one forward of the target's transformers model over the ``N + 1`` tree
+             rows of every request (:mod:`kdtree.engine.attention` writes each
+             request's K/V rows at its own length);
+5. verify    :func:`kdtree.verify_greedy_from_logits` or
+             :func:`kdtree.verify_sample_from_logits` (per-request temperature, top-p,
+             top-k, seeds and offsets on the device; the graph advances the offsets),
+             with each request's remaining tokens as its commit cap;
+6. compact   :func:`kdtree.compact_kv` moves the accepted rows after each prefix; the
+             accepted rows' target features extend the drafter's context cache; the
+             committed tokens, lengths, roots and remaining counts are updated on the
+             device and the committed tokens copied to a small pinned host buffer.
+
+On CUDA the round is captured once per batch bucket into a CUDA graph and replayed; the
+host reads a round's committed tokens while the next round runs (one round late), so a
+request that finishes on the device (its remaining count reaches 0, or it commits a stop
+token) runs one more round as padding that commits nothing. Inactive slots run as
+padding: their commit cap is 0. On the CPU the same round runs eagerly (the tests' path).
+
+Modes: ``"ddtree"`` (top-``min(budget, V)`` per depth, the DDTree tree), ``"chain"`` (the
+drafter's top-1 chain of depth L, DFlash's draft: width 1, budget L) and ``"ar"``
+(autoregressive: a root-only tree, no drafter; one token a forward, the baseline).
+
+Requests: :meth:`Engine.submit` queues one; :meth:`Engine.step` admits queued requests
+into free slots (prefill, at most one chunk of ``prefill_chunk`` tokens a step, so a long
+prompt never stalls decoding for more than one chunk) and runs one round;
+:meth:`Engine.generate` runs everything to the end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import attention
+
+MODES = ("ddtree", "chain", "ar")
+# GPU top-k limit (kdt_topk_logprobs_cuda): the width of a DDTree tree is min(budget, V, 1024).
+MAX_WIDTH = 1024
+# stage names of a round, in order (the benchmark times each alone in a graph)
+ROUND_STAGES = ("draft", "build", "mask", "target", "verify", "commit")
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling: ``temperature`` 0 is greedy (argmax, ties to the lower id);
+    > 0 samples from ``softmax(logits / temperature)`` restricted to the ``top_k`` most
+    likely tokens (0: all) and then to the ``top_p`` nucleus; ``seed`` keys the request's
+    counter-based draws (reproducible whatever the batch)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or 1e-6 <= t < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= 1e-6, got {t!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {self.top_k!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestOutput:
+    """One request's result.
+
+    Attributes:
+        request_id     the id :meth:`Engine.submit` returned
+        prompt         the prompt's token ids
+        tokens         the generated tokens (prompt excluded)
+        finish_reason  None while running; "stop_token", "max_new_tokens", "length"
+                       (the engine's max_length reached) or "error" (see ``error``)
+        error          why the request failed (a kdtree status from its round), or None
+        rounds         rounds that committed tokens for it (target forwards after prefill)
+        committed      per such round, the tokens committed (accepted draft tokens + bonus)
+    """
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    rounds: int = 0
+    committed: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per round (accepted draft tokens + bonus), 0.0 with no rounds."""
+        return float(np.mean(self.committed)) if self.committed else 0.0
+
+
+@dataclass
+class _Request:
+    out: RequestOutput
+    max_new_tokens: int
+    cap: int  # tokens it may commit: min(max_new_tokens, max_length - len(prompt))
+    sampling: SamplingParams
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens (all but the last) already in the cache
+    on_tokens: Callable[[int], None] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life (reset by :meth:`Engine.reset_stats`)."""
+
+    rounds: int = 0              # round launches (graph replays or eager rounds)
+    slot_rounds: int = 0         # active request-rounds
+    tokens: int = 0              # tokens committed
+    target_rows: int = 0         # target rows forwarded by rounds (b x (N + 1) each)
+    prefill_tokens: int = 0
+    prefill_chunks: int = 0
+    wall: float = 0.0            # seconds inside step()
+    host_wait: float = 0.0       # seconds step() spent waiting for the GPU
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per active request-round."""
+        return self.tokens / self.slot_rounds if self.slot_rounds else 0.0
+
+
+class _State:
+    """The static device tensors of the engine (every captured graph reads these)."""
+
+    def __init__(self, torch, device, slots: int, path: int, stops: Sequence[int]):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(slots, **i64)       # cached tokens (committed - 1)
+        self.roots = torch.zeros(slots, dtype=torch.int32, device=device)  # last committed token
+        self.remaining = torch.zeros(slots, **i64)     # tokens the slot may still commit
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.seed = torch.zeros(slots, **i64)
+        self.offset = torch.zeros(slots, **i64)
+        self.stops = torch.tensor(sorted({int(t) for t in stops}), dtype=torch.int32, device=device)
+        self.out_tokens = torch.full((slots, path), -1, dtype=torch.int32, device=device)
+        self.out_counts = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.out_status = torch.zeros(slots, dtype=torch.int32, device=device)
+
+
+class Engine:
+    """Batched DDTree decoding of a transformers target with a block drafter.
+
+    Args:
+        target: a loaded transformers causal LM of the Llama, Qwen2 or Qwen3 families
+            (:func:`kdtree.engine.hf.load_causal_lm`), on its device and dtype.
+        drafter: a :class:`kdtree.engine.drafter.BlockDrafter` on the same device (None
+            for ``mode="ar"``), trained on ``target``'s hidden states at
+            ``drafter.config.target_layers``.
+        max_batch: request slots B (rounds run buckets of 1, 2, 4 .. B slots).
+        budget: N, draft nodes per tree (mode "ddtree"; "chain" uses L, "ar" 0).
+        mode: "ddtree", "chain" or "ar" (module docstring).
+        max_length: the most positions a request may take (prompt + generated tokens);
+            a request reaching it finishes with "length". The KV caches hold
+            ``max_length + N + 1`` rows per slot.
+        stop_tokens: token ids that end a request (kept in its output), for every request.
+        prefill_chunk: prompt tokens forwarded per prefill chunk.
+        use_graphs: capture each bucket's round in a CUDA graph (default: on CUDA).
+        sampling: whether rounds verify by sampling (per-request temperature; a request
+            with temperature 0 is still greedy). False: greedy verification only (requests
+            with temperature > 0 are refused).
+
+    Raises:
+        ValueError: bad sizes, an unknown mode, a drafter whose vocabulary, feature size
+            or layers do not match the target, max_length beyond the target's positions.
+    """
+
+    def __init__(self, target: Any, drafter: Any = None, *, max_batch: int = 1, budget: int = 64,
+                 mode: str = "ddtree", max_length: int = 2048, stop_tokens: Sequence[int] = (),
+                 prefill_chunk: int = 512, use_graphs: bool | None = None, sampling: bool = False):
+        torch = _torch()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for name, v, lo in (("max_batch", max_batch, 1), ("budget", budget, 0), ("max_length", max_length, 2),
+                            ("prefill_chunk", prefill_chunk, 1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        cfg = target.config
+        self.vocab_size = int(cfg.vocab_size)
+        max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        if max_pos and max_length > max_pos:
+            raise ValueError(f"max_length {max_length} is beyond the target's max_position_embeddings ({max_pos})")
+        if mode == "ar":
+            drafter = None
+        elif drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter (mode='ar' runs without one)")
+        else:
+            dcfg = drafter.config
+            if int(dcfg.vocab_size) != self.vocab_size:
+                raise ValueError(f"drafter vocabulary {dcfg.vocab_size} != target vocabulary {self.vocab_size}")
+            n_layers = int(cfg.num_hidden_layers)
+            if any(not 0 <= i <= n_layers for i in dcfg.target_layers):
+                raise ValueError(f"drafter target_layers {list(dcfg.target_layers)} outside the target's hidden "
+                                 f"states 0 .. {n_layers}")
+            if len(dcfg.target_layers) * int(cfg.hidden_size) != int(dcfg.feature_size):
+                raise ValueError(f"drafter feature_size {dcfg.feature_size} != {len(dcfg.target_layers)} layers x "
+                                 f"target hidden size {cfg.hidden_size}")
+        self.target = target.eval()
+        self.drafter = drafter
+        self.mode = mode
+        param = next(target.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.depth = 0 if drafter is None else int(drafter.config.max_depth)
+        if mode == "ddtree":
+            self.budget = int(budget)
+            self.width = max(1, min(self.budget, self.vocab_size, MAX_WIDTH))
+        elif mode == "chain":
+            self.budget, self.width = self.depth, 1
+        else:
+            self.budget, self.width = 0, 1
+        self.max_batch = int(max_batch)
+        self.max_length = int(max_length)
+        self.capacity = self.max_length + self.budget + 1
+        self.prefill_chunk = int(prefill_chunk)
+        self.path = min(self.depth, self.budget) + 1  # accepted_nodes columns
+        self.sampling = bool(sampling)
+        self.on_cuda = self.device.type == "cuda"
+        self.use_graphs = self.on_cuda if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and not self.on_cuda:
+            raise ValueError("use_graphs needs the models on a CUDA device")
+        self.kv = attention.attach(target, self.max_batch, self.capacity)
+        self.feature_layers = () if drafter is None else tuple(drafter.config.target_layers)
+        if drafter is not None:
+            from .drafter import BlockDrafterKV
+
+            if next(drafter.parameters()).device != self.device:
+                raise ValueError(f"the drafter is on {next(drafter.parameters()).device}, the target on {self.device}")
+            self.drafter_kv = BlockDrafterKV(drafter, self.max_batch, self.capacity)
+        else:
+            self.drafter_kv = None
+        self.state = _State(torch, self.device, self.max_batch, self.path, stop_tokens)
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self._cols = torch.arange(self.capacity, device=self.device)
+        self._tree_rows = torch.arange(self.budget + 1, device=self.device)
+        self._path_cols = torch.arange(self.path, device=self.device)
+        self._buffers: dict[int, dict] = {}
+        self._graphs: dict[int, Any] = {}
+        self._slots: list[_Request | None] = [None] * self.max_batch
+        self._queue: deque[_Request] = deque()
+        self._prefilling: deque[_Request] = deque()
+        self._pending: deque[tuple] = deque()  # rounds launched, outputs not read yet
+        self._next_id = 0
+        self._outputs: dict[int, RequestOutput] = {}
+        self.stats = EngineStats()
+        if self.on_cuda:
+            self._pinned = [self._pinned_set(torch) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]
+            self._flip = 0
+
+    # ---- requests ------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None, *,
+               on_tokens: Callable[[int], None] | None = None) -> int:
+        """Queues a request; returns its id. ``prompt``: >= 1 token ids (the last one is
+        the first tree's root). ``max_new_tokens`` >= 0.
+
+        Raises:
+            ValueError: an empty prompt, a token outside the vocabulary, a prompt of
+                ``max_length`` tokens or more, negative ``max_new_tokens``, sampling on
+                an engine built with ``sampling=False``.
+        """
+        tokens = []
+        for i, t in enumerate(prompt):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"prompt element {i} ({t!r}) is not an integer token id")
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"prompt element {i}: token {int(t)} outside [0, {self.vocab_size})")
+            tokens.append(int(t))
+        if not tokens:
+            raise ValueError("the prompt must hold at least one token (the first tree's root)")
+        if len(tokens) >= self.max_length:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; the engine's max_length is {self.max_length}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not sampling.greedy and not self.sampling:
+            raise ValueError("this engine verifies greedily; build it with sampling=True for temperature > 0")
+        rid = self._next_id
+        self._next_id += 1
+        out = RequestOutput(rid, tokens)
+        cap = min(int(max_new_tokens), self.max_length - len(tokens))
+        req = _Request(out, int(max_new_tokens), cap, sampling, on_tokens=on_tokens)
+        self._outputs[rid] = out
+        if cap == 0:
+            out.finish_reason = "max_new_tokens" if max_new_tokens == 0 else "length"
+        else:
+            self._queue.append(req)
+        return rid
+
+    def output(self, request_id: int) -> RequestOutput:
+        """The request's output so far (``finish_reason`` set once it ended)."""
+        return self._outputs[request_id]
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued, prefilling or decoding (or outputs are unread)."""
+        return bool(self._queue or self._prefilling or self._pending or any(s is not None for s in self._slots))
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Decodes every prompt to the end (continuous batching over the slots); returns
+        the outputs in the prompts' order. ``sampling``: one for all or one per prompt.
+        ``progress(n)`` is called with the tokens committed after each round."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        ids = [self.submit(p, max_new_tokens, s, on_tokens=progress) for p, s in zip(prompts, sampling, strict=True)]
+        while self.busy:
+            self.step()
+        return [self._outputs[i] for i in ids]
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admits queued requests into free slots, forwards at most one prefill chunk,
+        launches one round for the active slots, and reads the previous round's
+        committed tokens (on CUDA; on the CPU the round's own)."""
+        t0 = time.perf_counter()
+        self._admit()
+        active = [i for i, r in enumerate(self._slots) if r is not None and r.prefilled >= len(r.out.prompt) - 1]
+        launched = False
+        if active:
+            need = max(active) + 1
+            b = next(x for x in self.buckets() if x >= need)
+            self._launch(b, active)
+            launched = True
+        # on CUDA the newest round's outputs are read one step later, while the next round runs
+        keep = 1 if launched and self.on_cuda else 0
+        while len(self._pending) > keep:
+            self._read(self._pending.popleft())
+        self.stats.wall += time.perf_counter() - t0
+
+    def _admit(self) -> None:
+        for i in range(self.max_batch):
+            if not self._queue:
+                break
+            if self._slots[i] is None and not self._slot_busy_on_device(i):
+                req = self._queue.popleft()
+                req.slot = i
+                self._slots[i] = req
+                self._prefilling.append(req)
+        if self._prefilling:
+            req = self._prefilling[0]
+            self._prefill_chunk(req)
+            if req.prefilled >= len(req.out.prompt) - 1:
+                self._prefilling.popleft()
+                self._activate(req)
+
+    def _slot_busy_on_device(self, slot: int) -> bool:
+        """A slot freed by the host may still have a launched round whose outputs are
+        unread; it is reused only once those are read."""
+        return any(slot in launched for *_, launched in self._pending)
+
+    def _prefill_chunk(self, req: _Request) -> None:
+        torch = _torch()
+        prompt = req.out.prompt
+        start = req.prefilled
+        stop = min(len(prompt) - 1, start + self.prefill_chunk)
+        s = req.slot
+        st = self.state
+        if stop > start:
+            n = stop - start
+            ids = torch.tensor([prompt[start:stop]], dtype=torch.long, device=self.device)
+            rows = (start + torch.arange(n, device=self.device))[None, :]
+            mask = self._causal_mask(rows)
+            feats = self._forward(ids, rows, rows, mask, slot=s)[1]
+            if self.drafter_kv is not None:
+                self.drafter_kv.append(feats, rows, slot=s)
+            self.stats.prefill_tokens += n
+            self.stats.prefill_chunks += 1
+        req.prefilled = stop
+        st.lengths[s] = stop  # rounds of other slots write this slot's rows from here on only
+
+    def _activate(self, req: _Request) -> None:
+        st, s, sp = self.state, req.slot, req.sampling
+        st.lengths[s] = len(req.out.prompt) - 1
+        st.roots[s] = req.out.prompt[-1]
+        st.temperature[s] = sp.temperature
+        st.top_p[s] = sp.top_p
+        st.top_k[s] = sp.top_k
+        st.seed[s] = sp.seed
+        st.offset[s] = 0
+        st.remaining[s] = req.cap
+
+    # ---- one round -------------------------------------------------------------------
+
+    def _causal_mask(self, rows):
+        """Additive ``[b, 1, q, capacity]``: input row i sees cache rows <= rows[:, i]."""
+        torch = _torch()
+        visible = self._cols[None, None, :] <= rows[:, :, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+
+    def _forward(self, ids, positions, rows, mask, slot=None):
+        """The target over ``ids`` ``[b, q]``: logits ``[b, q, V]`` and the drafter's
+        features ``[b, q, F]`` (None without a drafter)."""
+        torch = _torch()
+        self.kv.step.rows = rows
+        self.kv.step.slots = slot
+        with torch.no_grad():
+            out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
+                              output_hidden_states=bool(self.feature_layers))
+        feats = None
+        if self.feature_layers:
+            feats = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
+        return out.logits, feats
+
+    def _round_buffers(self, b: int) -> dict:
+        """The static outputs of the kdtree calls of bucket ``b`` (reused every round)."""
+        buf = self._buffers.get(b)
+        if buf is None:
+            torch = _torch()
+            from ..core import cuda as gpu
+            from ..core.types import Acceptance, TreeMask
+
+            dev, rows = self.device, self.budget + 1
+            if self.on_cuda:
+                like = self.state.lengths
+                buf = {"trees": gpu.empty_trees(like, b, self.budget, self.depth)}
+                buf["trees"].request_status = torch.zeros(b, dtype=torch.int32, device=dev)
+                buf["mask"] = TreeMask(torch.empty((b, rows, self.capacity), dtype=self.dtype, device=dev), None,
+                                       torch.empty((b, rows), dtype=torch.int64, device=dev),
+                                       torch.empty(b, dtype=torch.int32, device=dev))
+                buf["acc"] = Acceptance(torch.empty((b, self.path), dtype=torch.int32, device=dev),
+                                        torch.empty(b, dtype=torch.int32, device=dev),
+                                        torch.empty(b, dtype=torch.int32, device=dev),
+                                        request_status=torch.empty(b, dtype=torch.int32, device=dev),
+                                        target_tokens=torch.empty((b, rows), dtype=torch.int32, device=dev))
+                buf["compact_status"] = torch.empty(b, dtype=torch.int32, device=dev)
+            else:
+                buf = {}
+            self._buffers[b] = buf
+        return buf
+
+    def _round(self, b: int) -> None:
+        """One round for slots 0 .. b-1 (module docstring); capturable."""
+        st = self.state
+        lengths, roots = st.lengths[:b], st.roots[:b]
+        buf = self._round_buffers(b)
+        trees = self._stage_draft_build(b, lengths, roots, buf)
+        mask = self._stage_mask(trees, lengths, buf)
+        logits, feats = self._stage_target(b, trees, mask, lengths)
+        acc = self._stage_verify(b, trees, logits, buf)
+        self._stage_commit(b, trees, acc, feats, buf)
+
+    def _stage_draft_build(self, b, lengths, roots, buf):
+        torch = _torch()
+        from ..core import api
+
+        if self.drafter_kv is None:  # a root-only tree (AR)
+            lp = torch.zeros((b, 0, 0), dtype=torch.float32, device=self.device)
+            ids = torch.zeros((b, 0, 0), dtype=torch.int32, device=self.device)
+            return self._ops_build(lp, ids, roots, lengths, buf)
+        logits = self.drafter_kv.forward(roots, lengths, self.depth)
+        if self.on_cuda:
+            return api.build_trees_from_logits(logits, self.width, self.budget, root_tokens=roots,
+                                               root_positions=lengths, pad_token=0, out=buf["trees"],
+                                               errors="status")
+        trees = api.build_trees_from_logits(logits.float().numpy(), self.width, self.budget,
+                                            root_tokens=roots.numpy(), root_positions=lengths.numpy(), pad_token=0)
+        return _trees_to_torch(trees)
+
+    def _ops_build(self, lp, ids, roots, lengths, buf):
+        from ..core import api
+
+        if self.on_cuda:
+            return api.build_trees(lp, ids, 0, root_tokens=roots, root_positions=lengths, pad_token=0,
+                                   out=buf["trees"], errors="status")
+        trees = api.build_trees(lp.numpy(), ids.numpy(), 0, root_tokens=roots.numpy(),
+                                root_positions=lengths.numpy(), pad_token=0)
+        return _trees_to_torch(trees)
+
+    def _stage_mask(self, trees, lengths, buf):
+        torch = _torch()
+        from ..core import api
+
+        dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self.dtype]
+        if self.on_cuda:
+            return api.tree_attention_mask(trees, lengths, kind="additive", dtype=dtype, columns=self.capacity,
+                                           out=buf["mask"], errors="status")
+        m = api.tree_attention_mask(_trees_to_numpy(trees), lengths.numpy(), kind="additive", dtype="float32",
+                                    columns=self.capacity)
+        from ..core.types import TreeMask
+
+        return TreeMask(torch.from_numpy(np.asarray(m.mask, np.float32)).to(self.dtype), None,
+                        torch.from_numpy(m.positions), torch.from_numpy(m.request_status))
+
+    def _stage_target(self, b, trees, mask, lengths):
+        rows = lengths[:, None] + self._tree_rows[None, :]
+        return self._forward(trees.tokens, mask.positions, rows, mask.mask[:, None])
+
+    def _stage_verify(self, b, trees, logits, buf):
+        torch = _torch()
+        from ..core import api
+        from ..core.types import Acceptance
+
+        st = self.state
+        caps = st.remaining[:b]
+        stops = st.stops if st.stops.numel() else ()
+        if self.on_cuda:
+            if self.sampling:
+                acc = api.verify_sample_from_logits(
+                    trees, logits, st.temperature[:b], seed=st.seed[:b], offset=st.offset[:b], top_p=st.top_p[:b],
+                    top_k=st.top_k[:b], stop_tokens=stops, max_commit=caps, out=buf["acc"], errors="status")
+                st.offset[:b] += 1
+                return acc
+            return api.verify_greedy_from_logits(trees, logits, stop_tokens=stops, max_commit=caps,
+                                                 out=buf["acc"], errors="status")
+        tn = _trees_to_numpy(trees)
+        x = logits.float().numpy()
+        stop_list = sorted(self.stop_tokens)
+        if self.sampling:
+            acc = api.verify_sample_from_logits(
+                tn, x, st.temperature[:b].numpy(), seed=st.seed[:b].numpy().astype(np.uint64),
+                offset=st.offset[:b].numpy().astype(np.uint64), top_p=st.top_p[:b].numpy(),
+                top_k=st.top_k[:b].numpy(), stop_tokens=stop_list, max_commit=caps.numpy())
+            st.offset[:b] += 1
+        else:
+            acc = api.verify_greedy_from_logits(tn, x, stop_tokens=stop_list, max_commit=caps.numpy())
+        return Acceptance(*(torch.from_numpy(np.asarray(a)) for a in (acc.accepted_nodes, acc.accept_length,
+                                                                       acc.bonus_token)),
+                          request_status=torch.from_numpy(np.asarray(acc.request_status)))
+
+    def _stage_commit(self, b, trees, acc, feats, buf):
+        torch = _torch()
+        from ..core import api
+
+        st = self.state
+        lengths = st.lengths[:b]
+        keys = [k[:b] for k in self.kv.keys]
+        values = [v[:b] for v in self.kv.values]
+        if self.on_cuda:
+            api.compact_kv(keys, values, lengths, acc, out=buf["compact_status"], errors="status")
+        else:
+            from ..core.types import Acceptance
+
+            api.compact_kv(keys, values, lengths.numpy(),
+                           Acceptance(acc.accepted_nodes.numpy(), acc.accept_length.numpy(), acc.bonus_token.numpy()))
+        path = acc.accepted_nodes.long()
+        m = acc.accept_length.long()
+        bonus = acc.bonus_token
+        safe = path.clamp(min=0)
+        tok_path = trees.tokens.gather(1, safe)
+        j = self._path_cols[None, :]
+        shifted = torch.cat([tok_path[:, 1:], tok_path[:, :1]], dim=1)
+        committed = torch.where(j < m[:, None], shifted,
+                                torch.where(j == m[:, None], bonus[:, None].to(shifted.dtype),
+                                            torch.full_like(shifted, -1)))
+        count = m + (bonus >= 0).long()
+        ok = acc.request_status == 0
+        count = torch.where(ok, count, torch.zeros_like(count))
+        if feats is not None:
+            f = feats.gather(1, safe[:, :, None].expand(b, self.path, feats.shape[-1]))
+            self.drafter_kv.append(f, lengths[:, None] + j)
+        last = committed.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
+        has = count > 0
+        st.roots[:b] = torch.where(has, last.to(torch.int32), st.roots[:b])
+        st.lengths[:b] += count
+        stopped = has & torch.isin(last, st.stops) if st.stops.numel() else torch.zeros_like(has)
+        # a failed request (bad logits) ends: its remaining count goes to 0
+        st.remaining[:b] = torch.where(stopped | ~ok, torch.zeros_like(count), st.remaining[:b] - count)
+        st.out_tokens[:b] = committed.to(torch.int32)
+        st.out_counts[:b] = count.to(torch.int32)
+        st.out_status[:b] = acc.request_status.to(torch.int32)
+
+    # ---- launching and reading -------------------------------------------------------
+
+    def _pinned_set(self, torch):
+        st = self.state
+        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                for t in (st.out_tokens, st.out_counts, st.out_status, st.remaining)]
+
+    def _launch(self, b: int, active: list[int]) -> None:
+        torch = _torch()
+        if self.use_graphs:
+            graph = self._graphs.get(b)
+            if graph is None:
+                graph = self._capture(b)
+            graph.replay()
+        else:
+            self._round(b)
+        self.stats.rounds += 1
+        self.stats.target_rows += b * (self.budget + 1)
+        st = self.state
+        if self.on_cuda:
+            k = self._flip
+            self._flip ^= 1
+            host = self._pinned[k]  # the round that used it was read in an earlier step
+            for h, d in zip(host, (st.out_tokens, st.out_counts, st.out_status, st.remaining), strict=True):
+                h.copy_(d, non_blocking=True)
+            self._events[k].record()
+            self._pending.append((host, self._events[k], set(active)))
+        else:
+            host = [t.clone() for t in (st.out_tokens, st.out_counts, st.out_status, st.remaining)]
+            self._pending.append((host, None, set(active)))
+        del torch
+
+    def _read(self, pending: tuple) -> None:
+        host, event, launched = pending
+        if event is not None:
+            t0 = time.perf_counter()
+            event.synchronize()
+            self.stats.host_wait += time.perf_counter() - t0
+        tokens, counts, status, remaining = (h.numpy() for h in host)
+        for s in sorted(launched):
+            req = self._slots[s]
+            if req is None:
+                continue
+            c = int(counts[s])
+            out = req.out
+            if int(status[s]) != 0:
+                from .._native import STATUS_NAMES
+
+                out.error = (f"the round failed with {STATUS_NAMES.get(int(status[s]), int(status[s]))} "
+                             f"(slot {s}, after {len(out.tokens)} tokens)")
+                self._finish(req, "error")
+                continue
+            self.stats.slot_rounds += 1
+            if c == 0:
+                continue
+            new = tokens[s, :c].tolist()
+            out.tokens.extend(new)
+            out.rounds += 1
+            out.committed.append(c)
+            self.stats.tokens += c
+            if req.on_tokens is not None:
+                req.on_tokens(c)
+            if new[-1] in self.stop_tokens:
+                self._finish(req, "stop_token")
+            elif int(remaining[s]) <= 0:
+                self._finish(req, "max_new_tokens" if len(out.tokens) >= req.max_new_tokens else "length")
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.out.finish_reason = reason
+        if req.slot >= 0 and self._slots[req.slot] is req:
+            self._slots[req.slot] = None
+            self.state.remaining[req.slot] = 0
+
+    def _capture(self, b: int):
+        """Captures bucket ``b``'s round (after two warm-up rounds on a side stream, which
+        commit nothing: every slot of a new bucket is checked inactive first)."""
+        torch = _torch()
+        self._check_idle_for_capture(b)
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._round(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._round(b)
+        self._graphs[b] = graph
+        return graph
+
+    def _check_idle_for_capture(self, b: int) -> None:
+        """Capturing runs the round for real (warm-up): only before any request holds a
+        slot. :meth:`capture_all` captures every bucket up front."""
+        if any(r is not None for r in self._slots) or self._pending:
+            raise RuntimeError("CUDA graphs are captured while no request holds a slot: call capture_all() "
+                               "before submitting requests (generate() does)")
+
+    def buckets(self) -> list[int]:
+        """The batch buckets: 1, 2, 4, ... up to max_batch (which is always one)."""
+        out, b = [], 1
+        while b < self.max_batch:
+            out.append(b)
+            b *= 2
+        return out + [self.max_batch]
+
+    def capture_all(self) -> None:
+        """Captures every bucket's round (CUDA graphs; a no-op without them). Runs the
+        warm-up rounds on idle slots, so it must come before the first request."""
+        if not self.use_graphs:
+            return
+        for b in self.buckets():
+            if b not in self._graphs:
+                self._capture(b)
+        self.state.offset.zero_()
+        _torch().cuda.synchronize(self.device)
+
+    def reset_stats(self) -> None:
+        self.stats = EngineStats()
+
+
+def _trees_to_torch(trees):
+    """A host TreeBatch's arrays as CPU torch tensors (the CPU round's representation)."""
+    torch = _torch()
+    from ..core.types import TREE_FIELDS, TreeBatch
+
+    fields = {name: torch.from_numpy(np.ascontiguousarray(getattr(trees, name))) for name in TREE_FIELDS}
+    out = TreeBatch(**fields, budget=trees.budget, depth=trees.depth)
+    out.request_status = torch.from_numpy(np.asarray(trees.request_status))
+    return out
+
+
+def _trees_to_numpy(trees):
+    from ..core.types import TREE_FIELDS, TreeBatch
+
+    return TreeBatch(**{name: getattr(trees, name).numpy() for name in TREE_FIELDS}, budget=trees.budget,
+                     depth=trees.depth)
