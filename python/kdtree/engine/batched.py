@@ -251,6 +251,9 @@ class Engine:
         self.path = min(self.depth, self.budget) + 1  # accepted_nodes columns
         self.sampling = bool(sampling)
         self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"on CUDA the models must be float32, float16 or bfloat16 (kdtree's masks and KV "
+                             f"compaction), got {self.dtype}")
         self.use_graphs = self.on_cuda if use_graphs is None else bool(use_graphs)
         if self.use_graphs and not self.on_cuda:
             raise ValueError("use_graphs needs the models on a CUDA device")
@@ -512,8 +515,8 @@ class Engine:
         torch = _torch()
         from ..core import api
 
-        dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self.dtype]
         if self.on_cuda:
+            dtype = str(self.dtype).removeprefix("torch.")
             return api.tree_attention_mask(trees, lengths, kind="additive", dtype=dtype, columns=self.capacity,
                                            out=buf["mask"], errors="status")
         m = api.tree_attention_mask(_trees_to_numpy(trees), lengths.numpy(), kind="additive", dtype="float32",
@@ -569,11 +572,17 @@ class Engine:
         values = [v[:b] for v in self.kv.values]
         if self.on_cuda:
             api.compact_kv(keys, values, lengths, acc, out=buf["compact_status"], errors="status")
-        else:
+        elif self.dtype in (torch.float16, torch.bfloat16, torch.float32):
             from ..core.types import Acceptance
 
             api.compact_kv(keys, values, lengths.numpy(),
                            Acceptance(acc.accepted_nodes.numpy(), acc.accept_length.numpy(), acc.bonus_token.numpy()))
+        else:  # float64 (host tests): the same moves as index copies
+            for r in range(b):
+                m, p = int(acc.accept_length[r]), int(lengths[r])
+                src = p + acc.accepted_nodes[r, : m + 1].long()
+                for t in keys + values:
+                    t[r, :, p: p + m + 1] = t[r, :, src]
         path = acc.accepted_nodes.long()
         m = acc.accept_length.long()
         bonus = acc.bonus_token

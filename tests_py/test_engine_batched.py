@@ -1,0 +1,261 @@
+"""The batched engine (kdtree.engine.batched): request slots, continuous batching, the
+kdtree attention over a per-slot static cache, and (on a GPU) one CUDA graph a round.
+
+The reference is independent of the engine: greedy autoregressive decoding of the same
+transformers model through :class:`kdtree.hf.HFTarget` (transformers' DynamicCache, its
+own SDPA attention, one sequence at a time). In float32 the engine's DDTree output must
+equal it token for token for every prompt, budget and batch size, also when finished
+requests' slots are refilled from the queue and prompts are prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
+
+from pathlib import Path  # noqa: E402
+
+from kdtree.engine import autoregressive_generate  # noqa: E402
+from kdtree.engine.batched import Engine, SamplingParams  # noqa: E402
+from kdtree.engine.drafter import BlockDrafter, BlockDrafterConfig, load_drafter  # noqa: E402
+from kdtree.engine.hf import HFTarget, load_causal_lm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PAIR = ROOT / "fixtures" / "models" / "stdlib-qwen3"
+NEW = 24
+
+
+def shipped_prompts(n: int) -> list[list[int]]:
+    """n prompts of 20 .. 150 tokens: slices of kdtree's own sources (held-out text)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(PAIR / "tokenizer.json"))
+    texts = []
+    for f in sorted((ROOT / "python" / "kdtree").rglob("*.py")):
+        t = f.read_text()
+        if len(t) > 3000:
+            texts.append(t)
+    out = []
+    for i in range(n):
+        t = texts[i % len(texts)]
+        start = 500 + 97 * i
+        ids = tok.encode(t[start:start + 80 + 41 * (i % 12)]).ids
+        out.append(ids[: 20 + 13 * (i % 11)])
+    return out
+
+
+def reference(model, prompts, new: int, stop_tokens=()) -> list[list[int]]:
+    target = HFTarget(model)
+    return [autoregressive_generate(target, p, new, stop_tokens=stop_tokens).tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = load_causal_lm(PAIR / "target", dtype="float32")
+    drafter = load_drafter(PAIR / "drafter", dtype="float32")
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return shipped_prompts(20)
+
+
+@pytest.fixture(scope="module")
+def expected(prompts):
+    model = load_causal_lm(PAIR / "target", dtype="float32")  # a model the engine never attaches to
+    return reference(model, prompts, NEW)
+
+
+@pytest.mark.parametrize("budget", [1, 16, 64])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_autoregressive(pair, prompts, expected, budget, batch):
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=batch, budget=budget, max_length=512, prefill_chunk=48)
+    outs = eng.generate(prompts, NEW)
+    for i, (o, want) in enumerate(zip(outs, expected, strict=True)):
+        assert o.tokens == want, f"prompt {i} ({len(prompts[i])} tokens), budget {budget}, batch {batch}"
+        assert o.finish_reason == "max_new_tokens"
+        assert sum(o.committed) == NEW
+    if budget >= 16:  # the shipped drafter is good: far fewer rounds than tokens
+        assert eng.stats.acceptance_length > 2.0, eng.stats
+    assert eng.stats.prefill_chunks > len(prompts)  # prompts longer than 48 tokens took several chunks
+
+
+def test_chain_and_ar_modes(pair, prompts, expected):
+    target, drafter = pair
+    for mode in ("chain", "ar"):
+        eng = Engine(target, drafter, max_batch=4, mode=mode, max_length=512)
+        outs = eng.generate(prompts[:8], NEW)
+        assert [o.tokens for o in outs] == expected[:8], mode
+        if mode == "ar":
+            assert eng.stats.acceptance_length == 1.0
+            assert eng.stats.tokens == eng.stats.slot_rounds  # one token a request a forward
+            assert eng.stats.target_rows <= 4 * eng.stats.rounds  # one row a slot
+
+
+def test_stop_token_inside_accepted_path(pair, prompts, expected):
+    target, drafter = pair
+    # a token the reference emits after at least 3 tokens: the engine must stop right after it,
+    # although DDTree accepts several tokens a round (so the stop is mid-path)
+    cases = [(i, want[k]) for i, want in enumerate(expected) for k in range(3, NEW) if want[k] not in want[:k]][:6]
+    assert cases
+    for i, stop in cases:
+        eng = Engine(target, drafter, max_batch=2, budget=32, max_length=512, stop_tokens=[stop])
+        out = eng.generate([prompts[i]], NEW)[0]
+        want = expected[i][: expected[i].index(stop) + 1]
+        assert out.tokens == want
+        assert out.finish_reason == "stop_token"
+
+
+def test_max_new_tokens_inside_accepted_path(pair, prompts, expected):
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=4, budget=64, max_length=512)
+    for n in (1, 2, 5, 7):
+        outs = eng.generate(prompts[:4], n)
+        assert [o.tokens for o in outs] == [e[:n] for e in expected[:4]]
+        assert all(o.finish_reason == "max_new_tokens" for o in outs)
+    assert eng.generate(prompts[:1], 0)[0].tokens == []
+
+
+def test_position_limit(pair, prompts, expected):
+    target, drafter = pair
+    p = prompts[3]
+    eng = Engine(target, drafter, max_batch=1, budget=16, max_length=len(p) + 5)
+    out = eng.generate([p], NEW)[0]
+    assert out.tokens == expected[3][:5]
+    assert out.finish_reason == "length"
+
+
+def test_submit_and_step(pair, prompts, expected):
+    """Requests submitted while others decode are admitted between rounds."""
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=2, budget=16, max_length=512)
+    ids = [eng.submit(prompts[0], NEW)]
+    eng.step()
+    eng.step()
+    ids += [eng.submit(p, NEW) for p in prompts[1:5]]
+    while eng.busy:
+        eng.step()
+    assert [eng.output(i).tokens for i in ids] == expected[:5]
+
+
+def test_bad_input(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64)
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.submit([], 4)
+    with pytest.raises(ValueError, match="prompt element 1: token 4096 outside"):
+        eng.submit([1, 4096], 4)
+    with pytest.raises(ValueError, match="max_length is 64"):
+        eng.submit([1] * 64, 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.submit([1], -1)
+    with pytest.raises(ValueError, match="sampling=True"):
+        eng.submit([1], 4, SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="mode"):
+        Engine(target, drafter, mode="tree")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, None)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(target, drafter, max_length=10**6)
+    other = BlockDrafter(BlockDrafterConfig(vocab_size=4096, feature_size=512, target_layers=(1, 2, 3)))
+    with pytest.raises(ValueError, match="feature_size 512"):
+        Engine(target, other)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def tiny(family: str, seed: int = 0):
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=8, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(head_dim=8, **common)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(25.0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_model_families(family):
+    """Each family through transformers' own classes with the kdtree attention, in float64:
+    DDTree output equals the family's own greedy decoding (a random drafter: the trees are
+    mostly rejected, which exercises every walk length)."""
+    model = tiny(family)
+    ref_model = tiny(family)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in (1, 2, 9, 17, 33, 5)]
+    want = reference(ref_model, prompts, 12)
+    cfg = BlockDrafterConfig(vocab_size=97, feature_size=64, target_layers=(1, 2), hidden_size=32, num_layers=1,
+                             num_heads=2, head_dim=16, intermediate_size=64, block_size=5)
+    torch.manual_seed(2)
+    drafter = BlockDrafter(cfg).to(torch.float64).eval()
+    for mode, budget in (("ar", 0), ("chain", 0), ("ddtree", 8)):
+        eng = Engine(model, drafter, max_batch=4, budget=budget, mode=mode, max_length=64, prefill_chunk=8)
+        assert [o.tokens for o in eng.generate(prompts, 12)] == want, (family, mode)
+
+
+# ---- GPU: the same checks with CUDA graphs ------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device (these tests need a GPU)")
+
+
+@pytest.fixture(scope="module")
+def gpu_pair():
+    target = load_causal_lm(PAIR / "target", device="cuda", dtype="float32")
+    drafter = load_drafter(PAIR / "drafter", device="cuda", dtype="float32")
+    return target, drafter
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [1, 16, 64])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_graph_greedy_equals_autoregressive(gpu_pair, prompts, expected, budget, batch):
+    target, drafter = gpu_pair
+    eng = Engine(target, drafter, max_batch=batch, budget=budget, max_length=512, prefill_chunk=48)
+    assert eng.use_graphs
+    eng.capture_all()
+    outs = eng.generate(prompts, NEW)
+    bad = [i for i, (o, e) in enumerate(zip(outs, expected, strict=True)) if o.tokens != e]
+    assert not bad, f"prompts {bad} differ from autoregressive decoding (budget {budget}, batch {batch})"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_graph_equals_eager(gpu_pair, prompts):
+    target, drafter = gpu_pair
+    runs = []
+    for graphs in (False, True):
+        eng = Engine(target, drafter, max_batch=4, budget=32, max_length=512, use_graphs=graphs)
+        eng.capture_all()
+        outs = eng.generate(prompts[:12], NEW)
+        runs.append([(o.tokens, o.committed) for o in outs])
+    assert runs[0] == runs[1]
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_stop_and_caps(gpu_pair, prompts, expected):
+    target, drafter = gpu_pair
+    i, stop = next((i, e[k]) for i, e in enumerate(expected) for k in range(3, NEW) if e[k] not in e[:k])
+    eng = Engine(target, drafter, max_batch=4, budget=64, max_length=512, stop_tokens=[stop])
+    eng.capture_all()
+    outs = eng.generate(prompts[:8], 6)
+    for j, o in enumerate(outs):
+        e = expected[j][:6]
+        want = e[: e.index(stop) + 1] if stop in e else e
+        assert o.tokens == want, j
