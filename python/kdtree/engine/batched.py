@@ -686,8 +686,11 @@ class Engine:
     def _capture(self, b: int):
         """Captures bucket ``b``'s round (after two warm-up rounds on a side stream, which
         commit nothing: every slot of a new bucket is checked inactive first)."""
-        torch = _torch()
         self._check_idle_for_capture(b)
+        return self._capture_unchecked(b)
+
+    def _capture_unchecked(self, b: int):
+        torch = _torch()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -715,16 +718,102 @@ class Engine:
             b *= 2
         return out + [self.max_batch]
 
-    def capture_all(self) -> None:
-        """Captures every bucket's round (CUDA graphs; a no-op without them). Runs the
-        warm-up rounds on idle slots, so it must come before the first request."""
+    def capture_all(self, buckets: Sequence[int] | None = None) -> None:
+        """Captures each bucket's round (default every bucket; CUDA graphs, a no-op
+        without them). Runs the warm-up rounds on idle slots, so it must come before the
+        first request."""
         if not self.use_graphs:
             return
-        for b in self.buckets():
+        for b in self.buckets() if buckets is None else buckets:
+            if b not in self.buckets():
+                raise ValueError(f"bucket {b} is not one of {self.buckets()}")
             if b not in self._graphs:
                 self._capture(b)
         self.state.offset.zero_()
         _torch().cuda.synchronize(self.device)
+
+    def profile_round(self, b: int, *, context: int | None = None, iters: int = 10,
+                      repeats: int = 5) -> dict[str, float]:
+        """GPU milliseconds of bucket ``b``'s round and of each of its stages, each
+        captured alone in a CUDA graph and replayed (a benchmark aid; CUDA graphs only,
+        idle engine only). Every slot of the bucket is made active with ``context``
+        cached positions (zeros in the caches; default: up to 256, what the cache leaves
+        room for) and restored to idle afterwards; each
+        timed batch of ``iters`` replays starts from the same state. Returns
+        ``{"draft", "build", "mask", "target", "verify", "commit", "round"}`` (draft 0 in
+        mode "ar"), the median over ``repeats`` batches of the mean per replay."""
+        torch = _torch()
+        if not self.use_graphs:
+            raise RuntimeError("profile_round needs CUDA graphs")
+        self._check_idle_for_capture(b)
+        room = self.capacity - 2 * iters * (self.path + 1) - self.budget - 1
+        context = min(256, room) if context is None else int(context)
+        if context < 0 or context > room:
+            raise ValueError(f"context {context} leaves too few cache rows for {iters} rounds (capacity "
+                             f"{self.capacity}); build the engine with a larger max_length")
+        from ..core import api
+
+        st = self.state
+        lengths, roots = st.lengths[:b], st.roots[:b]
+        buf = self._round_buffers(b)
+        cur = torch.cuda.current_stream(self.device)
+
+        def reset():
+            st.lengths[:b] = context
+            st.roots[:b] = 1
+            st.remaining[:b] = 1 << 40
+
+        def capture(fn):
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                fn()
+                fn()
+            cur.wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return g
+
+        reset()
+        if b not in self._graphs:
+            self._capture_unchecked(b)
+        with torch.no_grad():
+            dl = self.drafter_kv.forward(roots, lengths, self.depth) if self.drafter_kv is not None else None
+            trees = self._stage_draft_build(b, lengths, roots, buf)
+            mask = self._stage_mask(trees, lengths, buf)
+            logits, feats = self._stage_target(b, trees, mask, lengths)
+            acc = self._stage_verify(b, trees, logits, buf)
+        graphs = {"round": self._graphs[b]}
+        if dl is not None:
+            graphs["draft"] = capture(lambda: self.drafter_kv.forward(roots, lengths, self.depth))
+            graphs["build"] = capture(lambda: api.build_trees_from_logits(
+                dl, self.width, self.budget, root_tokens=roots, root_positions=lengths, pad_token=0,
+                out=buf["trees"], errors="status"))
+        else:
+            graphs["build"] = capture(lambda: self._stage_draft_build(b, lengths, roots, buf))
+        graphs["mask"] = capture(lambda: self._stage_mask(trees, lengths, buf))
+        graphs["target"] = capture(lambda: self._stage_target(b, trees, mask, lengths))
+        graphs["verify"] = capture(lambda: self._stage_verify(b, trees, logits, buf))
+        graphs["commit"] = capture(lambda: self._stage_commit(b, trees, acc, feats, buf))
+        out = {"draft": 0.0}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for name, g in graphs.items():
+            times = []
+            for _ in range(repeats):
+                reset()
+                start.record()
+                for _ in range(iters):
+                    g.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / iters)
+            out[name] = float(np.median(times))
+        st.lengths[:b] = 0
+        st.remaining[:b] = 0
+        st.roots[:b] = 0
+        torch.cuda.synchronize(self.device)
+        return {k: out[k] for k in (*ROUND_STAGES, "round")}
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
