@@ -95,6 +95,8 @@ class DeviceArray:
 
     @property
     def c_contiguous(self) -> bool:
+        if 0 in self.shape:  # no element: any strides describe it
+            return True
         expect = 1
         for extent, stride in zip(reversed(self.shape), reversed(self.strides), strict=True):
             if extent != 1 and stride != expect:

@@ -42,12 +42,12 @@ class StepState:
 
     Attributes:
         rows   int64 ``[b, q]``: the cache row each input row's K/V goes to.
-        slots  ``None`` (input request r is slot r, ``b`` slots from 0) or a Python int:
-               the single slot a one-request forward (prefill) writes.
+        slots  ``None`` (input request r is slot r, ``b`` slots from 0) or int64 ``[b]``:
+               the slot of each input request (prefill of requests in any slots).
     """
 
     rows: Any = None
-    slots: int | None = None
+    slots: Any = None
 
 
 @dataclass
@@ -88,12 +88,15 @@ def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dr
     b, kv_heads, q, d = key.shape
     if step.slots is None:
         kc, vc = cache.keys[layer][:b], cache.values[layer][:b]
-    else:
-        s = int(step.slots)
-        kc, vc = cache.keys[layer][s:s + 1], cache.values[layer][s:s + 1]
-    idx = step.rows[:, None, :, None].expand(b, kv_heads, q, d)
-    kc.scatter_(2, idx, key.to(kc.dtype))
-    vc.scatter_(2, idx, value.to(vc.dtype))
+        idx = step.rows[:, None, :, None].expand(b, kv_heads, q, d)
+        kc.scatter_(2, idx, key.to(kc.dtype))
+        vc.scatter_(2, idx, value.to(vc.dtype))
+    else:  # requests in any slots: write through the full buffers, attend over gathered copies
+        slots = step.slots
+        where = (slots[:, None, None], torch.arange(kv_heads, device=key.device)[None, :, None], step.rows[:, None, :])
+        cache.keys[layer].index_put_(where, key.to(cache.keys[layer].dtype))
+        cache.values[layer].index_put_(where, value.to(cache.values[layer].dtype))
+        kc, vc = cache.keys[layer].index_select(0, slots), cache.values[layer].index_select(0, slots)
     heads = query.shape[1]
     if heads != kv_heads:
         out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask,

@@ -43,6 +43,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,7 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_chunks: int = 0
     wall: float = 0.0            # seconds inside step()
+    prefill_wall: float = 0.0    # seconds of it in prefill forwards
     host_wait: float = 0.0       # seconds step() spent waiting for the GPU
 
     @property
@@ -273,6 +275,7 @@ class Engine:
         self._tree_rows = torch.arange(self.budget + 1, device=self.device)
         self._path_cols = torch.arange(self.path, device=self.device)
         self._buffers: dict[int, dict] = {}
+        self._side_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self._graphs: dict[int, Any] = {}
         self._slots: list[_Request | None] = [None] * self.max_batch
         self._queue: deque[_Request] = deque()
@@ -381,36 +384,50 @@ class Engine:
                 self._slots[i] = req
                 self._prefilling.append(req)
         if self._prefilling:
-            req = self._prefilling[0]
-            self._prefill_chunk(req)
-            if req.prefilled >= len(req.out.prompt) - 1:
-                self._prefilling.popleft()
-                self._activate(req)
+            batch = list(self._prefilling)
+            self._prefill_chunk(batch)
+            for req in batch:
+                if req.prefilled >= len(req.out.prompt) - 1:
+                    self._prefilling.remove(req)
+                    self._activate(req)
 
     def _slot_busy_on_device(self, slot: int) -> bool:
         """A slot freed by the host may still have a launched round whose outputs are
         unread; it is reused only once those are read."""
         return any(slot in launched for *_, launched in self._pending)
 
-    def _prefill_chunk(self, req: _Request) -> None:
+    def _prefill_chunk(self, reqs: list[_Request]) -> None:
+        """One forward over the next chunk (up to ``prefill_chunk`` tokens) of every
+        request being prefilled: the prompt tokens but the last enter the target's cache
+        and the drafter's context cache at their slots. Shorter chunks are padded; the
+        padding rows write the last cache row, which no round reads."""
         torch = _torch()
-        prompt = req.out.prompt
-        start = req.prefilled
-        stop = min(len(prompt) - 1, start + self.prefill_chunk)
-        s = req.slot
         st = self.state
-        if stop > start:
-            n = stop - start
-            ids = torch.tensor([prompt[start:stop]], dtype=torch.long, device=self.device)
-            rows = (start + torch.arange(n, device=self.device))[None, :]
-            mask = self._causal_mask(rows)
-            feats = self._forward(ids, rows, rows, mask, slot=s)[1]
+        chunks = []
+        for req in reqs:
+            prompt = req.out.prompt
+            stop = min(len(prompt) - 1, req.prefilled + self.prefill_chunk)
+            chunks.append((req, req.prefilled, stop))
+        width = max(stop - start for _, start, stop in chunks)
+        t0 = time.perf_counter()
+        if width > 0:
+            ids = torch.zeros((len(chunks), width), dtype=torch.long)
+            rows = torch.full((len(chunks), width), self.capacity - 1, dtype=torch.long)
+            for i, (req, start, stop) in enumerate(chunks):
+                ids[i, : stop - start] = torch.tensor(req.out.prompt[start:stop])
+                rows[i, : stop - start] = torch.arange(start, stop)
+            ids, rows = ids.to(self.device), rows.to(self.device)
+            positions = rows.clamp(max=self.max_length - 1)
+            slots = torch.tensor([req.slot for req, *_ in chunks], dtype=torch.long, device=self.device)
+            feats = self._forward(ids, positions, rows, self._causal_mask(rows), slot=slots, last_logits_only=True)[1]
             if self.drafter_kv is not None:
-                self.drafter_kv.append(feats, rows, slot=s)
-            self.stats.prefill_tokens += n
+                self.drafter_kv.append(feats, rows, slot=slots)
+            self.stats.prefill_tokens += sum(stop - start for _, start, stop in chunks)
             self.stats.prefill_chunks += 1
-        req.prefilled = stop
-        st.lengths[s] = stop  # rounds of other slots write this slot's rows from here on only
+        for req, _, stop in chunks:
+            req.prefilled = stop
+            st.lengths[req.slot] = stop  # rounds of other slots write this slot's rows from here on only
+        self.stats.prefill_wall += time.perf_counter() - t0
 
     def _activate(self, req: _Request) -> None:
         st, s, sp = self.state, req.slot, req.sampling
@@ -432,15 +449,17 @@ class Engine:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
 
-    def _forward(self, ids, positions, rows, mask, slot=None):
-        """The target over ``ids`` ``[b, q]``: logits ``[b, q, V]`` and the drafter's
-        features ``[b, q, F]`` (None without a drafter)."""
+    def _forward(self, ids, positions, rows, mask, slot=None, last_logits_only=False):
+        """The target over ``ids`` ``[b, q]``: logits ``[b, q, V]`` (``[b, 1, V]`` with
+        ``last_logits_only``) and the drafter's features ``[b, q, F]`` (None without a
+        drafter). ``slot``: None for slots 0 .. b-1, else int64 ``[b]`` slot ids."""
         torch = _torch()
         self.kv.step.rows = rows
         self.kv.step.slots = slot
+        kw = {"logits_to_keep": 1} if last_logits_only else {}
         with torch.no_grad():
             out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
-                              output_hidden_states=bool(self.feature_layers))
+                              output_hidden_states=bool(self.feature_layers), **kw)
         feats = None
         if self.feature_layers:
             feats = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
@@ -546,7 +565,7 @@ class Engine:
                 st.offset[:b] += 1
                 return acc
             return api.verify_greedy_from_logits(trees, logits, stop_tokens=stops, max_commit=caps,
-                                                 out=buf["acc"], errors="status")
+                                                 errors="status")
         tn = _trees_to_numpy(trees)
         x = logits.float().numpy()
         stop_list = sorted(self.stop_tokens)
@@ -596,9 +615,13 @@ class Engine:
         count = m + (bonus >= 0).long()
         ok = acc.request_status == 0
         count = torch.where(ok, count, torch.zeros_like(count))
-        if feats is not None:
-            f = feats.gather(1, safe[:, :, None].expand(b, self.path, feats.shape[-1]))
-            self.drafter_kv.append(f, lengths[:, None] + j)
+        if feats is not None:  # on CUDA a parallel branch (of the graph) beside the updates below
+            side = self._side_stream
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side) if side is not None else _nullcontext():
+                f = feats.gather(1, safe[:, :, None].expand(b, self.path, feats.shape[-1]))
+                self.drafter_kv.append(f, lengths[:, None] + j)
         last = committed.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
         has = count > 0
         st.roots[:b] = torch.where(has, last.to(torch.int32), st.roots[:b])
@@ -609,6 +632,8 @@ class Engine:
         st.out_tokens[:b] = committed.to(torch.int32)
         st.out_counts[:b] = count.to(torch.int32)
         st.out_status[:b] = acc.request_status.to(torch.int32)
+        if feats is not None and self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
 
     # ---- launching and reading -------------------------------------------------------
 

@@ -358,31 +358,47 @@ class BlockDrafterKV:
         self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.layers]
         self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.layers]
         self._cols = torch.arange(self.capacity + cfg.block_size, device=param.device)
+        # rotary tables for every position the cache and the block can take, computed as
+        # _rope computes them (float64 angles, cos and sin rounded to the model's dtype)
+        d = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=param.device, dtype=torch.float64) / d))
+        ang = torch.arange(self.capacity + cfg.block_size, device=param.device, dtype=torch.float64)[:, None] * inv
+        self._cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(param.dtype)
+        self._sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(param.dtype)
 
-    def _slot_views(self, i: int, b: int, slot: int | None):
-        if slot is None:
-            return self.keys[i][:b], self.values[i][:b]
-        return self.keys[i][slot:slot + 1], self.values[i][slot:slot + 1]
+    def _rotary(self, positions):
+        """(cos, sin) ``[b, 1, S, D]`` of int64 ``positions`` ``[b, S]``."""
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + _torch().cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     def append(self, features: Any, rows: Any, slot: int | None = None) -> None:
         """Caches the context keys and values of ``features`` ``[b, r, feature_size]``
         (the target's hidden states at the chosen layers, concatenated) at context rows
         ``rows`` int64 ``[b, r]`` (the positions, < capacity; rows past a request's
         length are later overwritten and never read). ``slot``: None for requests
-        ``0 .. b-1``, or the one slot ``b = 1`` writes."""
+        ``0 .. b-1``, or int64 ``[b]``: each request's slot."""
         torch = _torch()
         m = self.model
-        theta = self.config.rope_theta
         with torch.no_grad():
             ctx = m.fuse_norm(m.fuse(features.to(self.keys[0].dtype)))
             b, r = rows.shape
+            cos, sin = self._rotary(rows)
+            heads = torch.arange(self.config.num_heads, device=rows.device)[None, :, None]
             for i, layer in enumerate(m.layers):
-                kc, vc = self._slot_views(i, b, slot)
-                k = _rope(layer._heads(layer.k(ctx)), rows, theta)
+                k = self._rotate(layer._heads(layer.k(ctx)), cos, sin)
                 v = layer._heads(layer.v(ctx))
-                idx = rows[:, None, :, None].expand(b, k.shape[1], r, k.shape[3])
-                kc.scatter_(2, idx, k)
-                vc.scatter_(2, idx, v)
+                if slot is None:
+                    idx = rows[:, None, :, None].expand(b, k.shape[1], r, k.shape[3])
+                    self.keys[i][:b].scatter_(2, idx, k)
+                    self.values[i][:b].scatter_(2, idx, v)
+                else:
+                    where = (slot[:, None, None], heads, rows[:, None, :])
+                    self.keys[i].index_put_(where, k)
+                    self.values[i].index_put_(where, v)
 
     def forward(self, roots: Any, lengths: Any, depth: int | None = None) -> Any:
         """Drafter logits ``[b, depth, V]`` for the positions after each request's root.
@@ -403,6 +419,7 @@ class BlockDrafterKV:
             dtype = self.keys[0].dtype
             h = torch.cat([m.embed(roots.long())[:, None, :], m.mask_embedding.to(dtype).expand(b, depth, -1)], dim=1)
             pos = lengths[:, None] + torch.arange(s, device=dev)[None, :]
+            cos, sin = self._rotary(pos)
             tail = self.capacity + torch.arange(s, device=dev)
             cols = self._cols
             visible = (cols[None, :] < lengths[:, None]) | ((cols[None, :] >= self.capacity)
@@ -411,10 +428,10 @@ class BlockDrafterKV:
             mask.masked_fill_(~visible[:, None, None, :], torch.finfo(dtype).min)
             idx = tail[None, None, :, None].expand(b, cfg.num_heads, s, cfg.head_dim)
             for i, layer in enumerate(m.layers):
-                kc, vc = self._slot_views(i, b, None)
+                kc, vc = self.keys[i][:b], self.values[i][:b]
                 x = layer.attn_norm(h)
-                q = _rope(layer._heads(layer.q(x)), pos, cfg.rope_theta)
-                kc.scatter_(2, idx, _rope(layer._heads(layer.k(x)), pos, cfg.rope_theta))
+                q = self._rotate(layer._heads(layer.q(x)), cos, sin)
+                kc.scatter_(2, idx, self._rotate(layer._heads(layer.k(x)), cos, sin))
                 vc.scatter_(2, idx, layer._heads(layer.v(x)))
                 a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
                 h = h + layer.o(a.transpose(1, 2).reshape(b, s, -1))
