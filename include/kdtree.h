@@ -559,7 +559,7 @@ KDT_API kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, co
  * request. An entry out of its range fails that request alone (KDT_ERR_VALUE in
  * request_status), never the launch. */
 typedef struct kdt_sampling {
-    const float* temperature; /* device float32 [B]: 0 = greedy (argmax, ties lower id);
+    const float* temperature; /* device float32 [B]: 0 = greedy (argmax, ties lower id),
                                  otherwise finite and >= 1e-6                             */
     const float* top_p;       /* device float32 [B] in (0, 1], or NULL (1: no nucleus cut)  */
     const int32_t* top_k;     /* device int32 [B] >= 0 (0: no top-k cut), or NULL (0)       */
