@@ -26,6 +26,12 @@
 // u = 1 (an infinite score) for k = 2^24 - 1; so -log(u) is evaluated from exact float32
 // arguments: -logf((2k + 1) * 2^-25) for k < 2^23, else
 // -log1pf(-(2^25 - 2k - 1) * 2^-25). The division and the sum are IEEE round-to-nearest.
+//
+// kdt_verify_sample_batch_cuda (kBatch) reads each request's settings in its block: the
+// argmax at temperature 0, the same draw as above without a cut (reduce_row<kSample>,
+// the other calls' speed), and for a top-k / top-p row the thresholds of
+// sample_select.cuh (whole-row radix selection by every block of a cluster, so all agree)
+// before the draw over the tokens they keep.
 #include "common.cuh"
 #include "sample_select.cuh"
 
