@@ -553,6 +553,75 @@ KDT_API kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, co
                                                       int32_t* bonus_token, int32_t* target_tokens,
                                                       int32_t* request_status, void* stream);
 
+/* Per-request sampling settings of kdt_verify_sample_batch_cuda, all in device memory and
+ * read by the kernel when it runs (so a CUDA graph that captured the call picks up new
+ * values, e.g. an offset the graph itself advances). Each array holds one entry per
+ * request. An entry out of its range fails that request alone (KDT_ERR_VALUE in
+ * request_status), never the launch. */
+typedef struct kdt_sampling {
+    const float* temperature; /* device float32 [B]: 0 = greedy (argmax, ties lower id),
+                                 otherwise finite and >= 1e-6                             */
+    const float* top_p;       /* device float32 [B] in (0, 1], or NULL (1: no nucleus cut)  */
+    const int32_t* top_k;     /* device int32 [B] >= 0 (0: no top-k cut), or NULL (0)       */
+    const uint64_t* seed;     /* device uint64 [B]: Philox key (as the scalar seed)         */
+    const uint64_t* offset;   /* device uint64 [B]: advance every round (e.g. in the graph) */
+} kdt_sampling;
+
+/*
+ * Sampled verification with per-request settings read on the device: temperature, top-p,
+ * top-k, seed and offset of request b are sampling->*[b]. The walk, stop tokens, caps and
+ * outputs are those of kdt_verify_sample_from_logits_cuda.
+ *
+ * The target's token at a visited node i of request b (row x = logits of that node,
+ * V tokens):
+ *   temperature 0: argmax_v x_v, ties lower id, as kdt_verify_greedy_from_logits_cuda
+ *     (a NaN in the row fails the request; top_p and top_k are checked, not used).
+ *   temperature T > 0: s_v = x_v / T (float32, correctly rounded). A row holding a NaN or
+ *     +inf logit, or only -inf logits, fails the request (KDT_ERR_VALUE), as in
+ *     kdt_verify_sample_from_logits_cuda. The candidate set C starts as all V tokens;
+ *     1. top-k, when 0 < top_k < V: C = the top_k tokens ordered by logit x descending,
+ *        ties lower id (-0 equals +0).
+ *     2. top-p, when top_p < 1: order C by s descending, ties lower id (the order of
+ *        softmax(s) probabilities); keep its shortest prefix whose mass reaches top_p:
+ *        with m = max_v s_v, D = ceil(log2(V)) and S = 63 - D, each token of C weighs
+ *          w_v = floor(E((double)s_v - (double)m) * 2^S) as an integer (0 for s_v = -inf
+ *                or (double)s_v - (double)m < -64),
+ *        where E is the float64 exponential of native/cuda/sample_select.cuh (a fixed
+ *        sequence of IEEE float64 operations without fused multiply-add: range reduction
+ *        by ln 2, a degree-13 Taylor polynomial, scaling by 2^k; within 1e-15 of exp), so
+ *        the GPU and the host compute the same integers. The mass Z = sum of w over C is
+ *        exact (uint64, at most V * 2^S <= 2^63); the prefix ends at the first token whose
+ *        cumulative weight W satisfies (double)W >= (double)top_p * (double)Z, each side a
+ *        correctly rounded float64 conversion or product. Tokens less likely than 2^-S times
+ *        the most likely token weigh 0 and so are never in a cut nucleus (2^-45 for
+ *        V = 151,936).
+ *     3. The draw: the Gumbel-max of kdt_verify_sample_from_logits_cuda, with this
+ *        request's seed and offset, over the tokens of C only. With top_k = 0 (or >= V)
+ *        and top_p = 1 the draws are bit-identical to kdt_verify_sample_from_logits_cuda
+ *        with the same temperature, seed and offset.
+ * Per-request checks (KDT_ERR_VALUE in request_status, after the tree's links and the cap,
+ * before any row is read): temperature NaN, negative, infinite or in (0, 1e-6); top_p
+ * NaN or outside (0, 1]; top_k < 0. A failed request gets accepted_nodes [-1, ...],
+ * accept_length 0, bonus_token -1 and target_tokens -1.
+ *
+ * Cost: a request at temperature 0, or with neither cut, reads each visited row once (the
+ * other verify calls' speed). A row with a cut is found by radix selection over 64-bit
+ * keys (the 32-bit order of the value, then the id): a pass for the row's maximum (top-p),
+ * one pass a byte of key per cut until one token is left (usually 3 or 4 per cut; up to 8
+ * when tokens tie), and the draw pass; the passes read the row from L2 after the first.
+ *
+ * sampling:  the struct is read on the host during the call; its arrays are device
+ *            arrays (temperature, seed and offset required; top_p, top_k may be NULL).
+ * Returns (host-side) the statuses of kdt_verify_sample_from_logits_cuda, and
+ * KDT_ERR_NULL_POINTER for a NULL sampling, temperature, seed or offset when B > 0.
+ */
+KDT_API kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                                const kdt_sampling* sampling, const int32_t* stop_tokens,
+                                                int64_t num_stop_tokens, const int64_t* max_commit,
+                                                int64_t path_capacity, int32_t* accepted_nodes,
+                                                int32_t* accept_length, int32_t* bonus_token,
+                                                int32_t* target_tokens, int32_t* request_status, void* stream);
+
 /* A paged-free KV cache: per layer one K and one V tensor of logical shape
  * [batch, heads, seq_capacity, head_dim] with explicit element strides (head_dim is
  * contiguous), so both [B, H, S, D] (Hugging Face) and [B, S, H, D] layouts are described. */

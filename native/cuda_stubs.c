@@ -77,6 +77,14 @@ kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_
     return no_cuda("kdt_verify_sample_from_logits_cuda");
 }
 
+kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                        const kdt_sampling* sampling, const int32_t* stop_tokens,
+                                        int64_t num_stop_tokens, const int64_t* max_commit, int64_t path_capacity,
+                                        int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
+                                        int32_t* target_tokens, int32_t* request_status, void* stream) {
+    return no_cuda("kdt_verify_sample_batch_cuda");
+}
+
 kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths, const int32_t* accepted_nodes,
                                const int32_t* accept_length, int64_t path_capacity, int32_t* request_status,
                                void* stream) {

@@ -54,6 +54,9 @@ int main(void) {
         CHECK_STATUS(kdt_verify_sample_from_logits_cuda(&t, NULL, 1.0f, 1, 2, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL,
                                                         status, NULL),
                      KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_verify_sample_batch_cuda(&t, NULL, NULL, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL, status,
+                                                  NULL),
+                     KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_compact_kv_cuda(NULL, NULL, NULL, NULL, 3, status, NULL), KDT_ERR_UNSUPPORTED);
         CHECK_ERR_HAS("without CUDA");
         HARNESS_EXIT();

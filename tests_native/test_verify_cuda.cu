@@ -1413,6 +1413,195 @@ static void test_graph_capture() {
     }
 }
 
+// kdt_verify_sample_batch_cuda (per-request settings in device memory) on random trees:
+// with no cut, every request's outputs equal kdt_verify_sample_from_logits_cuda's with the
+// same temperature, seed and offset (bit for bit, target tokens included); requests at
+// temperature 0 equal kdt_verify_greedy_from_logits_cuda's; top-k requests draw, at every
+// visited node, the host formula's token over the row's top-k tokens (ties lower id); bad
+// settings (NaN / negative / tiny / infinite temperature, top_p outside (0, 1], negative
+// top_k) fail their request alone; plus the host-side checks of the sampling struct.
+// (The top-p cut is checked against the Python reference by tests_py/test_sampling_graph.py.)
+static void test_sample_batch(int64_t launches) {
+    DevTrees dt;
+    DevOut dout, dref;
+    DevBuf d_logits, d_temp, d_topp, d_topk, d_seed, d_offset;
+    int64_t checked = 0, near_ties = 0;
+    for (int64_t it = 0; it < launches; it++) {
+        const int32_t dtype = it % 3 == 0 ? KDT_DTYPE_FLOAT32 : it % 3 == 1 ? KDT_DTYPE_BFLOAT16 : KDT_DTYPE_FLOAT16;
+        const int64_t V = it == 1 ? 151936 : it % 4 == 0 ? 1003 : it % 4 == 1 ? 37 : it % 4 == 2 ? 4 : 1000;
+        const int64_t B = uniform(1, 12), N = uniform(0, 20), L = uniform(1, 6);
+        const int64_t K = uniform(1, std::min<int64_t>(V, 4));
+        Trees t = random_trees(B, N, L, K, std::min<int64_t>(V, K + uniform(0, 6)));
+        const int64_t rows = t.rows(), P = L + 1;
+        std::vector<float> values(B * rows * V);
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t i = 0; i < rows; i++) {
+                float* row = &values[(b * rows + i) * V];
+                for (int64_t v = 0; v < V; v++) row[v] = 1.5f * normal();
+                if (i <= t.num[b]) {
+                    const std::vector<int32_t> kids = children(t, b, (int32_t)i);
+                    if (!kids.empty()) {
+                        const int32_t tok = t.tok[b * rows + kids[uniform(0, (int64_t)kids.size() - 1)]];
+                        if (tok >= 0 && tok < V) row[tok] += 5.0f;
+                    }
+                }
+            }
+        }
+        for (float& x : values) x = round_to(dtype, x);
+        Layout lay;
+        lay.row_stride = V;
+        lay.batch_stride = rows * V;
+        const kdt_logits g = upload_logits(d_logits, values, B, rows, V, dtype, lay);
+        kdt_trees d = upload_trees(dt, t);
+        const float T = it % 2 ? 0.7f : 1.3f;
+        const uint64_t seed = next_u64(), offset = next_u64();
+        auto batch_call = [&](const std::vector<float>& temp, const std::vector<float>* topp,
+                              const std::vector<int32_t>* topk, DevOut& o) {
+            kdt_sampling sp;
+            sp.temperature = upload(d_temp, temp);
+            sp.top_p = topp ? upload(d_topp, *topp) : NULL;
+            sp.top_k = topk ? upload(d_topk, *topk) : NULL;
+            sp.seed = upload(d_seed, std::vector<uint64_t>(B, seed));
+            sp.offset = upload(d_offset, std::vector<uint64_t>(B, offset));
+            prepare_out(o, B, P, rows);
+            KDT_OK_OR_DIE(kdt_verify_sample_batch_cuda(&d, &g, &sp, NULL, 0, NULL, P, (int32_t*)o.nodes.ptr,
+                                                       (int32_t*)o.len.ptr, (int32_t*)o.bonus.ptr,
+                                                       (int32_t*)o.target.ptr, (int32_t*)o.status.ptr, g_stream));
+            return fetch_out(o, B, P, rows, true);
+        };
+        // 1. No cut (top_p 1, top_k 0 or >= V, or NULL): the scalar call's outputs.
+        prepare_out(dref, B, P, rows);
+        KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, T, seed, offset, NULL, 0, NULL, P,
+                                                         (int32_t*)dref.nodes.ptr, (int32_t*)dref.len.ptr,
+                                                         (int32_t*)dref.bonus.ptr, (int32_t*)dref.target.ptr,
+                                                         (int32_t*)dref.status.ptr, g_stream));
+        const Out want = fetch_out(dref, B, P, rows, true);
+        std::vector<float> ones(B, 1.0f);
+        std::vector<int32_t> no_k(B);
+        for (int64_t b = 0; b < B; b++) no_k[b] = b % 2 ? 0 : (int32_t)(V + b);
+        EXPECT(same_out(want, batch_call(std::vector<float>(B, T), NULL, NULL, dout)),
+               "batch launch %lld: no settings arrays but temperature: differs from the scalar call", (long long)it);
+        EXPECT(same_out(want, batch_call(std::vector<float>(B, T), &ones, &no_k, dout)),
+               "batch launch %lld (%s, V=%lld): top_p 1 and top_k 0 / >= V differ from the scalar call", (long long)it,
+               dtype_name(dtype), (long long)V);
+        // 2. Temperature 0 (greedy) and top-k requests in one batch.
+        prepare_out(dref, B, P, rows);
+        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, P, (int32_t*)dref.nodes.ptr,
+                                                         (int32_t*)dref.len.ptr, (int32_t*)dref.bonus.ptr,
+                                                         (int32_t*)dref.target.ptr, (int32_t*)dref.status.ptr,
+                                                         g_stream));
+        const Out greedy = fetch_out(dref, B, P, rows, true);
+        std::vector<float> temp(B);
+        std::vector<int32_t> topk(B);
+        for (int64_t b = 0; b < B; b++) {
+            temp[b] = b % 3 == 0 ? 0.0f : T;
+            topk[b] = (int32_t)std::min<int64_t>(V, b % 4 == 1 ? 1 : b % 4 == 2 ? 3 : 25);
+        }
+        const Out o = batch_call(temp, NULL, &topk, dout);
+        for (int64_t b = 0; b < B; b++) {
+            EXPECT(o.status[b] == want.status[b], "batch launch %lld request %lld: status %d, scalar call %d",
+                   (long long)it, (long long)b, o.status[b], want.status[b]);
+            if (temp[b] == 0.0f) {
+                bool same = o.len[b] == greedy.len[b] && o.bonus[b] == greedy.bonus[b];
+                for (int64_t i = 0; i < rows; i++) same &= o.target[b * rows + i] == greedy.target[b * rows + i];
+                EXPECT(same, "batch launch %lld request %lld: temperature 0 differs from the greedy call",
+                       (long long)it, (long long)b);
+                continue;
+            }
+            for (int64_t i = 0; i < rows; i++) {
+                const int32_t got = o.target[b * rows + i];
+                if (got < 0) continue;
+                const float* row = &values[(b * rows + i) * V];
+                std::vector<int32_t> ids(V);
+                for (int64_t v = 0; v < V; v++) ids[v] = (int32_t)v;
+                std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t c) { return row[a] > row[c]; });
+                std::vector<float> kept(V, -INFINITY);
+                for (int64_t r = 0; r < topk[b]; r++) kept[ids[r]] = row[ids[r]];
+                double gap;
+                const int32_t w = host_draw(kept.data(), V, T, seed, offset, (uint32_t)b, (uint32_t)i, &gap);
+                if (gap < 1e-4) {
+                    near_ties++;
+                    continue;
+                }
+                checked++;
+                EXPECT(w == got, "batch launch %lld request %lld node %lld: top-%d draw %d, host %d", (long long)it,
+                       (long long)b, (long long)i, topk[b], got, w);
+            }
+        }
+        // 3. Bad settings fail their request alone.
+        std::vector<float> tp(B, 1.0f);
+        std::vector<int32_t> tk(B, 0);
+        std::vector<float> tt(B, T);
+        for (int64_t b = 0; b < B; b++) {
+            switch (b % 8) {
+                case 1: tt[b] = NAN; break;
+                case 2: tt[b] = -1.0f; break;
+                case 3: tt[b] = 1e-7f; break;
+                case 4: tp[b] = 0.0f; break;
+                case 5: tp[b] = 1.5f; break;
+                case 6: tk[b] = -1; break;
+                case 7: tt[b] = INFINITY; break;
+                default: break;
+            }
+        }
+        const Out bad = batch_call(tt, &tp, &tk, dout);
+        for (int64_t b = 0; b < B; b++) {
+            if (b % 8 == 0) {
+                EXPECT(bad.status[b] == want.status[b] && bad.bonus[b] == want.bonus[b],
+                       "batch launch %lld request %lld: a neighbour's bad setting changed it", (long long)it,
+                       (long long)b);
+                continue;
+            }
+            bool failed = bad.status[b] == KDT_ERR_VALUE && bad.len[b] == 0 && bad.bonus[b] == -1;
+            for (int64_t j = 0; j < P; j++) failed &= bad.nodes[b * P + j] == -1;
+            for (int64_t i = 0; i < rows; i++) failed &= bad.target[b * rows + i] == -1;
+            EXPECT(failed, "batch launch %lld request %lld: a bad setting (case %lld) gave status %d", (long long)it,
+                   (long long)b, (long long)(b % 8), bad.status[b]);
+        }
+    }
+    printf("sample batch: %lld launches, %lld top-k draws reproduced on the host (%lld near-ties skipped)\n",
+           (long long)launches, (long long)checked, (long long)near_ties);
+    EXPECT(checked > 0, "no top-k draw was checked");
+    // Host-side checks of the sampling struct.
+    {
+        Trees t = star_trees(2, 1, 3);
+        kdt_trees d = upload_trees(dt, t);
+        std::vector<float> vals(2 * 2 * 8, 0.0f);
+        Layout lay;
+        lay.row_stride = 8;
+        lay.batch_stride = 16;
+        const kdt_logits g = upload_logits(d_logits, vals, 2, 2, 8, KDT_DTYPE_FLOAT32, lay);
+        prepare_out(dout, 2, 3, 2);
+        kdt_sampling sp;
+        sp.temperature = upload(d_temp, std::vector<float>(2, 1.0f));
+        sp.top_p = NULL;
+        sp.top_k = NULL;
+        sp.seed = upload(d_seed, std::vector<uint64_t>(2, 1));
+        sp.offset = upload(d_offset, std::vector<uint64_t>(2, 2));
+        auto call = [&](const kdt_sampling* s) {
+            return kdt_verify_sample_batch_cuda(&d, &g, s, NULL, 0, NULL, 3, (int32_t*)dout.nodes.ptr,
+                                                (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr, NULL,
+                                                (int32_t*)dout.status.ptr, g_stream);
+        };
+        EXPECT_STATUS(call(&sp), KDT_OK);
+        EXPECT_STATUS(call(NULL), KDT_ERR_NULL_POINTER);
+        kdt_sampling s2 = sp;
+        s2.seed = NULL;
+        EXPECT_STATUS(call(&s2), KDT_ERR_NULL_POINTER);
+        s2 = sp;
+        s2.temperature = NULL;
+        EXPECT_STATUS(call(&s2), KDT_ERR_NULL_POINTER);
+        s2 = sp;
+        s2.offset = (const uint64_t*)((const char*)sp.offset + 4);
+        EXPECT_STATUS(call(&s2), KDT_ERR_INVALID_ARGUMENT);
+        CUDA_OK(cudaStreamSynchronize(g_stream));
+    }
+    release(dt);
+    release(dout);
+    release(dref);
+    for (DevBuf* b : {&d_logits, &d_temp, &d_topp, &d_topk, &d_seed, &d_offset}) release(*b);
+}
+
 int main(int argc, char** argv) {
     int32_t devices = 0;
     if (kdt_cuda_device_count(&devices) != KDT_OK) {
@@ -1433,6 +1622,7 @@ int main(int argc, char** argv) {
     test_chi_square(quick);
     test_invalid_rows();
     test_graph_capture();
+    test_sample_batch(quick ? 4 : 24);
     CUDA_OK(cudaStreamDestroy(g_stream));
     printf("%lld checks, %d failed\n", checks, failures);
     return failures == 0 ? 0 : 1;

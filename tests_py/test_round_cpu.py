@@ -220,7 +220,12 @@ def test_sampled_verification_is_reproducible_and_follows_the_draws():
     want = kdtree.verify_greedy(t, draws[None])
     assert a.accepted_nodes.tolist() == want.accepted_nodes.tolist()
     assert a.bonus_token.tolist() == want.bonus_token.tolist()
-    for bad in (0.0, 1e-39, 1e39, float("nan")):
+    # Temperature 0 is greedy decoding: the argmax walk.
+    greedy = kdtree.verify_sample_from_logits(t, logits, 0.0, seed=123, offset=9)
+    want = kdtree.verify_greedy_from_logits(t, logits)
+    assert greedy.accepted_nodes.tolist() == want.accepted_nodes.tolist()
+    assert greedy.bonus_token.tolist() == want.bonus_token.tolist()
+    for bad in (-1.0, 1e-39, 1e39, float("nan")):
         with pytest.raises(ValueError, match="temperature"):
             kdtree.verify_sample_from_logits(t, logits, bad, seed=1, offset=0)
     with pytest.raises(TypeError, match="temperature"):

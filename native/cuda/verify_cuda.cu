@@ -26,7 +26,14 @@
 // u = 1 (an infinite score) for k = 2^24 - 1; so -log(u) is evaluated from exact float32
 // arguments: -logf((2k + 1) * 2^-25) for k < 2^23, else
 // -log1pf(-(2^25 - 2k - 1) * 2^-25). The division and the sum are IEEE round-to-nearest.
+//
+// kdt_verify_sample_batch_cuda (kBatch) reads each request's settings in its block: the
+// argmax at temperature 0, the same draw as above without a cut (reduce_row<kSample>,
+// the other calls' speed), and for a top-k / top-p row the thresholds of
+// sample_select.cuh (whole-row radix selection by every block of a cluster, so all agree)
+// before the draw over the tokens they keep.
 #include "common.cuh"
+#include "sample_select.cuh"
 
 #include <cooperative_groups.h>
 #include <math.h>
@@ -50,7 +57,8 @@ constexpr float kGumbelMax = 18.0f;
 constexpr int kMaxCluster = 8;       // the portable cluster size limit
 constexpr int kMaxDevices = 64;
 
-enum Mode { kGiven = 0, kArgmax = 1, kSample = 2 };
+// kBatch: per-request settings (kdt_sampling): argmax, kSample, or kSample over a cut row.
+enum Mode { kGiven = 0, kArgmax = 1, kSample = 2, kBatch = 3 };
 
 struct Params {
     int64_t batch, budget;
@@ -62,6 +70,7 @@ struct Params {
     kdt_logits logits;             // kArgmax, kSample: [B, N+1, V]
     float temperature;             // kSample
     uint32_t key0, key1, ctr3;     // kSample: Philox key and the counter's last word
+    kdt_sampling sampling;         // kBatch: device arrays [B]
     const int32_t* stop_tokens;
     int64_t num_stop_tokens;
     const int64_t* max_commit;  // [B] or NULL
@@ -143,6 +152,14 @@ __device__ bool walk_step(Walk& w, int32_t want, const TreeView& t, const Params
     return stop != 0;  // an accepted stop token ends the walk without a bonus
 }
 
+// One request's draw: the temperature, the Philox key and counter word, and (a cut row,
+// reduce_row's Cut) the threshold keys of the top-k and top-p cuts (sample_select.cuh).
+struct Draw {
+    float temperature;
+    uint32_t key0, key1, ctr3;
+    uint64_t cut_logit, cut_score;
+};
+
 // Best element a thread has seen in a row: value (logit or score) and token id (-1: none).
 struct Best {
     float x;
@@ -164,8 +181,10 @@ __device__ __forceinline__ float gumbel_noise(uint32_t bits) {
 }
 
 // Folds `cnt` (1..4) consecutive logits x[0..cnt) of tokens v0.. (v0 % 4 == 0) into best.
-template <int M>
-__device__ __forceinline__ void take_group(Best& best, const float* x, int cnt, int64_t v0, const Params& p,
+// dr: the Params of a kSample call (read from the kernel's parameters) or a kBatch request's
+// Draw (then Cut: only the tokens whose keys reach dr.cut_logit and dr.cut_score are drawn).
+template <int M, bool Cut, class D>
+__device__ __forceinline__ void take_group(Best& best, const float* x, int cnt, int64_t v0, const D& dr,
                                            uint32_t node, uint32_t req) {
     if constexpr (M == kArgmax) {
 #pragma unroll
@@ -185,14 +204,19 @@ __device__ __forceinline__ void take_group(Best& best, const float* x, int cnt, 
             s[k] = -INFINITY;
             if (k < cnt) {
                 best.bad |= isnan(x[k]) || x[k] == INFINITY;
-                s[k] = __fdiv_rn(x[k], p.temperature);
+                s[k] = __fdiv_rn(x[k], dr.temperature);
+                if constexpr (Cut) {
+                    if (kdt::token_key(x[k], v0 + k) < dr.cut_logit || kdt::token_key(s[k], v0 + k) < dr.cut_score) {
+                        s[k] = -INFINITY;
+                    }
+                }
                 smax = fmaxf(smax, s[k]);
             }
         }
         // Exact skip: every score of this group is below the thread's best (g <= kGumbelMax
         // and rounding is monotone), so it could neither win nor tie.
         if (smax == -INFINITY || smax + kGumbelMax < best.x) return;
-        const kdt::Philox4 r = kdt::philox4x32_10((uint32_t)(v0 >> 2), node, req, p.ctr3, p.key0, p.key1);
+        const kdt::Philox4 r = kdt::philox4x32_10((uint32_t)(v0 >> 2), node, req, dr.ctr3, dr.key0, dr.key1);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             if (k < cnt) {
@@ -293,8 +317,8 @@ __device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* s_warp) 
 // groups after them are each split into `parts` contiguous slices. Returns
 // (order_key(value) << 32) | ~token of the slice's best; kRowBad for a NaN (sampling: also
 // +inf) logit; 0 when no token has a score above -inf (sampling) or the slice is empty.
-template <int M, int Dtype>
-__device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint32_t node, uint32_t req,
+template <int M, int Dtype, bool Cut = false, class D>
+__device__ uint64_t reduce_row(const char* row, int64_t V, const D& dr, uint32_t node, uint32_t req,
                                int part, int parts, uint64_t* s_warp) {
     constexpr int kEsize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
     constexpr int kChunk = 16 / kEsize;  // logits per 16-byte load: 4 or 8 (1 or 2 groups)
@@ -327,7 +351,7 @@ __device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint
                     unpack_chunk<Dtype>(q[u], x);
 #pragma unroll
                     for (int g = 0; g < kChunk / 4; g++) {
-                        take_group<M>(best, x + 4 * g, 4, c * kChunk + 4 * g, p, node, req);
+                        take_group<M, Cut>(best, x + 4 * g, 4, c * kChunk + 4 * g, dr, node, req);
                     }
                 }
             }
@@ -344,7 +368,7 @@ __device__ uint64_t reduce_row(const char* row, int64_t V, const Params& p, uint
         float x[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) x[k] = k < cnt ? kdt::load_logit<Dtype>(row, v0 + k) : 0.0f;
-        take_group<M>(best, x, cnt, v0, p, node, req);
+        take_group<M, Cut>(best, x, cnt, v0, dr, node, req);
     }
     uint64_t mine = 0;
     if (best.bad) {
@@ -373,6 +397,69 @@ __device__ uint64_t cluster_max(uint64_t r, uint64_t* slots, int csize) {
     return m;
 }
 #endif
+
+// A kBatch request's settings (uniform over its block).
+struct Request {
+    bool greedy;    // temperature 0: the argmax
+    int64_t top_k;  // a top-k cut when 0 < top_k < V
+    float top_p;    // a top-p cut when < 1
+};
+
+// The candidates of the top-k cut: every token, keyed by logit, weight 1.
+struct LogitItem {
+    __device__ bool key(int64_t v, float x, uint64_t* k) const {
+        *k = kdt::token_key(x, v);
+        return true;
+    }
+    __device__ uint64_t weight(int64_t, float) const { return 1u; }
+};
+
+// The candidates of the top-p cut: the tokens the top-k cut kept, keyed by score, weighted
+// floor(E(s - m) * 2^S).
+struct ScoreItem {
+    float temperature, m;
+    double two_s;
+    uint64_t cut_logit;
+    __device__ bool key(int64_t v, float x, uint64_t* k) const {
+        if (kdt::token_key(x, v) < cut_logit) return false;
+        *k = kdt::token_key(__fdiv_rn(x, temperature), v);
+        return true;
+    }
+    __device__ uint64_t weight(int64_t, float x) const {
+        return kdt::sample_weight(__fdiv_rn(x, temperature), m, two_s);
+    }
+};
+
+// reduce_row for a kBatch request: the argmax at temperature 0, the plain draw without a
+// cut, else the cuts (each block of a cluster selects over the whole row, so all find the
+// same thresholds) and the draw over the tokens they keep, on part `part` of the row.
+template <int Dtype>
+__device__ uint64_t batch_row(const char* row, int64_t V, const Request& rq, Draw dr, uint32_t node, uint32_t req,
+                              int part, int parts, uint64_t* s_warp) {
+    __shared__ kdt::SelectHist s_hist;
+    if (rq.greedy) return reduce_row<kArgmax, Dtype>(row, V, dr, node, req, part, parts, s_warp);
+    const bool cut_k = rq.top_k > 0 && rq.top_k < V, cut_p = rq.top_p < 1.0f;
+    if (!cut_k && !cut_p) return reduce_row<kSample, Dtype>(row, V, dr, node, req, part, parts, s_warp);
+    dr.cut_logit = 0;
+    dr.cut_score = 0;
+    if (cut_k) {
+        dr.cut_logit = kdt::radix_select<Dtype, false>(row, V, LogitItem{}, kdt::CountTarget{(uint64_t)rq.top_k},
+                                                       &s_hist);
+    }
+    if (cut_p) {
+        // The weights need the row's largest score; a row that cannot be sampled (NaN, +inf,
+        // only -inf) fails here, as reduce_row would report it.
+        const uint64_t top = reduce_row<kArgmax, Dtype>(row, V, dr, node, req, 0, 1, s_warp);
+        __syncthreads();  // s_warp is reused below
+        const float mx = kdt::float_from_order_key((uint32_t)(top >> 32));
+        if (top == kRowBad || isinf(mx)) return kRowBad;
+        const ScoreItem item = {dr.temperature, __fdiv_rn(mx, dr.temperature),
+                                __longlong_as_double((long long)(1023 + kdt::weight_shift(V)) << 52),
+                                dr.cut_logit};
+        dr.cut_score = kdt::radix_select<Dtype, true>(row, V, item, kdt::MassTarget{(double)rq.top_p}, &s_hist);
+    }
+    return reduce_row<kSample, Dtype, true>(row, V, dr, node, req, part, parts, s_warp);
+}
 
 template <int M, int Dtype>
 __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) verify_kernel(Params p) {
@@ -446,7 +533,27 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     if (csize > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
     const int64_t cap = p.max_commit != nullptr ? p.max_commit[b] : INT64_MAX;
-    const int32_t status0 = bad ? KDT_ERR_VALUE : cap < 0 ? KDT_ERR_INVALID_ARGUMENT : KDT_OK;
+    // kBatch: the request's settings, checked here.
+    Draw dr = {0.0f, 0u, 0u, 0u, 0u, 0u};
+    Request rq = {false, 0, 1.0f};
+    bool bad_setting = false;
+    if constexpr (M == kBatch) {
+        const float T = p.sampling.temperature[b];
+        const uint64_t seed = p.sampling.seed[b], offset = p.sampling.offset[b];
+        rq.top_p = p.sampling.top_p != nullptr ? p.sampling.top_p[b] : 1.0f;
+        rq.top_k = p.sampling.top_k != nullptr ? p.sampling.top_k[b] : 0;
+        rq.greedy = T == 0.0f;
+        bad_setting = !(rq.greedy || (isfinite(T) && T >= 1e-6f)) || !(rq.top_p > 0.0f && rq.top_p <= 1.0f) ||
+                      rq.top_k < 0;
+        dr.temperature = T;
+        dr.key0 = (uint32_t)seed;
+        dr.key1 = (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32);
+        dr.ctr3 = (uint32_t)offset;
+    }
+    const int32_t status0 = bad                ? KDT_ERR_VALUE
+                            : cap < 0          ? KDT_ERR_INVALID_ARGUMENT
+                            : bad_setting      ? KDT_ERR_VALUE
+                                               : KDT_OK;
     if (tid == 0) {
         s_cur = 0;
         s_done = 0;
@@ -487,8 +594,14 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
             const int32_t cur = s_cur;
             const int64_t at = b * p.logits.batch_stride + (int64_t)cur * p.logits.row_stride;
             const char* row = logits + at * (int64_t)esize;
-            uint64_t r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b,
-                                              parts == 1 ? 0 : rank, parts, s_warp);
+            uint64_t r;
+            if constexpr (M == kBatch) {
+                r = batch_row<Dtype>(row, p.logits.vocab, rq, dr, (uint32_t)cur, (uint32_t)b, parts == 1 ? 0 : rank,
+                                     parts, s_warp);
+            } else {
+                r = reduce_row<M, Dtype>(row, p.logits.vocab, p, (uint32_t)cur, (uint32_t)b, parts == 1 ? 0 : rank,
+                                         parts, s_warp);
+            }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             if (csize > 1) {  // every block of the cluster takes the same steps
                 r = cluster_max(r, s_part[parity], csize);
@@ -834,4 +947,36 @@ extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
     p.key1 = (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32);
     p.ctr3 = (uint32_t)offset;
     return launch_dtype<kSample>(p, stream, "kdt_verify_sample_from_logits_cuda");
+}
+
+extern "C" kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+                                                   const kdt_sampling* sampling, const int32_t* stop_tokens,
+                                                   int64_t num_stop_tokens, const int64_t* max_commit,
+                                                   int64_t path_capacity, int32_t* accepted_nodes,
+                                                   int32_t* accept_length, int32_t* bonus_token,
+                                                   int32_t* target_tokens, int32_t* request_status, void* stream) {
+    Params p;
+    bool empty = false;
+    kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, max_commit,
+                                        path_capacity, accepted_nodes, accept_length, bonus_token, target_tokens,
+                                        request_status, false, 0.0f, &p, &empty);
+    if (st != KDT_OK || empty) return st;
+    if (sampling == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "sampling is NULL");
+    const struct {
+        const void* ptr;
+        size_t align;
+        bool required;
+        const char* name;
+    } fields[] = {{sampling->temperature, 4, true, "sampling->temperature"},
+                  {sampling->top_p, 4, false, "sampling->top_p"},
+                  {sampling->top_k, 4, false, "sampling->top_k"},
+                  {sampling->seed, 8, true, "sampling->seed"},
+                  {sampling->offset, 8, true, "sampling->offset"}};
+    for (const auto& f : fields) {
+        if (f.required && f.ptr == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", f.name);
+        st = kdt::check_aligned(f.ptr, f.align, f.name);
+        if (st != KDT_OK) return st;
+    }
+    p.sampling = *sampling;
+    return launch_dtype<kBatch>(p, stream, "kdt_verify_sample_batch_cuda");
 }

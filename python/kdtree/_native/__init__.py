@@ -178,6 +178,18 @@ class KdtLogits(ctypes.Structure):
     ]
 
 
+class KdtSampling(ctypes.Structure):
+    """struct kdt_sampling."""
+
+    _fields_ = [
+        ("temperature", ctypes.c_void_p),
+        ("top_p", ctypes.c_void_p),
+        ("top_k", ctypes.c_void_p),
+        ("seed", ctypes.c_void_p),
+        ("offset", ctypes.c_void_p),
+    ]
+
+
 class KdtKvCache(ctypes.Structure):
     """struct kdt_kv_cache."""
 
@@ -305,6 +317,14 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     int32_t* bonus_token, int32_t* target_tokens, int32_t* request_status, void* stream)
     "kdt_verify_sample_from_logits_cuda": (
         "status", [_trees_p, _logits_p, _f32, _u64, _u64, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
+    #     const kdt_sampling* sampling, const int32_t* stop_tokens, int64_t num_stop_tokens,
+    #     const int64_t* max_commit, int64_t path_capacity, int32_t* accepted_nodes,
+    #     int32_t* accept_length, int32_t* bonus_token, int32_t* target_tokens,
+    #     int32_t* request_status, void* stream)
+    "kdt_verify_sample_batch_cuda": (
+        "status", [_trees_p, _logits_p, ctypes.POINTER(KdtSampling), _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp,
+                   _vp]),
     # kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths,
     #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
     #     int32_t* request_status, void* stream)

@@ -126,6 +126,7 @@ def verify_greedy(
     max_commit=None,
     errors: str = "raise",
     stream=None,
+    out: Acceptance | None = None,
 ) -> Acceptance:
     """The verification walk (spec: "Verification"): from the root, move to the child whose
     token equals the target's token at the current node, while one exists.
@@ -136,12 +137,23 @@ def verify_greedy(
             token at every node (argmax of its logits, or a sample); padding rows ignored.
         stop_tokens: a sequence of token ids (None: none); an accepted stop token ends the
             walk with no bonus token. A single int is a TypeError (write ``[eos_id]``).
+            GPU: also a device int32 ``[S]`` array (used in place: no copy).
         max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
             each request may commit this round (remaining ``max_new_tokens``). Any other
-            shape (a length-1 list for B > 1 included) is a ValueError.
+            shape (a length-1 list for B > 1 included) is a ValueError. GPU: also a device
+            int64 ``[B]`` array (used in place; a negative cap fails its request,
+            KDT_ERR_INVALID_ARGUMENT).
         errors: as :func:`build_trees`; with ``"status"`` a failed request's outputs are
             accepted_nodes ``[-1, ...]``, accept_length 0 and bonus_token -1.
         stream: GPU only, as :func:`build_trees`.
+        out: an :class:`Acceptance` of an earlier call with the same trees' batch and path
+            width, whose arrays are reused: ``accepted_nodes``, ``accept_length``,
+            ``bonus_token`` and ``request_status`` are rewritten whole (GPU: int32 device
+            arrays on the trees' device, C-contiguous; host: numpy int32 arrays) and
+            ``out`` itself is returned. GPU calls with ``out=``, device ``stop_tokens`` and
+            ``max_commit`` (or none) and ``errors="status"`` allocate nothing, copy
+            nothing from the host and never synchronise: they can be captured in a CUDA
+            graph (``torch.cuda.graph``).
 
     Returns:
         :class:`Acceptance`: ``accepted_nodes`` int32 ``[B, P]`` with ``P = min(L, N) + 1``
@@ -157,9 +169,17 @@ def verify_greedy(
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     if _device.is_device_array(trees.num_nodes):
         return _gpu().verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit,
-                                    errors=errors, stream=stream)
+                                    errors=errors, stream=stream, out=out)
     checks.cpu_only(stream, errors, "verify_greedy")
-    return host.verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    acc = host.verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    return _host_out(out, acc, trees)
+
+
+def _host_out(out, acc: Acceptance, trees: TreeBatch) -> Acceptance:
+    """A host call's result, copied into ``out`` when one is given."""
+    if out is None:
+        return acc
+    return host.fill_acceptance(out, acc, trees.batch, checks.path_capacity(trees))
 
 
 def _copy_host_out(result, out, names: tuple[str, ...], what: str):
@@ -369,6 +389,7 @@ def verify_greedy_from_logits(
     max_commit=None,
     errors: str = "raise",
     stream=None,
+    out: Acceptance | None = None,
 ) -> Acceptance:
     """Greedy verification from the target's logits: argmax per node (ties: lower id), then
     the walk of :func:`verify_greedy`.
@@ -380,6 +401,8 @@ def verify_greedy_from_logits(
             bfloat16, only the rows the walk visits are read.
         stop_tokens, max_commit: as :func:`verify_greedy`.
         errors, stream: as :func:`verify_greedy`.
+        out: as :func:`verify_greedy`; on the GPU ``out.target_tokens`` (int32 ``[B, N+1]``,
+            or None: not computed) is rewritten whole too.
 
     Returns:
         :class:`Acceptance`; on the GPU ``target_tokens`` holds the argmax at visited nodes.
@@ -393,37 +416,67 @@ def verify_greedy_from_logits(
     if _device.is_device_array(target_logits):
         return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
                                          stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
-                                         stream=stream)
+                                         stream=stream, out=out)
     checks.cpu_only(stream, errors, "verify_greedy_from_logits")
-    return host.verify_greedy_from_logits(trees, target_logits, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    acc = host.verify_greedy_from_logits(trees, target_logits, stop_tokens=stop_tokens, max_commit=max_commit,
+                                         errors=errors)
+    return _host_out(out, acc, trees)
 
 
 def verify_sample_from_logits(
     trees: TreeBatch,
     target_logits,
-    temperature: float,
+    temperature,
     *,
-    seed: int,
-    offset: int,
+    seed,
+    offset,
+    top_p=None,
+    top_k=None,
     stop_tokens: Iterable[int] = (),
     max_commit=None,
     errors: str = "raise",
     stream=None,
+    out: Acceptance | None = None,
 ) -> Acceptance:
     """Sampled verification, lossless for any temperature: one draw per visited node from
-    ``softmax(logits / temperature)``, then the walk of :func:`verify_greedy` along the draws.
+    ``softmax(logits / temperature)`` (cut by ``top_k`` / ``top_p`` when given), then the
+    walk of :func:`verify_greedy` along the draws.
 
     The draw is the Gumbel-max trick over a Philox4x32-10 counter-based generator keyed by
     ``(seed, offset, request, node, token)``: the same arguments give the same tokens on
-    every launch shape (definition: include/kdtree.h, ``kdt_verify_sample_from_logits_cuda``).
-    The CPU path (host arrays) computes the same draws in numpy (it may differ from the GPU
-    only where two scores tie within float32 ``log`` rounding).
+    every launch shape (definition: include/kdtree.h, ``kdt_verify_sample_from_logits_cuda``;
+    the cuts: ``kdt_verify_sample_batch_cuda``). The CPU path (host arrays) computes the same
+    draws in numpy (it may differ from the GPU only where two scores tie within float32
+    ``log`` rounding; the cuts are the same on both).
 
     Args:
         trees, target_logits, stop_tokens, max_commit, errors, stream: as
             :func:`verify_greedy_from_logits`.
-        temperature: finite, > 0.
-        seed, offset: 64-bit unsigned ints; advance ``offset`` every round.
+        temperature: a real number (every request) or ``[B]`` values: 0 is greedy (the
+            argmax, ties lower id) for that request, else finite and >= 1e-6.
+        seed, offset: 64-bit unsigned ints, or ``[B]`` of them; advance ``offset`` every
+            round.
+        top_p: None (1: no cut), a real in (0, 1], or ``[B]`` of them: keep the most likely
+            tokens whose probability mass (after the top-k cut) first reaches top_p.
+        top_k: None (0: no cut), an int >= 0, or ``[B]`` of them: keep the top_k tokens of
+            largest logit (ties lower id); 0 keeps all.
+        out: as :func:`verify_greedy_from_logits`.
+
+    Per-request arrays may be host arrays (numpy, lists) or, on the GPU, device arrays:
+    ``temperature`` and ``top_p`` float32, ``top_k`` int32, ``seed`` and ``offset`` int64
+    or uint64 (int64 read as its two's-complement uint64 bits), all ``[B]``. A scalar out
+    of range raises; a per-request value out of range fails that request alone
+    (KDT_ERR_VALUE; with ``errors="status"`` its outputs are those of a failed request).
+
+    GPU: scalar temperature (not 0), seed and offset without top_p / top_k call
+    ``kdt_verify_sample_from_logits_cuda``; anything else calls
+    ``kdt_verify_sample_batch_cuda``, which reads every setting from device memory when
+    the kernel runs, after host values (scalars included) were copied to the device during
+    this call. Inside a CUDA graph every per-request setting must therefore be a device
+    array (a host value would be copied once, at capture, and replayed unchanged), and
+    so must ``stop_tokens`` and ``max_commit`` (or none); with ``out=`` and
+    ``errors="status"`` the call then allocates, copies and synchronises nothing. Advance
+    the offsets in the graph (``offsets += 1``) to draw new tokens every replay.
 
     Returns:
         :class:`Acceptance` (GPU: ``target_tokens`` holds the draws at visited nodes).
@@ -431,25 +484,60 @@ def verify_sample_from_logits(
     Raises:
         ValueError / KdtreeError: as :func:`verify_greedy_from_logits`; a visited row with a
         NaN or a +inf logit, or only -inf logits, has no draw ("target_logits[1, 0] holds
-        only -inf logits").
+        only -inf logits"); a request's bad setting ("request 2: top_p 1.5 must be in
+        (0, 1]").
     """
-    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
-                                                                             np.floating)):
-        raise checks.type_error(f"temperature must be a real number, got {type(temperature).__name__} {temperature!r}")
-    with np.errstate(over="ignore"):  # an overflow is rejected just below
-        t32 = np.float32(temperature)  # the kernels compute in float32
-    if not np.isfinite(t32) or not t32 >= np.float32(1e-6):
-        raise checks.value_error(f"temperature must be finite and >= 1e-6 in float32 (use verify_greedy_from_logits for "
-                         f"T -> 0), got {temperature!r}")
-    temperature = float(t32)
-    seed = checks.int_scalar(seed, "seed", 0, 2**64 - 1)
-    offset = checks.int_scalar(offset, "offset", 0, 2**64 - 1)
-    if _device.is_device_array(target_logits):
-        return _gpu().verify_from_logits(trees, target_logits, temperature=temperature, seed=seed, offset=offset,
-                                         stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
-                                         stream=stream)
+    if not isinstance(trees, TreeBatch):
+        raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
+    given = {"temperature": temperature, "seed": seed, "offset": offset, "top_p": top_p, "top_k": top_k}
+    on_gpu = _device.is_device_array(target_logits)
+    device = {name for name, value in given.items() if _device.is_device_array(value)}
+    if device and not on_gpu:
+        raise checks.invalid(f"{', '.join(sorted(device))}: GPU arrays, but target_logits is a host array")
+    scalars = not device and all(np.ndim(v) == 0 for v in given.values() if v is not None)
+    if scalars:
+        t32 = _check_scalar_settings(temperature, top_p, top_k)
+        seed = checks.int_scalar(seed, "seed", 0, 2**64 - 1)
+        offset = checks.int_scalar(offset, "offset", 0, 2**64 - 1)
+        if top_p is None and top_k is None and t32 != 0:
+            if on_gpu:
+                return _gpu().verify_from_logits(trees, target_logits, temperature=float(t32), seed=seed,
+                                                 offset=offset, stop_tokens=stop_tokens, max_commit=max_commit,
+                                                 errors=errors, stream=stream, out=out)
+            checks.cpu_only(stream, errors, "verify_sample_from_logits")
+            acc = host.verify_sample_from_logits(trees, target_logits, float(t32), seed=seed, offset=offset,
+                                                 stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+            return _host_out(out, acc, trees)
+    batch = trees.batch
+    kinds = {"temperature": "float", "seed": "u64", "offset": "u64", "top_p": "float", "top_k": "int"}
+    settings = {name: value if name in device or value is None else
+                checks.per_request_setting(value, name, batch, kinds[name]) for name, value in given.items()}
+    if on_gpu:
+        return _gpu().verify_sample_batch(trees, target_logits, settings, stop_tokens=stop_tokens,
+                                          max_commit=max_commit, errors=errors, stream=stream, out=out)
     checks.cpu_only(stream, errors, "verify_sample_from_logits")
-    return host.verify_sample_from_logits(trees, target_logits, temperature, seed=seed, offset=offset, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    if settings["top_p"] is None:
+        settings["top_p"] = np.ones(batch, np.float32)
+    if settings["top_k"] is None:
+        settings["top_k"] = np.zeros(batch, np.int64)
+    acc = host.verify_sample_batch(trees, target_logits, settings, stop_tokens=stop_tokens, max_commit=max_commit,
+                                   errors=errors)
+    return _host_out(out, acc, trees)
+
+
+def _check_scalar_settings(temperature, top_p, top_k) -> np.float32:
+    """Scalar settings (they apply to every request, so a bad one fails the call); returns
+    the temperature in float32, the kernels' type."""
+    with np.errstate(over="ignore"):  # an overflow is rejected just below
+        t32 = np.float32(checks.real_scalar(temperature, "temperature"))
+    if not (t32 == 0 or (np.isfinite(t32) and t32 >= np.float32(1e-6))):
+        raise checks.value_error(f"temperature must be 0 (greedy) or finite and >= 1e-6 in float32, got "
+                                 f"{temperature!r}")
+    if top_p is not None and not 0 < np.float32(checks.real_scalar(top_p, "top_p")) <= 1:
+        raise checks.value_error(f"top_p must be in (0, 1], got {top_p!r}")
+    if top_k is not None:
+        checks.int_scalar(top_k, "top_k", 0, checks.INT32_MAX)
+    return t32
 
 
 def compact_kv(

@@ -152,6 +152,41 @@ def check_caps(given, caps: np.ndarray) -> None:
         raise range_error(f"max_commit must be >= 0, got {int(caps[b])}{where}")
 
 
+def real_scalar(value, name: str) -> float:
+    """A real-number argument (Python or numpy int or float, not bool), as a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise type_error(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def per_request_setting(value, name: str, batch: int, kind: str) -> np.ndarray:
+    """A host sampling setting as a [B] array: a scalar (every request) or one value a
+    request. kind "float": float32 (out-of-range values are the requests' errors, not
+    the call's); "int": int64 within int32; "u64": uint64 in [0, 2^64)."""
+    if np.ndim(value) == 0:
+        if kind == "float":
+            with np.errstate(over="ignore"):
+                return np.full(batch, np.float32(real_scalar(value, name)), np.float32)
+        hi = INT32_MAX if kind == "int" else 2**64 - 1
+        lo = INT32_MIN if kind == "int" else 0
+        return np.full(batch, int_scalar(value, name, lo, hi), np.int64 if kind == "int" else np.uint64)
+    a = host_array(value, name)
+    if a.shape != (batch,):
+        raise shape_error(f"{name} must be a scalar or have shape ({batch},) (one value a request), got {a.shape}")
+    if kind == "float":
+        if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
+            raise type_error(f"{name} must be a real array, got dtype {a.dtype}")
+        with np.errstate(over="ignore"):
+            return a.astype(np.float32)
+    if a.dtype.kind not in "iu":
+        raise type_error(f"{name} must be an integer array, got dtype {a.dtype}")
+    if kind == "int":
+        return int_array(a, name).astype(np.int64)
+    if a.size and a.dtype.kind == "i" and int(a.min()) < 0:
+        raise range_error(f"{name} must be in [0, 2^64), got {int(a.min())}")
+    return a.astype(np.uint64)
+
+
 def cpu_only(stream, errors: str, name: str) -> None:
     if stream is not None:
         raise invalid(f"{name}: stream= applies to GPU arrays only; the inputs are host arrays")

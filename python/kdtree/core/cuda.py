@@ -388,13 +388,60 @@ def tree_attention_mask(trees: TreeBatch, prefix_lengths, *, kind: str, dtype: s
     return TreeMask(mask, indptr, positions, status)
 
 
-def _verify_common(trees, stop_tokens, max_commit, s):
+def _stop_tokens(stop_tokens, like, s):
+    """(object to keep, view or None, count): a device int32 [S] array is used in place, a
+    host sequence is copied to the device."""
+    if dev.is_device_array(stop_tokens):
+        sv = _view(stop_tokens, "stop_tokens", "int32", 1, s)
+        return stop_tokens, (sv if sv.shape[0] else None), sv.shape[0]
+    stop_list = [int(x) for x in checks.stop_token_list(stop_tokens)]
+    if not stop_list:
+        return None, None, 0
+    checks.int_array(stop_list, "stop_tokens")  # range-checked, never wrapped
+    stops = dev.from_host(like, np.asarray(stop_list, np.int32))
+    return stops, dev.view(stops, "stop_tokens"), len(stop_list)
+
+
+def _acceptance(out, like, batch: int, width: int, rows: int, targets: bool, s):
+    """The output arrays (accepted, length, bonus, status, targets or None): new ones, or
+    out's after checking them (int32, C-contiguous, the shapes of this call, distinct)."""
+    if out is None:
+        return (dev.empty(like, (batch, width), "int32"), dev.empty(like, (batch,), "int32"),
+                dev.empty(like, (batch,), "int32"), dev.empty(like, (batch,), "int32"),
+                dev.empty(like, (batch, rows), "int32") if targets else None)
+    if not isinstance(out, Acceptance):
+        raise checks.type_error(f"out must be an Acceptance (from an earlier verify call), got {type(out).__name__}")
+    fields = [("accepted_nodes", (batch, width)), ("accept_length", (batch,)), ("bonus_token", (batch,)),
+              ("request_status", (batch,))]
+    if targets and out.target_tokens is not None:
+        fields.append(("target_tokens", (batch, rows)))
+    views = []
+    for name, shape in fields:
+        a = getattr(out, name)
+        if not dev.is_device_array(a):
+            raise checks.type_error(f"out.{name} must be a CUDA array (the outputs of an earlier GPU call), got "
+                                    f"{type(a).__name__}")
+        v = _view(a, f"out.{name}", "int32", len(shape), s)
+        if v.shape != shape:
+            raise checks.shape_error(f"out.{name} must have shape {shape} (out= must come from a call with the same "
+                                     f"trees' batch and budget), got {v.shape}")
+        if v.readonly:
+            raise checks.invalid(f"out.{name} is read-only")
+        views.append((v.ptr, v.ptr + 4 * v.size, name, v))
+    views.sort(key=lambda t: t[0])
+    for (_, hi, first, _), (lo, _, second, _) in zip(views, views[1:], strict=False):
+        if lo < hi:
+            raise checks.invalid(f"out.{first} and out.{second} share memory; every output needs its own array")
+    _same_device([v for *_, v in views] + [dev.view(like, "trees.num_nodes")])
+    return (out.accepted_nodes, out.accept_length, out.bonus_token, out.request_status,
+            out.target_tokens if targets else None)
+
+
+def _verify_common(trees, stop_tokens, max_commit, s, out, targets):
     like = trees.num_nodes
     batch = trees.batch
     tstruct, views = _trees_struct(trees, s)
-    stop_list = [int(x) for x in checks.stop_token_list(stop_tokens)]
-    stops = dev.from_host(like, np.asarray(stop_list, np.int32)) if stop_list else None
-    sv = dev.view(stops, "stop_tokens") if stops is not None else None
+    stops, sv, nstop = _stop_tokens(stop_tokens, like, s)
     caps, cv = (None, None)
     if max_commit is not None:
         if dev.is_device_array(max_commit):
@@ -402,36 +449,39 @@ def _verify_common(trees, stop_tokens, max_commit, s):
         else:
             host = checks.commit_caps(max_commit, batch)
             caps, cv = _optional(host, "max_commit", "int64", (batch,), like, s)
+    _same_device(views + [v for v in (sv, cv) if v is not None])
     width = checks.path_capacity(trees)
-    accepted = dev.empty(like, (batch, width), "int32")
-    length = dev.empty(like, (batch,), "int32")
-    bonus = dev.empty(like, (batch,), "int32")
-    status = dev.empty(like, (batch,), "int32")
+    outs = _acceptance(out, like, batch, width, trees.budget + 1, targets, s)
     keep = (stops, caps)
-    ptrs = (sv.ptr if sv else None, len(stop_list), cv.ptr if cv else None, width,
-            dev.view(accepted, "a").ptr, dev.view(length, "l").ptr, dev.view(bonus, "b").ptr)
-    return tstruct, views, ptrs, (accepted, length, bonus, status), keep
+    ptrs = (sv.ptr if sv else None, nstop, cv.ptr if cv else None, width,
+            dev.view(outs[0], "a").ptr, dev.view(outs[1], "l").ptr, dev.view(outs[2], "b").ptr)
+    return tstruct, views, ptrs, outs, keep
 
 
-def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, errors, stream) -> Acceptance:
+def _result(out, outs) -> Acceptance:
+    if out is not None:
+        return out
+    return Acceptance(*outs[:3], request_status=outs[3], target_tokens=outs[4])
+
+
+def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, errors, stream, out=None) -> Acceptance:
     checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
     lib = _lib.load()
     with dev.on_device(like):
-        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s)
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, False)
         target, tv = _optional(target_tokens, "target_tokens", "int32", (trees.batch, trees.budget + 1), like, s)
         _same_device([*views, tv])
         lib.kdt_verify_greedy_cuda(ctypes.byref(tstruct), tv.ptr, *ptrs, dev.view(outs[3], "s").ptr, s)
         del keep, target
-    acc = Acceptance(*outs[:3], request_status=outs[3])
     if errors == "raise":
         _raise_on_status(outs[3], "verify_greedy")
-    return acc
+    return _result(out, outs)
 
 
 def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, offset, stop_tokens, max_commit,
-                       errors, stream) -> Acceptance:
+                       errors, stream, out=None) -> Acceptance:
     checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
@@ -439,10 +489,9 @@ def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, of
     struct = _logits_struct(v, "target_logits")
     lib = _lib.load()
     with dev.on_device(like):
-        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s)
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True)
         _same_device([*views, v])
-        chosen = dev.empty(like, (trees.batch, trees.budget + 1), "int32")
-        tail = (dev.view(chosen, "t").ptr, dev.view(outs[3], "s").ptr, s)
+        tail = (dev.view(outs[4], "t").ptr if outs[4] is not None else None, dev.view(outs[3], "s").ptr, s)
         if temperature is None:
             lib.kdt_verify_greedy_from_logits_cuda(ctypes.byref(tstruct), ctypes.byref(struct), *ptrs, *tail)
             what = "verify_greedy_from_logits"
@@ -451,10 +500,56 @@ def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, of
                                                    offset, *ptrs, *tail)
             what = "verify_sample_from_logits"
         del keep
-    acc = Acceptance(*outs[:3], request_status=outs[3], target_tokens=chosen)
     if errors == "raise":
         _raise_on_status(outs[3], what)
-    return acc
+    return _result(out, outs)
+
+
+# The device dtypes of the per-request settings of kdt_verify_sample_batch_cuda (seeds and
+# offsets: int64 arrays are read as their uint64 bits) and the host arrays' conversions.
+_SETTING_DTYPES = {"temperature": ("float32",), "top_p": ("float32",), "top_k": ("int32",),
+                   "seed": ("uint64", "int64"), "offset": ("uint64", "int64")}
+
+
+def verify_sample_batch(trees: TreeBatch, target_logits, settings: dict, *, stop_tokens, max_commit, errors, stream,
+                        out=None) -> Acceptance:
+    """kdt_verify_sample_batch_cuda; settings: name -> device array, host [B] array (copied
+    to the device here), or None (top_p, top_k: no cut)."""
+    checks.check_errors(errors)
+    like = trees.num_nodes
+    s = dev.current_stream(like, stream)
+    v = dev.view(target_logits, "target_logits", s)
+    struct = _logits_struct(v, "target_logits")
+    batch = trees.batch
+    lib = _lib.load()
+    with dev.on_device(like):
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True)
+        staged, ptr_of = [], {}
+        for name, value in settings.items():
+            if value is None:
+                ptr_of[name] = None
+                continue
+            if not dev.is_device_array(value):
+                if name == "top_k":
+                    value = checks.int_array(value, "top_k")
+                elif name in ("seed", "offset"):
+                    value = np.ascontiguousarray(value, np.uint64).view(np.int64)
+                value = dev.from_host(like, np.ascontiguousarray(value))
+            sv = _view(value, name, _SETTING_DTYPES[name], 1, s)
+            if sv.shape != (batch,):
+                raise checks.shape_error(f"{name} must have shape ({batch},) (one value a request), got {sv.shape}")
+            staged.append((value, sv))
+            ptr_of[name] = sv.ptr
+        _same_device([*views, v] + [sv for _, sv in staged])
+        sampling = _lib.KdtSampling(ptr_of["temperature"], ptr_of["top_p"], ptr_of["top_k"], ptr_of["seed"],
+                                    ptr_of["offset"])
+        tail = (dev.view(outs[4], "t").ptr if outs[4] is not None else None, dev.view(outs[3], "s").ptr, s)
+        lib.kdt_verify_sample_batch_cuda(ctypes.byref(tstruct), ctypes.byref(struct), ctypes.byref(sampling), *ptrs,
+                                         *tail)
+        del keep, staged  # the allocator keeps the memory until the stream is done with it
+    if errors == "raise":
+        _raise_on_status(outs[3], "verify_sample_from_logits")
+    return _result(out, outs)
 
 
 _POINTER_TABLES: dict[tuple, object] = {}

@@ -58,6 +58,7 @@ _DTYPES = {
     "int32": ((_DL_INT, 32), "<i4"),
     "int64": ((_DL_INT, 64), "<i8"),
     "uint32": ((_DL_UINT, 32), "<u4"),
+    "uint64": ((_DL_UINT, 64), "<u8"),
     "float16": ((_DL_FLOAT, 16), "<f2"),
     "bfloat16": ((_DL_BFLOAT, 16), None),
     "float32": ((_DL_FLOAT, 32), "<f4"),
@@ -66,7 +67,7 @@ _DTYPES = {
 _BY_DLPACK = {code: name for name, (code, _) in _DTYPES.items()}
 _BY_TYPESTR = {ts: name for name, (_, ts) in _DTYPES.items() if ts}
 _BY_TYPESTR["<u1"] = _BY_TYPESTR["|u1"]
-_ITEMSIZE = {"bool": 1, "uint8": 1, "int32": 4, "int64": 8, "uint32": 4, "float16": 2, "bfloat16": 2,
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int32": 4, "int64": 8, "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2,
              "float32": 4, "float64": 8}
 
 
@@ -141,7 +142,7 @@ def view(obj, name: str, stream: int | None = None) -> DeviceArray:
 
 
 _TORCH_DTYPES = {"torch.bool": "bool", "torch.uint8": "uint8", "torch.int32": "int32", "torch.int64": "int64",
-                 "torch.uint32": "uint32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+                 "torch.uint32": "uint32", "torch.uint64": "uint64", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
                  "torch.float32": "float32", "torch.float64": "float64"}
 
 

@@ -437,6 +437,63 @@ def verify_sample_from_logits(trees, target_logits, temperature, *, seed, offset
                            errors=errors)
 
 
+def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_commit, errors):
+    """Sampled verification with per-request settings (``settings``: temperature float32,
+    top_p float32, top_k int64, seed and offset uint64, each [B]), the host twin of
+    ``kdt_verify_sample_batch_cuda``: a request whose settings are invalid fails alone
+    (KDT_ERR_VALUE) after its links and its cap are checked, as on the GPU."""
+    x = _target_logits(trees, target_logits, "target_logits")
+    batch, rows = trees.batch, trees.budget + 1
+    draws = np.zeros((batch, rows), np.int32)
+    why = {}
+    for b in range(batch):
+        t, p, k = settings["temperature"][b], settings["top_p"][b], settings["top_k"][b]
+        reason = sampling.bad_setting(t, p, k)
+        if reason is not None:
+            why[b] = reason
+            continue  # draws 0: the walk still checks its links and its cap
+        n = min(max(int(trees.num_nodes[b]), 0), trees.budget) + 1
+        draws[b, :n] = sampling.batch_draws(x[b, :n], t, p, k, int(settings["seed"][b]), int(settings["offset"][b]),
+                                            b, np.arange(n))
+    walk = dict(stop_tokens=stop_tokens, max_commit=max_commit)
+    acc = _walk_from_rows(trees, x, draws, True, errors="status", **walk)
+    status = acc.request_status
+    # The links (KDT_ERR_VALUE) and the cap (KDT_ERR_INVALID_ARGUMENT) come first; a walk
+    # error (KDT_ERR_SHAPE) after the settings.
+    unset = [b for b in why if status[b] in (0, STATUS["KDT_ERR_SHAPE"])]
+    for b in unset:
+        status[b] = STATUS["KDT_ERR_VALUE"]
+        acc.accepted_nodes[b], acc.accept_length[b], acc.bonus_token[b] = -1, 0, -1
+    failed = np.flatnonzero(status != 0)
+    if errors == "raise" and failed.size:
+        b = int(failed[0])
+        if b in unset:
+            raise checks.value_error(f"request {b}: {why[b]}")
+        _walk_from_rows(trees, x, draws, True, errors="raise", **walk)  # raises for request b
+    return acc
+
+
+def fill_acceptance(out, acc: Acceptance, batch: int, width: int) -> Acceptance:
+    """Copies a host result into ``out`` (an :class:`Acceptance` of numpy arrays of the
+    result's shapes and dtypes, checked) and returns ``out``; ``out.target_tokens`` is not
+    written (host calls compute no target tokens)."""
+    if not isinstance(out, Acceptance):
+        raise checks.type_error(f"out must be an Acceptance (from an earlier verify call), got {type(out).__name__}")
+    fields = (("accepted_nodes", (batch, width)), ("accept_length", (batch,)), ("bonus_token", (batch,)),
+              ("request_status", (batch,)))
+    for name, shape in fields:
+        a = getattr(out, name)
+        if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.shape != shape:
+            got = f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise checks.shape_error(f"out.{name} must be a numpy int32 array of shape {shape} (the host arrays of an "
+                                     f"earlier call with the same trees), got {got}")
+        if not a.flags.writeable:
+            raise checks.invalid(f"out.{name} must be writeable")
+    for name, _ in fields:
+        getattr(out, name)[...] = getattr(acc, name)
+    return out
+
+
 def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors):
     if layout not in ("bhsd", "bshd"):
         raise checks.invalid(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
