@@ -259,3 +259,80 @@ def test_gpu_stop_and_caps(gpu_pair, prompts, expected):
         e = expected[j][:6]
         want = e[: e.index(stop) + 1] if stop in e else e
         assert o.tokens == want, j
+
+
+# ---- sampling: lossless in distribution ----------------------------------------------------
+
+
+def _chi2_pvalue(counts, probs) -> float:
+    """Pearson chi-square p-value of observed ``counts`` against ``probs`` (cells with an
+    expected count under 5 are pooled into one)."""
+    from math import fsum
+
+    import numpy as np
+
+    n = int(np.sum(counts))
+    exp = np.asarray(probs, np.float64) * n
+    big = exp >= 5
+    obs = np.append(np.asarray(counts, np.float64)[big], np.sum(np.asarray(counts)[~big]))
+    exp = np.append(exp[big], n - fsum(exp[big]))
+    keep = exp > 0
+    stat = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _exact_next(model, seq, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([seq], device=model.device)).logits[0, -1].double()
+    return torch.softmax(logits / temperature, -1).cpu().numpy()
+
+
+def _sampling_check(target, drafter, prompt, n, batch, device_model):
+    """First and second tokens of n sampled requests (seeds 0 .. n-1, T = 1.0) in modes
+    ddtree and ar: each follows the target's exact distribution (chi-square, p > 1e-4)."""
+    import numpy as np
+
+    p1 = _exact_next(device_model, prompt, 1.0)
+    for mode in ("ddtree", "ar"):
+        eng = Engine(target, drafter, max_batch=batch, budget=16, mode=mode, max_length=256, sampling=True)
+        eng.capture_all()
+        outs = eng.generate([prompt] * n, 2, [SamplingParams(temperature=1.0, seed=i) for i in range(n)])
+        first = np.array([o.tokens[0] for o in outs])
+        pv = _chi2_pvalue(np.bincount(first, minlength=p1.size), p1)
+        assert pv > 1e-4, (mode, "first token", pv)
+        top = int(np.bincount(first).argmax())
+        second = np.array([o.tokens[1] for o in outs if o.tokens[0] == top])
+        p2 = _exact_next(device_model, prompt + [top], 1.0)
+        pv2 = _chi2_pvalue(np.bincount(second, minlength=p2.size), p2)
+        assert pv2 > 1e-4, (mode, "second token", pv2)
+        if mode == "ddtree":  # some draft tokens were accepted while sampling (fewer rounds than tokens)
+            assert eng.stats.tokens > eng.stats.slot_rounds, eng.stats
+
+
+def test_sampling_follows_the_target(pair, prompts):
+    target, drafter = pair
+    ref = load_causal_lm(PAIR / "target", dtype="float32")
+    _sampling_check(target, drafter, prompts[2][:24], 400, 16, ref)
+
+
+def test_sampling_greedy_requests_in_a_sampling_batch(pair, prompts, expected):
+    """temperature 0 in a sampling engine is greedy, beside sampled requests."""
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=4, budget=16, max_length=512, sampling=True)
+    params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i)
+              for i in range(8)]
+    outs = eng.generate(prompts[:8], NEW, params)
+    for i in range(0, 8, 2):
+        assert outs[i].tokens == expected[i]
+    assert all(len(o.tokens) == NEW for o in outs)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_sampling_follows_the_target(gpu_pair, prompts):
+    """1,000 sampled requests through the graph-captured rounds (the offsets advance inside
+    the graph: a replay that reused its draws would fail the chi-square)."""
+    target, drafter = gpu_pair
+    _sampling_check(target, drafter, prompts[2][:24], 1000, 64, target)

@@ -68,8 +68,10 @@ def _torch():
 class SamplingParams:
     """Per-request sampling: ``temperature`` 0 is greedy (argmax, ties to the lower id);
     > 0 samples from ``softmax(logits / temperature)`` restricted to the ``top_k`` most
-    likely tokens (0: all) and then to the ``top_p`` nucleus; ``seed`` keys the request's
-    counter-based draws (reproducible whatever the batch)."""
+    likely tokens (0: all) and then to the ``top_p`` nucleus (the cuts of
+    :func:`kdtree.verify_sample_from_logits`); ``seed`` keys the request's counter-based
+    draws with the round number and its slot (the same seed gives the same draws in the
+    same slot; the slot enters the draw as kdtree's request index)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -565,7 +567,7 @@ class Engine:
                 st.offset[:b] += 1
                 return acc
             return api.verify_greedy_from_logits(trees, logits, stop_tokens=stops, max_commit=caps,
-                                                 errors="status")
+                                                 out=buf["acc"], errors="status")
         tn = _trees_to_numpy(trees)
         x = logits.float().numpy()
         stop_list = sorted(self.stop_tokens)
