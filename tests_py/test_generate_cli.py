@@ -150,3 +150,21 @@ def test_broken_model_folders_are_usage_errors(tmp_path):
     cfg.write_text(cfg.read_text().replace('"use_sliding_window": false', '"use_sliding_window": true'))
     r = run_cli(["generate", "--models", str(window), "--no-ar"], tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "sliding-window" in r.stderr, r.stderr
+
+
+def test_batched_prompts_file(tmp_path):
+    """--batch-size / --prompts-file: the batched engine decodes every prompt (plain and JSON
+    lines), prints each output, and checks greedy outputs against its own AR run."""
+    f = tmp_path / "prompts.txt"
+    f.write_text('def parse(text):\\n    """Parse\n\n{"prompt": "import os\\nimport sys\\n", "max_new_tokens": 5}\n'
+                 "class Engine:\n")
+    r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(f), "--max-new-tokens", "9", "--budget", "16",
+                 "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("---- request ") == 3
+    assert "5 new, max_new_tokens" in r.stdout and "9 new, max_new_tokens" in r.stdout
+    assert "identical  : 3 of 3 outputs equal greedy autoregressive decoding" in r.stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(bad)], tmp_path)
+    assert r.returncode != 0 and 'line 2: a JSON line needs a "prompt" string' in r.stderr

@@ -84,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed runs of each method, after an untimed warm-up (fewer once they have taken a "
                         "minute; the wall-time line says how many ran)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--batch-size", type=_int_in(1, 4096), default=None,
+                   help="decode with the batched engine (request slots, continuous batching, CUDA graphs on a "
+                        "GPU), this many requests at a time")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="batched engine: one prompt a line, or JSON lines with \"prompt\" and optional "
+                        "max_new_tokens, temperature, top_p, top_k, seed")
+    p.add_argument("--top-k", type=_int_in(0), default=0, help="batched engine: top-k for sampling (0: all)")
 
 
 def _default_prompt(args) -> tuple[str, str]:
@@ -224,6 +231,10 @@ def _token_str(tok) -> Any:
 
 
 def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
+    if getattr(args, "batch_size", None) is not None or getattr(args, "prompts_file", None) is not None:
+        from . import batched
+
+        return batched.run(args, header=header)
     from ..engine.drafter import BlockDrafterRunner
     from ..engine.hf import HFTarget
     from .cli import UsageError
