@@ -279,6 +279,7 @@ def _chi2_pvalue(counts, probs) -> float:
     keep = exp > 0
     stat = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
     dof = int(keep.sum()) - 1
+    assert dof >= 2, f"too few samples for a chi-square test ({n} draws, {dof} degrees of freedom)"
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
                                          torch.tensor(stat / 2.0, dtype=torch.float64)))
 
@@ -304,6 +305,7 @@ def _sampling_check(target, drafter, prompt, n, batch, device_model):
         assert pv > 1e-4, (mode, "first token", pv)
         top = int(np.bincount(first).argmax())
         second = np.array([o.tokens[1] for o in outs if o.tokens[0] == top])
+        assert second.size >= n // 10, (mode, "the most frequent first token is too rare", second.size)
         p2 = _exact_next(device_model, prompt + [top], 1.0)
         pv2 = _chi2_pvalue(np.bincount(second, minlength=p2.size), p2)
         assert pv2 > 1e-4, (mode, "second token", pv2)
@@ -314,7 +316,7 @@ def _sampling_check(target, drafter, prompt, n, batch, device_model):
 def test_sampling_follows_the_target(pair, prompts):
     target, drafter = pair
     ref = load_causal_lm(PAIR / "target", dtype="float32")
-    _sampling_check(target, drafter, prompts[2][:24], 400, 16, ref)
+    _sampling_check(target, drafter, prompts[8][:40], 400, 16, ref)
 
 
 def test_sampling_greedy_requests_in_a_sampling_batch(pair, prompts, expected):
@@ -335,4 +337,36 @@ def test_gpu_sampling_follows_the_target(gpu_pair, prompts):
     """1,000 sampled requests through the graph-captured rounds (the offsets advance inside
     the graph: a replay that reused its draws would fail the chi-square)."""
     target, drafter = gpu_pair
-    _sampling_check(target, drafter, prompts[2][:24], 1000, 64, target)
+    _sampling_check(target, drafter, prompts[8][:40], 1000, 64, target)
+
+
+def test_truncated_trees_equal_smaller_builds():
+    """budget='auto' builds at the largest budget and takes the first n nodes: that is the
+    tree a build at budget n gives (DDTree's nodes come in pop order)."""
+    import numpy as np
+
+    import kdtree
+    from kdtree.engine.batched import _trees_to_torch, truncate_trees
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 7, 300)).astype(np.float32) * 3
+    big = _trees_to_torch(kdtree.build_trees_from_logits(logits, 64, 64, root_tokens=[1, 2, 3, 4, 5],
+                                                         root_positions=[0, 3, 9, 1, 2], pad_token=0))
+    for n in (1, 2, 5, 16, 33, 64):
+        want = kdtree.build_trees_from_logits(logits, n, n, root_tokens=[1, 2, 3, 4, 5],
+                                              root_positions=[0, 3, 9, 1, 2], pad_token=0)
+        got = truncate_trees(big, n)
+        for name in ("num_nodes", "tokens", "depths", "parents", "logw", "positions", "visibility",
+                     "visibility_bits", "first_child", "next_sibling"):
+            assert np.array_equal(getattr(got, name).numpy(), np.asarray(getattr(want, name))), (n, name)
+
+
+def test_budget_auto(pair, prompts, expected):
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=4, budget="auto", auto_budgets=(4, 16, 64), max_length=512)
+    outs = eng.generate(prompts, NEW)
+    assert [o.tokens for o in outs] == expected
+    assert sum(eng.budget_counts.values()) == eng.stats.rounds
+    assert set(eng.budget_counts) <= {4, 16, 64}
+    with pytest.raises(ValueError, match="mode 'chain'"):
+        Engine(target, drafter, budget="auto", mode="chain")

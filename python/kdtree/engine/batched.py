@@ -52,6 +52,8 @@ import numpy as np
 from . import attention
 
 MODES = ("ddtree", "chain", "ar")
+# budget="auto": the budgets it chooses among
+AUTO_BUDGETS = (16, 32, 64, 128, 256)
 # GPU top-k limit (kdt_topk_logprobs_cuda): the width of a DDTree tree is min(budget, V, 1024).
 MAX_WIDTH = 1024
 # stage names of a round, in order (the benchmark times each alone in a graph)
@@ -161,7 +163,7 @@ class EngineStats:
 class _State:
     """The static device tensors of the engine (every captured graph reads these)."""
 
-    def __init__(self, torch, device, slots: int, path: int, stops: Sequence[int]):
+    def __init__(self, torch, device, slots: int, path: int, stops: Sequence[int], budget: int):
         i64 = dict(dtype=torch.int64, device=device)
         self.lengths = torch.zeros(slots, **i64)       # cached tokens (committed - 1)
         self.roots = torch.zeros(slots, dtype=torch.int32, device=device)  # last committed token
@@ -175,6 +177,7 @@ class _State:
         self.out_tokens = torch.full((slots, path), -1, dtype=torch.int32, device=device)
         self.out_counts = torch.zeros(slots, dtype=torch.int32, device=device)
         self.out_status = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.curve = torch.zeros(max(budget, 1), dtype=torch.float64, device=device)
 
 
 class Engine:
@@ -204,12 +207,21 @@ class Engine:
             or layers do not match the target, max_length beyond the target's positions.
     """
 
-    def __init__(self, target: Any, drafter: Any = None, *, max_batch: int = 1, budget: int = 64,
+    def __init__(self, target: Any, drafter: Any = None, *, max_batch: int = 1, budget: int | str = 64,
                  mode: str = "ddtree", max_length: int = 2048, stop_tokens: Sequence[int] = (),
-                 prefill_chunk: int = 512, use_graphs: bool | None = None, sampling: bool = False):
+                 prefill_chunk: int = 512, use_graphs: bool | None = None, sampling: bool = False,
+                 auto_budgets: Sequence[int] = AUTO_BUDGETS):
         torch = _torch()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.auto = budget == "auto"
+        if self.auto:
+            if mode != "ddtree":
+                raise ValueError(f"budget='auto' chooses among DDTree budgets; mode {mode!r} has a fixed tree")
+            budgets = sorted({int(n) for n in auto_budgets})
+            if not budgets or any(n < 1 for n in budgets):
+                raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
+            budget = budgets[-1]
         for name, v, lo in (("max_batch", max_batch, 1), ("budget", budget, 0), ("max_length", max_length, 2),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
@@ -244,6 +256,9 @@ class Engine:
         if mode == "ddtree":
             self.budget = int(budget)
             self.width = max(1, min(self.budget, self.vocab_size, MAX_WIDTH))
+            if self.auto and self.budget > self.width:
+                raise ValueError(f"budget='auto' builds one tree at the largest budget {self.budget} and takes "
+                                 f"its first n nodes, which needs top-{self.budget} (at most {self.width} here)")
         elif mode == "chain":
             self.budget, self.width = self.depth, 1
         else:
@@ -252,7 +267,8 @@ class Engine:
         self.max_length = int(max_length)
         self.capacity = self.max_length + self.budget + 1
         self.prefill_chunk = int(prefill_chunk)
-        self.path = min(self.depth, self.budget) + 1  # accepted_nodes columns
+        self.path = min(self.depth, self.budget) + 1  # accepted_nodes columns (the largest budget's)
+        self.budgets = tuple(budgets) if self.auto else (self.budget,)
         self.sampling = bool(sampling)
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -271,14 +287,18 @@ class Engine:
             self.drafter_kv = BlockDrafterKV(drafter, self.max_batch, self.capacity)
         else:
             self.drafter_kv = None
-        self.state = _State(torch, self.device, self.max_batch, self.path, stop_tokens)
+        self.state = _State(torch, self.device, self.max_batch, self.path, stop_tokens, self.budget)
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self._cols = torch.arange(self.capacity, device=self.device)
         self._tree_rows = torch.arange(self.budget + 1, device=self.device)
         self._path_cols = torch.arange(self.path, device=self.device)
         self._buffers: dict[int, dict] = {}
         self._side_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self.costs: dict[tuple[int, int], float] = {}  # budget='auto': GPU ms of each (bucket, budget) round
+        self._curve = None        # budget='auto': expected accepted draft tokens at each budget, last round read
+        self._calibration = [0.0, 0.0]  # accepted draft tokens, and their prediction, over the rounds read
+        self.budget_counts: dict[int, int] = {}  # rounds run at each budget
         self._slots: list[_Request | None] = [None] * self.max_batch
         self._queue: deque[_Request] = deque()
         self._prefilling: deque[_Request] = deque()
@@ -368,7 +388,7 @@ class Engine:
         if active:
             need = max(active) + 1
             b = next(x for x in self.buckets() if x >= need)
-            self._launch(b, active)
+            self._launch(b, self._choose_budget(b, len(active)), active)
             launched = True
         # on CUDA the newest round's outputs are read one step later, while the next round runs
         keep = 1 if launched and self.on_cuda else 0
@@ -467,23 +487,25 @@ class Engine:
             feats = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
         return out.logits, feats
 
-    def _round_buffers(self, b: int) -> dict:
-        """The static outputs of the kdtree calls of bucket ``b`` (reused every round)."""
-        buf = self._buffers.get(b)
+    def _round_buffers(self, b: int, n: int) -> dict:
+        """The static outputs of the kdtree calls of bucket ``b`` at budget ``n`` (reused
+        every round)."""
+        buf = self._buffers.get((b, n))
         if buf is None:
             torch = _torch()
             from ..core import cuda as gpu
             from ..core.types import Acceptance, TreeMask
 
-            dev, rows = self.device, self.budget + 1
+            dev, rows = self.device, n + 1
+            path = min(self.depth, n) + 1
             if self.on_cuda:
                 like = self.state.lengths
-                buf = {"trees": gpu.empty_trees(like, b, self.budget, self.depth)}
+                buf = {"trees": gpu.empty_trees(like, b, n, self.depth)}
                 buf["trees"].request_status = torch.zeros(b, dtype=torch.int32, device=dev)
                 buf["mask"] = TreeMask(torch.empty((b, rows, self.capacity), dtype=self.dtype, device=dev), None,
                                        torch.empty((b, rows), dtype=torch.int64, device=dev),
                                        torch.empty(b, dtype=torch.int32, device=dev))
-                buf["acc"] = Acceptance(torch.empty((b, self.path), dtype=torch.int32, device=dev),
+                buf["acc"] = Acceptance(torch.empty((b, path), dtype=torch.int32, device=dev),
                                         torch.empty(b, dtype=torch.int32, device=dev),
                                         torch.empty(b, dtype=torch.int32, device=dev),
                                         request_status=torch.empty(b, dtype=torch.int32, device=dev),
@@ -491,21 +513,21 @@ class Engine:
                 buf["compact_status"] = torch.empty(b, dtype=torch.int32, device=dev)
             else:
                 buf = {}
-            self._buffers[b] = buf
+            self._buffers[(b, n)] = buf
         return buf
 
-    def _round(self, b: int) -> None:
-        """One round for slots 0 .. b-1 (module docstring); capturable."""
+    def _round(self, b: int, n: int) -> None:
+        """One round for slots 0 .. b-1 at budget n (module docstring); capturable."""
         st = self.state
         lengths, roots = st.lengths[:b], st.roots[:b]
-        buf = self._round_buffers(b)
-        trees = self._stage_draft_build(b, lengths, roots, buf)
+        buf = self._round_buffers(b, n)
+        trees = self._stage_draft_build(b, n, lengths, roots, buf)
         mask = self._stage_mask(trees, lengths, buf)
-        logits, feats = self._stage_target(b, trees, mask, lengths)
+        logits, feats = self._stage_target(b, n, trees, mask, lengths)
         acc = self._stage_verify(b, trees, logits, buf)
         self._stage_commit(b, trees, acc, feats, buf)
 
-    def _stage_draft_build(self, b, lengths, roots, buf):
+    def _stage_draft_build(self, b, n, lengths, roots, buf):
         torch = _torch()
         from ..core import api
 
@@ -514,13 +536,23 @@ class Engine:
             ids = torch.zeros((b, 0, 0), dtype=torch.int32, device=self.device)
             return self._ops_build(lp, ids, roots, lengths, buf)
         logits = self.drafter_kv.forward(roots, lengths, self.depth)
+        full = self._round_buffers(b, self.budget) if self.auto else buf
         if self.on_cuda:
-            return api.build_trees_from_logits(logits, self.width, self.budget, root_tokens=roots,
-                                               root_positions=lengths, pad_token=0, out=buf["trees"],
-                                               errors="status")
-        trees = api.build_trees_from_logits(logits.float().numpy(), self.width, self.budget,
-                                            root_tokens=roots.numpy(), root_positions=lengths.numpy(), pad_token=0)
-        return _trees_to_torch(trees)
+            trees = api.build_trees_from_logits(logits, self.width, self.budget, root_tokens=roots,
+                                                root_positions=lengths, pad_token=0, out=full["trees"],
+                                                errors="status")
+        else:
+            trees = _trees_to_torch(api.build_trees_from_logits(
+                logits.float().numpy(), self.width, self.budget, root_tokens=roots.numpy(),
+                root_positions=lengths.numpy(), pad_token=0))
+        if self.auto:
+            # the drafter's expected accepted draft tokens at every budget m: the sum of the first
+            # m nodes' path probabilities (nodes come in decreasing score), over the active slots
+            active = (self.state.remaining[:b] > 0).to(torch.float64)
+            self.state.curve.copy_((trees.logw[:, 1:].exp().cumsum(1) * active[:, None]).sum(0))
+            if n != self.budget:
+                trees = truncate_trees(trees, n, buf.get("trees"))
+        return trees
 
     def _ops_build(self, lp, ids, roots, lengths, buf):
         from ..core import api
@@ -547,8 +579,8 @@ class Engine:
         return TreeMask(torch.from_numpy(np.asarray(m.mask, np.float32)).to(self.dtype), None,
                         torch.from_numpy(m.positions), torch.from_numpy(m.request_status))
 
-    def _stage_target(self, b, trees, mask, lengths):
-        rows = lengths[:, None] + self._tree_rows[None, :]
+    def _stage_target(self, b, n, trees, mask, lengths):
+        rows = lengths[:, None] + self._tree_rows[None, : n + 1]
         return self._forward(trees.tokens, mask.positions, rows, mask.mask[:, None])
 
     def _stage_verify(self, b, trees, logits, buf):
@@ -609,7 +641,8 @@ class Engine:
         bonus = acc.bonus_token
         safe = path.clamp(min=0)
         tok_path = trees.tokens.gather(1, safe)
-        j = self._path_cols[None, :]
+        path = acc.accepted_nodes.shape[1]
+        j = self._path_cols[None, :path]
         shifted = torch.cat([tok_path[:, 1:], tok_path[:, :1]], dim=1)
         committed = torch.where(j < m[:, None], shifted,
                                 torch.where(j == m[:, None], bonus[:, None].to(shifted.dtype),
@@ -622,7 +655,7 @@ class Engine:
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side) if side is not None else _nullcontext():
-                f = feats.gather(1, safe[:, :, None].expand(b, self.path, feats.shape[-1]))
+                f = feats.gather(1, safe[:, :, None].expand(b, path, feats.shape[-1]))
                 self.drafter_kv.append(f, lengths[:, None] + j)
         last = committed.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
         has = count > 0
@@ -631,7 +664,7 @@ class Engine:
         stopped = has & torch.isin(last, st.stops) if st.stops.numel() else torch.zeros_like(has)
         # a failed request (bad logits) ends: its remaining count goes to 0
         st.remaining[:b] = torch.where(stopped | ~ok, torch.zeros_like(count), st.remaining[:b] - count)
-        st.out_tokens[:b] = committed.to(torch.int32)
+        st.out_tokens[:b, :path] = committed.to(torch.int32)
         st.out_counts[:b] = count.to(torch.int32)
         st.out_status[:b] = acc.request_status.to(torch.int32)
         if feats is not None and self._side_stream is not None:
@@ -640,42 +673,50 @@ class Engine:
     # ---- launching and reading -------------------------------------------------------
 
     def _pinned_set(self, torch):
-        st = self.state
-        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                for t in (st.out_tokens, st.out_counts, st.out_status, st.remaining)]
+        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._outputs_of_round()]
 
-    def _launch(self, b: int, active: list[int]) -> None:
+    def _launch(self, b: int, n: int, active: list[int]) -> None:
         torch = _torch()
         if self.use_graphs:
-            graph = self._graphs.get(b)
+            graph = self._graphs.get((b, n))
             if graph is None:
-                graph = self._capture(b)
+                graph = self._capture(b, n)
             graph.replay()
         else:
-            self._round(b)
+            self._round(b, n)
         self.stats.rounds += 1
-        self.stats.target_rows += b * (self.budget + 1)
+        self.stats.target_rows += b * (n + 1)
+        self.budget_counts[n] = self.budget_counts.get(n, 0) + 1
         st = self.state
         if self.on_cuda:
             k = self._flip
             self._flip ^= 1
             host = self._pinned[k]  # the round that used it was read in an earlier step
-            for h, d in zip(host, (st.out_tokens, st.out_counts, st.out_status, st.remaining), strict=True):
+            for h, d in zip(host, self._outputs_of_round(), strict=True):
                 h.copy_(d, non_blocking=True)
             self._events[k].record()
-            self._pending.append((host, self._events[k], set(active)))
+            self._pending.append((host, self._events[k], n, set(active)))
         else:
-            host = [t.clone() for t in (st.out_tokens, st.out_counts, st.out_status, st.remaining)]
-            self._pending.append((host, None, set(active)))
+            host = [t.clone() for t in self._outputs_of_round()]
+            self._pending.append((host, None, n, set(active)))
         del torch
 
+    def _outputs_of_round(self) -> tuple:
+        st = self.state
+        return st.out_tokens, st.out_counts, st.out_status, st.remaining, st.curve
+
     def _read(self, pending: tuple) -> None:
-        host, event, launched = pending
+        host, event, n, launched = pending
         if event is not None:
             t0 = time.perf_counter()
             event.synchronize()
             self.stats.host_wait += time.perf_counter() - t0
-        tokens, counts, status, remaining = (h.numpy() for h in host)
+        tokens, counts, status, remaining, curve = (h.numpy() for h in host)
+        if self.auto:
+            self._curve = curve.copy()
+            live = [s for s in launched if self._slots[s] is not None and int(status[s]) == 0]
+            self._calibration[0] += sum(max(int(counts[s]) - 1, 0) for s in live)
+            self._calibration[1] += float(curve[n - 1]) if n >= 1 else 0.0
         for s in sorted(launched):
             req = self._slots[s]
             if req is None:
@@ -710,24 +751,24 @@ class Engine:
             self._slots[req.slot] = None
             self.state.remaining[req.slot] = 0
 
-    def _capture(self, b: int):
-        """Captures bucket ``b``'s round (after two warm-up rounds on a side stream, which
-        commit nothing: every slot of a new bucket is checked inactive first)."""
+    def _capture(self, b: int, n: int):
+        """Captures bucket ``b``'s round at budget ``n`` (after two warm-up rounds on a
+        side stream, which commit nothing: every slot is checked inactive first)."""
         self._check_idle_for_capture(b)
-        return self._capture_unchecked(b)
+        return self._capture_unchecked(b, n)
 
-    def _capture_unchecked(self, b: int):
+    def _capture_unchecked(self, b: int, n: int):
         torch = _torch()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._round(b)
+                self._round(b, n)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._round(b)
-        self._graphs[b] = graph
+            self._round(b, n)
+        self._graphs[(b, n)] = graph
         return graph
 
     def _check_idle_for_capture(self, b: int) -> None:
@@ -751,13 +792,46 @@ class Engine:
         first request."""
         if not self.use_graphs:
             return
+        torch = _torch()
         for b in self.buckets() if buckets is None else buckets:
             if b not in self.buckets():
                 raise ValueError(f"bucket {b} is not one of {self.buckets()}")
-            if b not in self._graphs:
-                self._capture(b)
+            for n in self.budgets:
+                if (b, n) not in self._graphs:
+                    self._capture(b, n)
+                if self.auto and (b, n) not in self.costs:  # the cost model: each round's GPU time
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    self._graphs[(b, n)].replay()
+                    start.record()
+                    for _ in range(5):
+                        self._graphs[(b, n)].replay()
+                    end.record()
+                    end.synchronize()
+                    self.costs[(b, n)] = start.elapsed_time(end) / 5
         self.state.offset.zero_()
-        _torch().cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
+
+    def _choose_budget(self, b: int, active: int) -> int:
+        """The budget of the next round: fixed, or with budget='auto' the one that
+        maximises expected tokens per second for this batch: (active requests + c x the
+        expected accepted draft tokens at that budget) / the round's measured time, with
+        the expected tokens from the last round read (the drafter's path probabilities,
+        summed) and c the ratio of accepted to expected tokens so far."""
+        if not self.auto:
+            return self.budget
+        if self._curve is None:
+            return self.budgets[len(self.budgets) // 2]
+        acc, pred = self._calibration
+        c = min(2.0, max(0.05, acc / pred)) if pred > 0 else 1.0
+        best, best_rate = self.budgets[0], -1.0
+        for n in self.budgets:
+            cost = self.costs.get((b, n))
+            if cost is None:  # CPU or no graphs: the round's time grows with its rows
+                cost = 1.0 + b * (n + 1) / 4096
+            rate = (active + c * float(self._curve[n - 1])) / cost
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
     def profile_round(self, b: int, *, context: int | None = None, iters: int = 10,
                       repeats: int = 5) -> dict[str, float]:
@@ -782,7 +856,8 @@ class Engine:
 
         st = self.state
         lengths, roots = st.lengths[:b], st.roots[:b]
-        buf = self._round_buffers(b)
+        n = self.budget
+        buf = self._round_buffers(b, n)
         cur = torch.cuda.current_stream(self.device)
 
         def reset():
@@ -803,24 +878,24 @@ class Engine:
             return g
 
         reset()
-        if b not in self._graphs:
-            self._capture_unchecked(b)
+        if (b, n) not in self._graphs:
+            self._capture_unchecked(b, n)
         with torch.no_grad():
             dl = self.drafter_kv.forward(roots, lengths, self.depth) if self.drafter_kv is not None else None
-            trees = self._stage_draft_build(b, lengths, roots, buf)
+            trees = self._stage_draft_build(b, n, lengths, roots, buf)
             mask = self._stage_mask(trees, lengths, buf)
-            logits, feats = self._stage_target(b, trees, mask, lengths)
+            logits, feats = self._stage_target(b, n, trees, mask, lengths)
             acc = self._stage_verify(b, trees, logits, buf)
-        graphs = {"round": self._graphs[b]}
+        graphs = {"round": self._graphs[(b, n)]}
         if dl is not None:
             graphs["draft"] = capture(lambda: self.drafter_kv.forward(roots, lengths, self.depth))
             graphs["build"] = capture(lambda: api.build_trees_from_logits(
                 dl, self.width, self.budget, root_tokens=roots, root_positions=lengths, pad_token=0,
                 out=buf["trees"], errors="status"))
         else:
-            graphs["build"] = capture(lambda: self._stage_draft_build(b, lengths, roots, buf))
+            graphs["build"] = capture(lambda: self._stage_draft_build(b, n, lengths, roots, buf))
         graphs["mask"] = capture(lambda: self._stage_mask(trees, lengths, buf))
-        graphs["target"] = capture(lambda: self._stage_target(b, trees, mask, lengths))
+        graphs["target"] = capture(lambda: self._stage_target(b, n, trees, mask, lengths))
         graphs["verify"] = capture(lambda: self._stage_verify(b, trees, logits, buf))
         graphs["commit"] = capture(lambda: self._stage_commit(b, trees, acc, feats, buf))
         out = {"draft": 0.0}
@@ -844,6 +919,38 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
+
+
+def truncate_trees(trees, n: int, out=None):
+    """The first ``n`` draft nodes of torch ``trees`` (budget >= n) as a budget-``n``
+    TreeBatch: a DDTree tree's nodes come in pop order, so this is the tree a build at
+    budget ``n`` gives (with top-k of at least ``n``). Links to later nodes become -1.
+    Writes ``out`` (a budget-``n`` TreeBatch of the same batch) when given; capturable."""
+    torch = _torch()
+    from ..core.types import TreeBatch
+
+    r = n + 1
+    words = (r + 31) // 32
+    fields = {
+        "num_nodes": trees.num_nodes.clamp(max=n),
+        "tokens": trees.tokens[:, :r], "depths": trees.depths[:, :r], "parents": trees.parents[:, :r],
+        "logw": trees.logw[:, :r], "positions": trees.positions[:, :r],
+        "visibility": trees.visibility[:, :r, :r], "visibility_bits": trees.visibility_bits[:, :r, :words],
+        "first_child": torch.where(trees.first_child[:, :r] > n, -1, trees.first_child[:, :r]),
+        "next_sibling": torch.where(trees.next_sibling[:, :r] > n, -1, trees.next_sibling[:, :r]),
+    }
+    if out is None:
+        out = TreeBatch(**{k: v.contiguous().clone() for k, v in fields.items()}, budget=n, depth=trees.depth)
+        out.request_status = trees.request_status.clone()
+        return out
+    for k, v in fields.items():
+        getattr(out, k).copy_(v)
+    out.budget, out.depth = n, trees.depth
+    if out.request_status is None:
+        out.request_status = trees.request_status.clone()
+    else:
+        out.request_status.copy_(trees.request_status)
+    return out
 
 
 def _trees_to_torch(trees):
