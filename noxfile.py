@@ -116,6 +116,23 @@ def bench_gpu(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "bench_gpu.py"), *session.posargs, env=_env(), external=True)
 
 
+@nox.session(name="bench-engine", python=False, default=False)
+def bench_engine(session: nox.Session) -> None:
+    """The batched engine on a GPU, side by side: AR, the chain and DDTree (N = 16 .. 256 and
+    auto) at B = 1, 4, 16, 64, the single-sequence engine and transformers' generate; with
+    ``-- --qwen3-8b`` also the Qwen3-8B-shaped round timings and projection (device machine).
+
+    Uses the ``python`` on PATH, which must have torch with CUDA and transformers (as
+    bench-gpu); builds libkdtree with CUDA first. Arguments go to
+    ``tools/bench_engine_gpu.py`` (``-- --help``).
+    """
+    if subprocess.run(["python", "-c", "import torch, transformers"], capture_output=True).returncode != 0:
+        session.error("bench-engine needs torch and transformers for the python on PATH "
+                      f"({shutil.which('python')})")
+    _cmake_build(session, "-DKDTREE_CUDA=ON", target="kdtree")
+    session.run("python", str(ROOT / "tools" / "bench_engine_gpu.py"), *session.posargs, env=_env(), external=True)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check on the project's Python code (and clang-format differences, advisory).

@@ -51,34 +51,40 @@ def held_out_prompts(n: int, tokens: int) -> list[list[int]]:
     return out
 
 
-def configs(budgets: list[int]) -> list[tuple[str, str, int]]:
-    return [("AR", "ar", 0), ("chain", "chain", 0)] + [(f"DDTree N={n}", "ddtree", n) for n in budgets]
+def configs(budgets: list[int], auto: bool = True) -> list[tuple[str, str, int | str]]:
+    out = [("AR", "ar", 0), ("chain", "chain", 0)] + [(f"DDTree N={n}", "ddtree", n) for n in budgets]
+    return out + ([("DDTree auto", "ddtree", "auto")] if auto else [])
 
 
-def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, repeats):
-    """tokens/s (median of repeats), acceptance, forwards/token, wall and GPU per round."""
+def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, repeats, budgets, costs=None):
+    """tokens/s (median of repeats), acceptance, forwards/token, wall and GPU per round, over
+    len(prompts) requests through `batch` slots (continuous batching)."""
     import torch
 
     from kdtree.engine.batched import Engine
 
-    eng = Engine(target, drafter, max_batch=batch, budget=budget, mode=mode, max_length=max_length)
+    eng = Engine(target, drafter, max_batch=batch, budget=budget, mode=mode, max_length=max_length,
+                 auto_budgets=budgets)
     t0 = time.perf_counter()
     eng.capture_all()
     capture_s = time.perf_counter() - t0
+    if costs is not None:  # a projection: the choices another target's round times would make
+        eng.costs = dict(costs)
     eng.generate(prompts[:batch], 8)  # warm-up: prefill path and allocator
     runs = []
     for _ in range(repeats):
         eng.reset_stats()
+        eng.round_counts.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = eng.generate(prompts[:batch], new)
+        outs = eng.generate(prompts, new)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         toks = sum(len(o.tokens) for o in outs)
-        runs.append((toks / wall, wall, dict(vars(eng.stats)), [o.tokens for o in outs]))
+        runs.append((toks / wall, wall, dict(vars(eng.stats)), [o.tokens for o in outs], dict(eng.round_counts)))
     runs.sort(key=lambda r: r[0])
-    tps, wall, stats, tokens = runs[len(runs) // 2]
-    prof = eng.profile_round(batch)
+    tps, wall, stats, tokens, counts = runs[len(runs) // 2]
+    prof = eng.profile_round(batch) if budget != "auto" else {}
     decode_rounds = stats["rounds"]
     decode_wall = wall - stats["prefill_wall"]
     return {
@@ -87,7 +93,9 @@ def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, r
         "acceptance": stats["tokens"] / max(stats["slot_rounds"], 1),
         "forwards_per_token": stats["rounds"] / max(stats["tokens"], 1) * batch,
         "rounds": decode_rounds, "wall_per_round_ms": 1e3 * decode_wall / max(decode_rounds, 1),
-        "stages_ms": prof, "capture_s": capture_s, "outputs": tokens,
+        "stages_ms": prof, "capture_s": capture_s, "outputs": tokens, "tokens": stats["tokens"],
+        "round_counts": {f"{b},{n}": c for (b, n), c in counts.items()},
+        "auto_costs": {f"{b},{n}": c for (b, n), c in eng.costs.items()},
     }
 
 
@@ -181,6 +189,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests-per-slot", type=int, default=4,
+                    help="requests per slot (B x this many prompts, so that finished slots are refilled)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--compile", action="store_true", help="also transformers' generate under torch.compile")
     ap.add_argument("--qwen3-8b", action="store_true", help="the Qwen3-8B-shaped round timings and projection")
@@ -195,35 +205,42 @@ def main() -> int:
     print(f"device: {dev}; torch {torch.__version__}")
     target = load_causal_lm(PAIR / "target", device="cuda", dtype="bfloat16")
     drafter = load_drafter(PAIR / "drafter", device="cuda", dtype="bfloat16")
-    prompts = held_out_prompts(max(args.batches), args.prompt_tokens)
+    prompts = held_out_prompts(max(args.batches) * args.requests_per_slot, args.prompt_tokens)
     max_length = max(512, args.prompt_tokens + args.new_tokens + 16)
     results = {"device": dev, "shipped": {}, "baselines": {}, "qwen3_8b": {}}
     rows = []
     for b in args.batches:
         ar_tps = None
+        reqs = prompts[: b * args.requests_per_slot]
         for name, mode, n in configs(args.budgets):
-            r = run_engine(target, drafter, mode, n, b, prompts, args.new_tokens, max_length, args.repeats)
+            r = run_engine(target, drafter, mode, n, b, reqs, args.new_tokens, max_length, args.repeats,
+                           args.budgets)
             if mode == "ar":
-                ar_tps, ar_out = r["tokens_per_s"], r["outputs"]
+                ar_tps, ar_out, ar_dec = r["tokens_per_s"], r["outputs"], r["decode_tokens_per_s"]
             same = sum(o == a for o, a in zip(r.pop("outputs"), ar_out, strict=True))
             r["identical_to_ar"] = same
             results["shipped"][f"{name} B={b}"] = r
             st = r["stages_ms"]
-            host = max(0.0, r["wall_per_round_ms"] - st["round"])
-            if mode == "ar":
-                ar_dec = r["decode_tokens_per_s"]
+            if st:
+                host = max(0.0, r["wall_per_round_ms"] - st["round"])
+                gpu = [f"{st['round']:.3f}", f"{sum(st[k] for k in st if k != 'round'):.3f}",
+                       " / ".join(f"{st[k]:.3f}" for k in ("draft", "build", "mask", "target", "verify", "commit")),
+                       f"{r['wall_per_round_ms']:.3f}", f"{host:.3f}"]
+            else:
+                used = {}
+                for key, c in r["round_counts"].items():
+                    used[key.split(",")[1]] = used.get(key.split(",")[1], 0) + c
+                gpu = ["", "", "budgets used (rounds): " + ", ".join(f"{k}: {v}" for k, v in sorted(
+                    used.items(), key=lambda kv: int(kv[0]))), f"{r['wall_per_round_ms']:.3f}", ""]
             rows.append([b, name, f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / ar_tps:.2f}",
                          f"{r['decode_tokens_per_s']:.0f} ({r['decode_tokens_per_s'] / ar_dec:.2f})",
-                         f"{r['acceptance']:.2f}", f"{r['forwards_per_token']:.3f}", f"{st['round']:.3f}",
-                         f"{sum(st[k] for k in st if k != 'round'):.3f}",
-                         " / ".join(f"{st[k]:.3f}" for k in ("draft", "build", "mask", "target", "verify", "commit")),
-                         f"{r['wall_per_round_ms']:.3f}", f"{host:.3f}", f"{same}/{b}"])
-            print(f"  B={b} {name}: {r['tokens_per_s']:.0f} tok/s, tau {r['acceptance']:.2f}, round "
-                  f"{st['round']:.3f} ms", flush=True)
+                         f"{r['acceptance']:.2f}", f"{r['forwards_per_token']:.3f}", *gpu, f"{same}/{len(reqs)}"])
+            print(f"  B={b} {name}: {r['tokens_per_s']:.0f} tok/s, tau {r['acceptance']:.2f}"
+                  + (f", round {st['round']:.3f} ms" if st else ""), flush=True)
     print("\n## The shipped pair (bfloat16), batched engine, one CUDA graph a round\n")
-    print(table(rows, ["B", "mode", "tokens/s", "x AR", "decode tokens/s (x AR)", "accept. length", "fwd/token", "round GPU ms",
-                       "sum of stages ms", "draft / build / mask / target / verify / commit ms", "wall/round ms",
-                       "host ms not hidden", "same as AR"]))
+    print(table(rows, ["B", "mode", "tokens/s", "x AR", "decode tokens/s (x AR)", "accept. length", "fwd/token",
+                       "round GPU ms", "sum of stages ms", "draft / build / mask / target / verify / commit ms",
+                       "wall/round ms", "host ms not hidden", "same as AR"]))
     if args.baselines:
         base = []
         r = old_engine(load_causal_lm(PAIR / "target", device="cuda", dtype="bfloat16"), drafter, prompts[0],
@@ -243,29 +260,45 @@ def main() -> int:
         print("\n## Baselines (greedy, same prompts)\n")
         print(table(base, ["baseline", "B", "tokens/s"]))
     if args.qwen3_8b:
-        del target
-        torch.cuda.empty_cache()
+        from kdtree.engine.batched import Engine
+
         big, bdraft = qwen3_8b()
         rows = []
         for b in args.big_batches:
-            for name, mode, n in configs(args.budgets):
-                from kdtree.engine.batched import Engine
-
+            costs = {}
+            for name, mode, n in configs(args.budgets, auto=False):
                 eng = Engine(big, bdraft, max_batch=b, budget=n, mode=mode, max_length=1024)
                 eng.capture_all([b])
                 st = eng.profile_round(b, iters=3, repeats=3)
                 del eng
                 torch.cuda.empty_cache()
-                shipped = results["shipped"].get(f"{name} B={b}") or results["shipped"].get(
-                    f"{name} B={min(args.batches, key=lambda x: abs(x - b))}")
+                if mode == "ddtree":
+                    costs[(b, n)] = st["round"]
+                near = min(args.batches, key=lambda x: abs(x - b))
+                shipped = results["shipped"].get(f"{name} B={near}")
                 tau = shipped["acceptance"] if shipped else float("nan")
                 proj = b * tau / (st["round"] / 1e3)
-                results["qwen3_8b"][f"{name} B={b}"] = {"stages_ms": st, "tau_used": tau, "projected_tokens_per_s": proj}
+                results["qwen3_8b"][f"{name} B={b}"] = {"stages_ms": st, "tau_used": tau, "tau_from_B": near,
+                                                        "projected_tokens_per_s": proj}
                 rows.append([b, name, f"{st['round']:.2f}",
                              " / ".join(f"{st[k]:.2f}" for k in ("draft", "build", "mask", "target", "verify",
                                                                  "commit")),
-                             f"{tau:.2f}", f"{proj:.0f}"])
+                             f"{tau:.2f} (B={near})", f"{proj:.0f}"])
                 print(f"  8B B={b} {name}: round {st['round']:.2f} ms", flush=True)
+            # budget='auto' with the 8B round times: the shipped pair decodes, choosing each round's
+            # budget from the 8B costs; projected time = the chosen rounds' 8B times
+            near = min(args.batches, key=lambda x: abs(x - b))
+            reqs = prompts[: b * args.requests_per_slot]
+            scaled = {(bb, n): costs[(b, n)] for n in args.budgets for bb in (1, 2, 4, 8, 16, 32, 64, 128) if bb <= b}
+            r = run_engine(target, drafter, "ddtree", "auto", b, reqs, args.new_tokens, max_length, 1,
+                           args.budgets, costs=scaled)
+            r.pop("outputs")
+            t = sum(c * costs[(b, int(k.split(",")[1]))] for k, c in r["round_counts"].items()) / 1e3
+            proj = r["tokens"] / t
+            results["qwen3_8b"][f"DDTree auto B={b}"] = {"projected_tokens_per_s": proj,
+                                                         "round_counts": r["round_counts"]}
+            rows.append([b, "DDTree auto", "", "budgets used (rounds): " + ", ".join(
+                f"{k.split(',')[1]}: {c}" for k, c in sorted(r["round_counts"].items())), "", f"{proj:.0f}"])
         print("\n## Qwen3-8B-shaped target, random weights: round GPU time; tokens/s PROJECTED at the shipped pair's "
               "acceptance\n")
         print(table(rows, ["B", "mode", "round ms", "draft / build / mask / target / verify / commit ms",

@@ -299,6 +299,7 @@ class Engine:
         self._curve = None        # budget='auto': expected accepted draft tokens at each budget, last round read
         self._calibration = [0.0, 0.0]  # accepted draft tokens, and their prediction, over the rounds read
         self.budget_counts: dict[int, int] = {}  # rounds run at each budget
+        self.round_counts: dict[tuple[int, int], int] = {}  # rounds run at each (bucket, budget)
         self._slots: list[_Request | None] = [None] * self.max_batch
         self._queue: deque[_Request] = deque()
         self._prefilling: deque[_Request] = deque()
@@ -676,7 +677,6 @@ class Engine:
         return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._outputs_of_round()]
 
     def _launch(self, b: int, n: int, active: list[int]) -> None:
-        torch = _torch()
         if self.use_graphs:
             graph = self._graphs.get((b, n))
             if graph is None:
@@ -687,7 +687,7 @@ class Engine:
         self.stats.rounds += 1
         self.stats.target_rows += b * (n + 1)
         self.budget_counts[n] = self.budget_counts.get(n, 0) + 1
-        st = self.state
+        self.round_counts[(b, n)] = self.round_counts.get((b, n), 0) + 1
         if self.on_cuda:
             k = self._flip
             self._flip ^= 1
@@ -699,7 +699,6 @@ class Engine:
         else:
             host = [t.clone() for t in self._outputs_of_round()]
             self._pending.append((host, None, n, set(active)))
-        del torch
 
     def _outputs_of_round(self) -> tuple:
         st = self.state
