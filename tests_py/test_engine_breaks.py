@@ -14,11 +14,10 @@ torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (nox -s test installs it)")
 
-from test_engine_batched import reference  # noqa: E402
-from test_generate_cli import MODELS, run_cli  # noqa: E402
-
 from kdtree.engine.batched import Engine  # noqa: E402
 from kdtree.engine.drafter import BlockDrafter, BlockDrafterConfig  # noqa: E402
+from test_engine_batched import reference  # noqa: E402
+from test_generate_cli import MODELS, run_cli  # noqa: E402
 
 
 def varied(seed: int = 0):
