@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,21 @@ from pathlib import Path
 from .cli import UsageError, read_regular_file
 
 MAX_PROMPTS = 1_000_000
+_ESCAPE = re.compile(r"\\([\\n])")  # \n and \\ in plain prompt lines, decoded in one pass
+
+
+def _setting(entry: dict, name: str, default, kind: str, where: str):
+    """A JSON line's setting, or the command line's: integers for "int" (not bool, not
+    2.5), finite numbers for "float" (not bool, not strings)."""
+    if name not in entry:
+        return default
+    v = entry[name]
+    if kind == "int":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UsageError(f"{where}: {name} must be an integer, got {v!r}")
+    elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise UsageError(f"{where}: {name} must be a finite number, got {v!r}")
+    return v
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -45,7 +62,7 @@ def read_prompts(path: Path) -> list[dict]:
                 raise UsageError(f"{path}, line {n}: unknown fields {unknown}")
             out.append(obj)
         else:
-            out.append({"prompt": line.replace("\\n", "\n").replace("\\\\", "\\")})
+            out.append({"prompt": _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)})
         if len(out) > MAX_PROMPTS:
             raise UsageError(f"{path}: more than {MAX_PROMPTS:,} prompts")
     if not out:
@@ -71,24 +88,33 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     tok, target, drafter = load_pair(args.models, args.device, args.dtype)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
+    max_pos = int(getattr(target.config, "max_position_embeddings", 0) or 0)
     prompts, params, caps = [], [], []
     for i, e in enumerate(entries):
+        where = f"prompt {i}"
+        cap = _setting(e, "max_new_tokens", args.max_new_tokens, "int", where)
+        if cap < 0:
+            raise UsageError(f"{where}: max_new_tokens must be >= 0, got {cap}")
+        try:
+            params.append(SamplingParams(temperature=float(_setting(e, "temperature", args.temperature, "float", where)),
+                                         top_p=float(_setting(e, "top_p", args.top_p, "float", where)),
+                                         top_k=_setting(e, "top_k", args.top_k, "int", where),
+                                         seed=_setting(e, "seed", args.seed + i, "int", where)))
+        except ValueError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        if max_pos and len(e["prompt"]) > 64 * max_pos:  # no need to tokenize a text that cannot fit
+            raise UsageError(f"{where}: {len(e['prompt']):,} characters cannot fit the target's {max_pos} positions")
         ids = tok.encode(e["prompt"]).ids
         if not ids:
-            raise UsageError(f"prompt {i}: encodes to no tokens")
+            raise UsageError(f"{where}: encodes to no tokens")
+        if max_pos and len(ids) >= max_pos:
+            raise UsageError(f"{where}: {len(ids)} tokens; the target takes {max_pos} positions (prompt and new "
+                             f"tokens together)")
         prompts.append(ids)
-        try:
-            params.append(SamplingParams(temperature=float(e.get("temperature", args.temperature)),
-                                         top_p=float(e.get("top_p", args.top_p)),
-                                         top_k=int(e.get("top_k", args.top_k)),
-                                         seed=int(e.get("seed", args.seed + i))))
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"prompt {i}: {exc}") from None
-        caps.append(int(e.get("max_new_tokens", args.max_new_tokens)))
+        caps.append(cap)
     sampling = any(not p.greedy for p in params)
     longest = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
-    max_pos = int(getattr(target.config, "max_position_embeddings", 0) or 0)
-    max_length = min(max_pos, longest + 1) if max_pos else longest + 1
+    max_length = max(2, min(max_pos, longest + 1) if max_pos else longest + 1)
     budget = args.budget
     out = sys.stdout
     batch = args.batch_size or 1
@@ -139,7 +165,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         low = next(target.parameters()).dtype in (torch.float16, torch.bfloat16)
         print(f"AR         : {ar_tokens} tokens in {ar_wall:.3f} s = {ar_tokens / ar_wall:,.0f} tokens/s; "
               f"{ar_stats.rounds} target forwards", file=out)
-        print(f"speed-up   : {(tokens / wall) / (ar_tokens / ar_wall):.2f}x AR's tokens/s", file=out)
+        if tokens and ar_tokens:
+            print(f"speed-up   : {(tokens / wall) / (ar_tokens / ar_wall):.2f}x AR's tokens/s", file=out)
         print(f"identical  : {same} of {len(outs)} outputs equal greedy autoregressive decoding"
               + (" (16-bit floats: the tree forward and the one-token forward round differently, so a near-tie "
                  "can flip; float32 is checked exactly)" if low and same < len(outs) else ""), file=out)

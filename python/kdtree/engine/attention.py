@@ -126,6 +126,22 @@ def register() -> str:
     return ATTENTION_NAME
 
 
+def bind(model: Any, cache: StaticKV) -> int:
+    """Points every attention module of ``model`` at ``cache`` (when another engine's cache
+    is bound, e.g. two engines share one model); returns the modules bound. Cheap when
+    ``cache`` is bound already."""
+    if getattr(model, "_kdtree_bound", None) is cache:
+        return getattr(model, "_kdtree_bound_count", 0)
+    found = 0
+    for mod in model.modules():
+        if hasattr(mod, "layer_idx") and hasattr(mod, "q_proj") and hasattr(mod, "k_proj"):
+            mod._kdtree_kv = cache
+            found += 1
+    model._kdtree_bound = cache
+    model._kdtree_bound_count = found
+    return found
+
+
 def attach(model: Any, slots: int, capacity: int) -> StaticKV:
     """Allocates the static cache for ``model`` (``slots`` requests of ``capacity`` rows),
     points every attention module at it and switches the model to the ``"kdtree"``
@@ -150,11 +166,7 @@ def attach(model: Any, slots: int, capacity: int) -> StaticKV:
     shape = (int(slots), kv_heads, int(capacity), head_dim)
     cache = StaticKV(keys=[torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(n_layers)],
                      values=[torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(n_layers)])
-    found = 0
-    for mod in model.modules():
-        if hasattr(mod, "layer_idx") and hasattr(mod, "q_proj") and hasattr(mod, "k_proj"):
-            mod._kdtree_kv = cache
-            found += 1
+    found = bind(model, cache)
     if found != n_layers:
         raise ValueError(f"found {found} attention modules with layer_idx in a {n_layers}-layer model; the kdtree "
                          "attention supports the Llama, Qwen2 and Qwen3 families")

@@ -52,6 +52,8 @@ import numpy as np
 from . import attention
 
 MODES = ("ddtree", "chain", "ar")
+# the largest budget a round takes (N + 1 rows a request in every target forward)
+MAX_BUDGET = 4096
 # budget="auto": the budgets it chooses among
 AUTO_BUDGETS = (16, 32, 64, 128, 256)
 # GPU top-k limit (kdt_topk_logprobs_cuda): the width of a DDTree tree is min(budget, V, 1024).
@@ -222,12 +224,16 @@ class Engine:
             if not budgets or any(n < 1 for n in budgets):
                 raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
             budget = budgets[-1]
-        for name, v, lo in (("max_batch", max_batch, 1), ("budget", budget, 0), ("max_length", max_length, 2),
-                            ("prefill_chunk", prefill_chunk, 1)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        for name, v, lo, hi in (("max_batch", max_batch, 1, 1 << 16), ("budget", budget, 0, MAX_BUDGET),
+                                ("max_length", max_length, 2, 1 << 31), ("prefill_chunk", prefill_chunk, 1, 1 << 31)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
         cfg = target.config
         self.vocab_size = int(cfg.vocab_size)
+        stop_list = list(stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
+        if stop_list is None or any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+                                    or not 0 <= int(t) < self.vocab_size for t in stop_list):
+            raise ValueError(f"stop_tokens must be token ids in [0, {self.vocab_size}), got {stop_tokens!r}")
         max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         if max_pos and max_length > max_pos:
             raise ValueError(f"max_length {max_length} is beyond the target's max_position_embeddings ({max_pos})")
@@ -338,6 +344,8 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__} {sampling!r}")
         if not sampling.greedy and not self.sampling:
             raise ValueError("this engine verifies greedily; build it with sampling=True for temperature > 0")
         rid = self._next_id
@@ -477,6 +485,7 @@ class Engine:
         ``last_logits_only``) and the drafter's features ``[b, q, F]`` (None without a
         drafter). ``slot``: None for slots 0 .. b-1, else int64 ``[b]`` slot ids."""
         torch = _torch()
+        attention.bind(self.target, self.kv)  # another engine on the same model may have rebound it
         self.kv.step.rows = rows
         self.kv.step.slots = slot
         kw = {"logits_to_keep": 1} if last_logits_only else {}
