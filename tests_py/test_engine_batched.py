@@ -370,3 +370,14 @@ def test_budget_auto(pair, prompts, expected):
     assert set(eng.budget_counts) <= {4, 16, 64}
     with pytest.raises(ValueError, match="mode 'chain'"):
         Engine(target, drafter, budget="auto", mode="chain")
+
+
+def test_model_usable_after_the_engine(pair, prompts):
+    """The engine switches the model to the kdtree attention only inside its forwards: the
+    same model object still gives its own logits afterwards."""
+    target, drafter = pair
+    Engine(target, drafter, max_batch=2, budget=8, max_length=256).generate(prompts[:2], 4)
+    fresh = load_causal_lm(PAIR / "target", dtype="float32")
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, fresh(ids).logits)

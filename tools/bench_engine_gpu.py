@@ -195,6 +195,9 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="also transformers' generate under torch.compile")
     ap.add_argument("--qwen3-8b", action="store_true", help="the Qwen3-8B-shaped round timings and projection")
     ap.add_argument("--big-batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--shipped-json", type=Path,
+                    help="take the shipped pair's results (acceptance lengths) from this --out file of an earlier "
+                         "run instead of measuring them (with --qwen3-8b)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
@@ -209,7 +212,10 @@ def main() -> int:
     max_length = max(512, args.prompt_tokens + args.new_tokens + 16)
     results = {"device": dev, "shipped": {}, "baselines": {}, "qwen3_8b": {}}
     rows = []
-    for b in args.batches:
+    if args.shipped_json:
+        results["shipped"] = json.loads(args.shipped_json.read_text())["shipped"]
+        args.batches = sorted({int(k.rsplit("B=", 1)[1]) for k in results["shipped"]})
+    for b in args.batches if not args.shipped_json else ():
         ar_tps = None
         reqs = prompts[: b * args.requests_per_slot]
         for name, mode, n in configs(args.budgets):
@@ -237,8 +243,9 @@ def main() -> int:
                          f"{r['acceptance']:.2f}", f"{r['forwards_per_token']:.3f}", *gpu, f"{same}/{len(reqs)}"])
             print(f"  B={b} {name}: {r['tokens_per_s']:.0f} tok/s, tau {r['acceptance']:.2f}"
                   + (f", round {st['round']:.3f} ms" if st else ""), flush=True)
-    print("\n## The shipped pair (bfloat16), batched engine, one CUDA graph a round\n")
-    print(table(rows, ["B", "mode", "tokens/s", "x AR", "decode tokens/s (x AR)", "accept. length", "fwd/token",
+    if rows:
+        print("\n## The shipped pair (bfloat16), batched engine, one CUDA graph a round\n")
+        print(table(rows, ["B", "mode", "tokens/s", "x AR", "decode tokens/s (x AR)", "accept. length", "fwd/token",
                        "round GPU ms", "sum of stages ms", "draft / build / mask / target / verify / commit ms",
                        "wall/round ms", "host ms not hidden", "same as AR"]))
     if args.baselines:

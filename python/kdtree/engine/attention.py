@@ -22,6 +22,8 @@ Face's layout, the one :func:`kdtree.compact_kv` takes as ``"bhsd"``); a forward
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,9 +145,9 @@ def bind(model: Any, cache: StaticKV) -> int:
 
 
 def attach(model: Any, slots: int, capacity: int) -> StaticKV:
-    """Allocates the static cache for ``model`` (``slots`` requests of ``capacity`` rows),
-    points every attention module at it and switches the model to the ``"kdtree"``
-    attention implementation. Returns the cache.
+    """Allocates the static cache for ``model`` (``slots`` requests of ``capacity`` rows)
+    and points every attention module at it; forwards inside :func:`engaged` then use the
+    ``"kdtree"`` attention. Returns the cache.
 
     Raises:
         ValueError: a model without ``layer_idx`` on its attention modules, or with
@@ -170,8 +172,22 @@ def attach(model: Any, slots: int, capacity: int) -> StaticKV:
     if found != n_layers:
         raise ValueError(f"found {found} attention modules with layer_idx in a {n_layers}-layer model; the kdtree "
                          "attention supports the Llama, Qwen2 and Qwen3 families")
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_NAME)
-    else:  # pragma: no cover - older releases
-        cfg._attn_implementation = ATTENTION_NAME
     return cache
+
+
+@contextmanager
+def engaged(model: Any, cache: StaticKV) -> Iterator[None]:
+    """Within the block, ``model`` runs the ``"kdtree"`` attention over ``cache``; its own
+    attention implementation comes back afterwards, so the model stays usable outside the
+    engine (a CUDA graph captured inside the block keeps the kdtree attention)."""
+    bind(model, cache)
+    cfg = model.config
+    before = cfg._attn_implementation
+    if before == ATTENTION_NAME:
+        yield
+        return
+    cfg._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before

@@ -485,11 +485,11 @@ class Engine:
         ``last_logits_only``) and the drafter's features ``[b, q, F]`` (None without a
         drafter). ``slot``: None for slots 0 .. b-1, else int64 ``[b]`` slot ids."""
         torch = _torch()
-        attention.bind(self.target, self.kv)  # another engine on the same model may have rebound it
         self.kv.step.rows = rows
         self.kv.step.slots = slot
         kw = {"logits_to_keep": 1} if last_logits_only else {}
-        with torch.no_grad():
+        # (engaged also rebinds the model to this engine's cache: another engine may share it)
+        with torch.no_grad(), attention.engaged(self.target, self.kv):
             out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
                               output_hidden_states=bool(self.feature_layers), **kw)
         feats = None
