@@ -52,6 +52,8 @@ import numpy as np
 from . import attention
 
 MODES = ("ddtree", "chain", "ar")
+# prefill forwards of at most this many rows (requests x chunk, padded) replay CUDA graphs
+PREFILL_GRAPH_ROWS = 16384
 # the largest budget a round takes (N + 1 rows a request in every target forward)
 MAX_BUDGET = 4096
 # budget="auto": the budgets it chooses among
@@ -300,6 +302,11 @@ class Engine:
         self._path_cols = torch.arange(self.path, device=self.device)
         self._buffers: dict[int, dict] = {}
         self._side_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        # a prefill graph keeps its forward's hidden states (every layer's, for the drafter):
+        # at most about 1 GiB of them a graph
+        per_row = int(cfg.hidden_size) * (int(cfg.num_hidden_layers) + 1) * self.dtype.itemsize
+        self._prefill_graph_rows = min(PREFILL_GRAPH_ROWS, (1 << 30) // max(per_row, 1))
         self._graphs: dict[tuple[int, int], Any] = {}
         self.costs: dict[tuple[int, int], float] = {}  # budget='auto': GPU ms of each (bucket, budget) round
         self._curve = None        # budget='auto': expected accepted draft tokens at each budget, last round read
@@ -442,23 +449,62 @@ class Engine:
         width = max(stop - start for _, start, stop in chunks)
         t0 = time.perf_counter()
         if width > 0:
-            ids = torch.zeros((len(chunks), width), dtype=torch.long)
-            rows = torch.full((len(chunks), width), self.capacity - 1, dtype=torch.long)
+            k, c = len(chunks), width
+            graph = None
+            if self.use_graphs:  # pad to a captured shape: a bucket of requests x a power-of-two chunk
+                k = next(x for x in self.buckets() if x >= len(chunks))
+                c = min(max(16, 1 << (width - 1).bit_length()), max(self.prefill_chunk, width))
+                graph = (k, c) if k * c <= self._prefill_graph_rows else None
+            # padding (rows and whole requests) writes the last cache row of slot 0, which no round reads
+            ids = torch.zeros((k, c), dtype=torch.long)
+            rows = torch.full((k, c), self.capacity - 1, dtype=torch.long)
+            slots = torch.zeros(k, dtype=torch.long)
             for i, (req, start, stop) in enumerate(chunks):
                 ids[i, : stop - start] = torch.tensor(req.out.prompt[start:stop])
                 rows[i, : stop - start] = torch.arange(start, stop)
-            ids, rows = ids.to(self.device), rows.to(self.device)
-            positions = rows.clamp(max=self.max_length - 1)
-            slots = torch.tensor([req.slot for req, *_ in chunks], dtype=torch.long, device=self.device)
-            feats = self._forward(ids, positions, rows, self._causal_mask(rows), slot=slots, last_logits_only=True)[1]
-            if self.drafter_kv is not None:
-                self.drafter_kv.append(feats, rows, slot=slots)
+                slots[i] = req.slot
+            if graph is None:
+                self._prefill_forward(ids.to(self.device), rows.to(self.device), slots.to(self.device))
+            else:
+                self._prefill_graph(graph, ids, rows, slots)
             self.stats.prefill_tokens += sum(stop - start for _, start, stop in chunks)
             self.stats.prefill_chunks += 1
         for req, _, stop in chunks:
             req.prefilled = stop
             st.lengths[req.slot] = stop  # rounds of other slots write this slot's rows from here on only
         self.stats.prefill_wall += time.perf_counter() - t0
+
+    def _prefill_forward(self, ids, rows, slots) -> None:
+        """The prefill forward (capturable): target K/V and the drafter's context rows."""
+        positions = rows.clamp(max=self.max_length - 1)
+        feats = self._forward(ids, positions, rows, self._causal_mask(rows), slot=slots, last_logits_only=True)[1]
+        if self.drafter_kv is not None:
+            self.drafter_kv.append(feats, rows, slot=slots)
+
+    def _prefill_graph(self, key: tuple[int, int], ids, rows, slots) -> None:
+        """Replays the prefill graph of shape ``key`` on these inputs, capturing it on first
+        use. The prefill writes the same rows however often it runs, so the capture's
+        warm-up runs are this call's prefill."""
+        torch = _torch()
+        entry = self._prefill_graphs.get(key)
+        if entry is not None:
+            graph, static = entry
+            for dst, src in zip(static, (ids, rows, slots), strict=True):
+                dst.copy_(src, non_blocking=False)
+            graph.replay()
+            return
+        static = tuple(t.to(self.device) for t in (ids, rows, slots))
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._prefill_forward(*static)
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._prefill_forward(*static)
+        self._prefill_graphs[key] = (graph, static)
 
     def _activate(self, req: _Request) -> None:
         st, s, sp = self.state, req.slot, req.sampling
@@ -810,12 +856,15 @@ class Engine:
                 if self.auto and (b, n) not in self.costs:  # the cost model: each round's GPU time
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     self._graphs[(b, n)].replay()
-                    start.record()
-                    for _ in range(5):
-                        self._graphs[(b, n)].replay()
-                    end.record()
-                    end.synchronize()
-                    self.costs[(b, n)] = start.elapsed_time(end) / 5
+                    times = []
+                    for _ in range(3):  # the median of three batches of ten replays
+                        start.record()
+                        for _ in range(10):
+                            self._graphs[(b, n)].replay()
+                        end.record()
+                        end.synchronize()
+                        times.append(start.elapsed_time(end) / 10)
+                    self.costs[(b, n)] = float(np.median(times))
         self.state.offset.zero_()
         torch.cuda.synchronize(self.device)
 
