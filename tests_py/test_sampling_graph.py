@@ -19,6 +19,7 @@ import pytest
 
 import kdtree
 from kdtree.core import sampling
+from test_sampling import boosted_logits as _boosted_logits
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the GPU tests use torch tensors)")
 
@@ -59,14 +60,7 @@ def trees_pair(rng, batch, vocab, cuda, budget=10, depth=4, width=3):
 
 
 def boosted_logits(rng, trees, vocab, scale=2.0, boost=4.0):
-    batch, rows = trees.batch, trees.budget + 1
-    x = (scale * rng.standard_normal((batch, rows, vocab))).astype(np.float32)
-    for b in range(batch):
-        for i in range(rows):
-            c = int(trees.first_child[b, i])
-            if c > 0:
-                x[b, i, int(trees.tokens[b, c])] += np.float32(boost)
-    return x
+    return _boosted_logits(rng, trees, vocab, scale=scale, boost=boost)
 
 
 def settings(rng, batch):

@@ -128,6 +128,18 @@ def register() -> str:
     return ATTENTION_NAME
 
 
+def check_full_attention(cfg: Any) -> None:
+    """ValueError for a config with sliding-window layers: their cache drops rows, and the
+    tree rows and compaction assume a cache that keeps every row. Qwen2/Qwen3 configs carry
+    a window size with ``use_sliding_window=False``; Mistral-style configs have no switch: a
+    window size alone turns the window on."""
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    window_on = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
+    if window_on or any("sliding" in str(t) for t in layer_types):
+        raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
+                         "and compaction assume a cache that keeps every row (use a full-attention model)")
+
+
 def bind(model: Any, cache: StaticKV) -> int:
     """Points every attention module of ``model`` at ``cache`` (when another engine's cache
     is bound, e.g. two engines share one model); returns the modules bound. Cheap when
@@ -155,11 +167,7 @@ def attach(model: Any, slots: int, capacity: int) -> StaticKV:
     """
     torch = _torch()
     cfg = model.config
-    layer_types = list(getattr(cfg, "layer_types", None) or [])
-    window_on = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
-    if window_on or any("sliding" in str(t) for t in layer_types):
-        raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
-                         "and compaction assume a cache that keeps every row (use a full-attention model)")
+    check_full_attention(cfg)
     register()
     param = next(model.parameters())
     n_layers = int(cfg.num_hidden_layers)

@@ -139,13 +139,9 @@ class HFTarget:
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         cfg = model.config
-        layer_types = list(getattr(cfg, "layer_types", None) or [])
-        # Qwen2/Qwen3 configs carry a window size with use_sliding_window=False; Mistral-style
-        # configs have no switch: a window size alone turns the window on.
-        window_on = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
-        if window_on or any("sliding" in str(t) for t in layer_types):
-            raise ValueError("sliding-window attention is not supported: its cache drops rows, and the tree rows "
-                             "and compaction assume a cache that keeps every row (use a full-attention model)")
+        from .attention import check_full_attention
+
+        check_full_attention(cfg)
         n_layers = int(model.config.num_hidden_layers)
         layers = tuple(int(i) for i in feature_layers)
         for i in layers:
