@@ -381,3 +381,20 @@ def test_model_usable_after_the_engine(pair, prompts):
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
         assert torch.equal(target(ids).logits, fresh(ids).logits)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_mask_without_columns_inside_capture_is_a_kdtree_error():
+    """Inside CUDA graph capture, tree_attention_mask without columns= would read the prefix
+    lengths to the host: a KdtreeError that says to pass columns, not torch's raw message."""
+    import kdtree
+
+    logits = torch.randn(2, 3, 50, device="cuda")
+    trees = kdtree.build_trees_from_logits(logits, 4, 4)
+    prefix = torch.tensor([3, 5], device="cuda")
+    kdtree.tree_attention_mask(trees, prefix, columns=16, errors="status")  # warm-up outside capture
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(kdtree.KdtreeError, match="pass columns="):
+        with torch.cuda.graph(g):
+            kdtree.tree_attention_mask(trees, prefix, errors="status")

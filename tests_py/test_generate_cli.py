@@ -168,3 +168,17 @@ def test_batched_prompts_file(tmp_path):
     bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
     r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(bad)], tmp_path)
     assert r.returncode != 0 and 'line 2: a JSON line needs a "prompt" string' in r.stderr
+
+
+def test_batched_budget_auto(tmp_path):
+    """--budget auto with the batched engine: decodes, reports the budgets it chose, and the
+    outputs equal the engine's AR run; without --batch-size it is a usage error."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("def parse(text):\nclass Engine:\n")
+    r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(f), "--max-new-tokens", "6", "--budget", "auto",
+                 "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "budgets    : rounds at each budget N=" in r.stdout
+    assert "identical  : 2 of 2 outputs equal greedy autoregressive decoding" in r.stdout
+    r = run_cli(["generate", "--budget", "auto"], tmp_path)
+    assert r.returncode == 2 and "add --batch-size" in r.stderr

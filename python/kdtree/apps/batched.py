@@ -124,8 +124,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
 
     def decode(mode: str, label: str):
         try:
-            eng = Engine(target, drafter, max_batch=batch, budget=budget, mode=mode, max_length=max_length,
-                         stop_tokens=stops, sampling=sampling)
+            eng = Engine(target, drafter, max_batch=batch, budget=budget if mode == "ddtree" else 0, mode=mode,
+                         max_length=max_length, stop_tokens=stops, sampling=sampling)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         eng.capture_all()
@@ -144,9 +144,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         wall = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        return [eng.output(i) for i in ids], wall, eng.stats
+        return [eng.output(i) for i in ids], wall, eng.stats, eng.budget_counts
 
-    outs, wall, stats = decode("ddtree", "DDTree")
+    outs, wall, stats, used = decode("ddtree", "DDTree")
     for i, o in enumerate(outs):
         extra = f", error: {o.error}" if o.error else ""
         print(f"\n---- request {i}: {len(o.prompt)} prompt tokens, {len(o.tokens)} new, {o.finish_reason}, "
@@ -157,9 +157,12 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print(f"DDTree     : {tokens} tokens in {wall:.3f} s = {tokens / wall:,.0f} tokens/s; acceptance length "
           f"{stats.acceptance_length:.2f}; {stats.rounds} target forwards (rounds) = "
           f"{stats.rounds / max(tokens, 1):.3f} a token; prefill {stats.prefill_wall:.3f} s", file=out)
+    if budget == "auto":
+        print("budgets    : rounds at each budget " + ", ".join(f"N={n}: {c}" for n, c in sorted(used.items())),
+              file=out)
     status = 0
     if not args.no_ar and not sampling:
-        ar, ar_wall, ar_stats = decode("ar", "AR")
+        ar, ar_wall, ar_stats, _ = decode("ar", "AR")
         ar_tokens = sum(len(o.tokens) for o in ar)
         same = sum(a.tokens == o.tokens for a, o in zip(ar, outs, strict=True))
         low = next(target.parameters()).dtype in (torch.float16, torch.bfloat16)

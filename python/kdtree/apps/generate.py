@@ -43,6 +43,10 @@ def _temperature(text: str) -> float:
     return v
 
 
+def _budget_arg(text: str) -> int | str:
+    return "auto" if text == "auto" else _int_in(1, MAX_BUDGET)(text)
+
+
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 
 
@@ -63,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "256-token sequences: keep prompt + new tokens within that)")
     p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
                    help="folder with tokenizer.json, target/ and drafter/ (tools/train_models.py)")
-    p.add_argument("--budget", type=_int_in(1, MAX_BUDGET), default=64, help="draft nodes per tree N")
+    p.add_argument("--budget", type=_budget_arg, default=64,
+                   help="draft nodes per tree N; with --batch-size also 'auto' (the budget that maximises expected "
+                        "tokens/s for the batch at hand, from round times measured at start-up)")
     p.add_argument("--depth", type=_int_in(1), default=None,
                    help="draft positions per round L (default and maximum: the drafter's block size - 1)")
     p.add_argument("--max-new-tokens", type=_int_in(1), default=96, help="tokens to generate (exact cap)")
@@ -235,6 +241,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         from . import batched
 
         return batched.run(args, header=header)
+    if args.budget == "auto":
+        from .cli import UsageError
+
+        raise UsageError("--budget auto chooses budgets for the batched engine: add --batch-size B")
     from ..engine.drafter import BlockDrafterRunner
     from ..engine.hf import HFTarget
     from .cli import UsageError
