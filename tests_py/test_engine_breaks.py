@@ -91,7 +91,7 @@ def test_prompts_file_escaped_backslash_before_n(tmp_path):
 
     f = tmp_path / "p.txt"
     f.write_text('print("a\\\\nb")\n')  # the file holds: print("a\\nb")
-    assert read_prompts(f) == [{"prompt": 'print("a\\nb")'}]
+    assert [e["prompt"] for e in read_prompts(f)] == ['print("a\\nb")']
 
 
 def batched_cli(tmp_path, lines: str, *extra):

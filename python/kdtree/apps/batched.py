@@ -60,9 +60,9 @@ def read_prompts(path: Path) -> list[dict]:
             unknown = sorted(set(obj) - {"prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed"})
             if unknown:
                 raise UsageError(f"{path}, line {n}: unknown fields {unknown}")
-            out.append(obj)
+            out.append({**obj, "_line": n})
         else:
-            out.append({"prompt": _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)})
+            out.append({"prompt": _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line), "_line": n})
         if len(out) > MAX_PROMPTS:
             raise UsageError(f"{path}: more than {MAX_PROMPTS:,} prompts")
     if not out:
@@ -84,14 +84,14 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     else:
         from .generate import _default_prompt
 
-        entries = [{"prompt": _default_prompt(args)[0]}]
+        entries = [{"prompt": _default_prompt(args)[0], "_line": 1}]
     tok, target, drafter = load_pair(args.models, args.device, args.dtype)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
     max_pos = int(getattr(target.config, "max_position_embeddings", 0) or 0)
     prompts, params, caps = [], [], []
     for i, e in enumerate(entries):
-        where = f"prompt {i}"
+        where = f"prompt {i} (line {e['_line']})"
         cap = _setting(e, "max_new_tokens", args.max_new_tokens, "int", where)
         if cap < 0:
             raise UsageError(f"{where}: max_new_tokens must be >= 0, got {cap}")
@@ -121,6 +121,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print(f"{header}: batched DDTree decoding, {len(prompts)} prompts, batch {batch}, budget N={budget}, "
           f"{args.device} {next(target.parameters()).dtype}", file=out)
     print("  " + ("sampling (per-request settings)" if sampling else "greedy"), file=out)
+    print("  acceptance length = tokens committed per request per round (accepted draft tokens + the bonus "
+          "token); target forwards = rounds, each one forward over every active request's tree; times "
+          "include the prefill", file=out)
 
     def decode(mode: str, label: str):
         try:
@@ -149,8 +152,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     outs, wall, stats, used = decode("ddtree", "DDTree")
     for i, o in enumerate(outs):
         extra = f", error: {o.error}" if o.error else ""
-        print(f"\n---- request {i}: {len(o.prompt)} prompt tokens, {len(o.tokens)} new, {o.finish_reason}, "
-              f"acceptance length {o.mean_acceptance_length:.2f}{extra} ----", file=out)
+        head = entries[i]["prompt"][:40].replace("\n", "\\n")
+        print(f"\n---- request {i} (line {entries[i]['_line']}: {head!r}): {len(o.prompt)} prompt tokens, "
+              f"{len(o.tokens)} new, {o.finish_reason}, acceptance length {o.mean_acceptance_length:.2f}{extra} ----",
+              file=out)
         print(tok.decode(o.tokens), file=out)
     tokens = sum(len(o.tokens) for o in outs)
     print("\n" + "-" * 66, file=out)
@@ -161,6 +166,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         print("budgets    : rounds at each budget " + ", ".join(f"N={n}: {c}" for n, c in sorted(used.items())),
               file=out)
     status = 0
+    if sampling and not args.no_ar:
+        print("AR         : not run (some requests sample: their outputs are samples, not comparable token by "
+              "token; greedy requests are checked in greedy runs)", file=out)
     if not args.no_ar and not sampling:
         ar, ar_wall, ar_stats, _ = decode("ar", "AR")
         ar_tokens = sum(len(o.tokens) for o in ar)

@@ -92,10 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--batch-size", type=_int_in(1, 4096), default=None,
                    help="decode with the batched engine (request slots, continuous batching, CUDA graphs on a "
-                        "GPU), this many requests at a time")
+                        "GPU), this many requests at a time (1 with --prompts-file alone)")
     p.add_argument("--prompts-file", type=Path, default=None,
-                   help="batched engine: one prompt a line, or JSON lines with \"prompt\" and optional "
-                        "max_new_tokens, temperature, top_p, top_k, seed")
+                   help="batched engine: one prompt a line (the escapes \\n and \\\\ are decoded), or JSON "
+                        "lines (every line of a .jsonl file, else lines starting with '{') with \"prompt\" and "
+                        "optional max_new_tokens, temperature, top_p, top_k, seed")
     p.add_argument("--top-k", type=_int_in(0), default=0, help="batched engine: top-k for sampling (0: all)")
 
 
@@ -172,7 +173,8 @@ def load_pair(models: Path, device: str, dtype: str | None):
         raise UsageError(f"--models {models}: {exc.strerror or exc}") from None
     if not is_dir:
         raise UsageError(f"--models {models}: {'not a folder' if exists else 'no such folder'} "
-                         f"(expected a folder written by tools/train_models.py)")
+                         f"(expected a folder written by tools/train_models.py; the shipped pair is "
+                         f"fixtures/models/stdlib-qwen3 in a kdtree checkout)")
     if not has_tokenizer:
         raise UsageError(f"{models}: no tokenizer.json (expected a folder written by tools/train_models.py)")
     try:
@@ -241,10 +243,11 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         from . import batched
 
         return batched.run(args, header=header)
-    if args.budget == "auto":
+    if args.budget == "auto" or args.top_k:
         from .cli import UsageError
 
-        raise UsageError("--budget auto chooses budgets for the batched engine: add --batch-size B")
+        raise UsageError(f"{'--budget auto' if args.budget == 'auto' else '--top-k'} is a setting of the batched "
+                         f"engine: add --batch-size B")
     from ..engine.drafter import BlockDrafterRunner
     from ..engine.hf import HFTarget
     from .cli import UsageError

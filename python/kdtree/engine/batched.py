@@ -70,6 +70,12 @@ def _torch():
     return torch
 
 
+def _drafter_config():
+    from .drafter import BlockDrafterConfig
+
+    return BlockDrafterConfig
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling: ``temperature`` 0 is greedy (argmax, ties to the lower id);
@@ -218,6 +224,12 @@ class Engine:
         torch = _torch()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not hasattr(target, "config") or not hasattr(target, "parameters"):
+            raise TypeError(f"target must be a transformers causal LM (kdtree.engine.hf.load_causal_lm), got "
+                            f"{type(target).__name__}")
+        if drafter is not None and not isinstance(getattr(drafter, "config", None), _drafter_config()):
+            raise TypeError(f"drafter must be a BlockDrafter (kdtree.engine.drafter.load_drafter), got "
+                            f"{type(drafter).__name__}")
         self.auto = budget == "auto"
         if self.auto:
             if mode != "ddtree":
@@ -229,7 +241,8 @@ class Engine:
         for name, v, lo, hi in (("max_batch", max_batch, 1, 1 << 16), ("budget", budget, 0, MAX_BUDGET),
                                 ("max_length", max_length, 2, 1 << 31), ("prefill_chunk", prefill_chunk, 1, 1 << 31)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
-                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+                also = " or 'auto'" if name == "budget" else ""
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{also}, got {v!r}")
         cfg = target.config
         self.vocab_size = int(cfg.vocab_size)
         stop_list = list(stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
@@ -368,8 +381,12 @@ class Engine:
         return rid
 
     def output(self, request_id: int) -> RequestOutput:
-        """The request's output so far (``finish_reason`` set once it ended)."""
-        return self._outputs[request_id]
+        """The request's output so far (``finish_reason`` set once it ended). KeyError
+        for an id :meth:`submit` did not return."""
+        out = self._outputs.get(request_id)
+        if out is None:
+            raise KeyError(f"no request {request_id!r} in this engine (ids 0 .. {self._next_id - 1})")
+        return out
 
     @property
     def busy(self) -> bool:
@@ -394,9 +411,10 @@ class Engine:
     # ---- the step --------------------------------------------------------------------
 
     def step(self) -> None:
-        """Admits queued requests into free slots, forwards at most one prefill chunk,
-        launches one round for the active slots, and reads the previous round's
-        committed tokens (on CUDA; on the CPU the round's own)."""
+        """Admits queued requests into free slots, forwards one prefill chunk of every
+        request being prefilled, launches one round for the active slots, and reads the
+        previous round's committed tokens (on CUDA; on the CPU the round's own), calling
+        each request's ``on_tokens(count)``. Returns None; call it while :attr:`busy`."""
         t0 = time.perf_counter()
         self._admit()
         active = [i for i, r in enumerate(self._slots) if r is not None and r.prefilled >= len(r.out.prompt) - 1]
