@@ -278,8 +278,8 @@ class Engine:
             self.budget = int(budget)
             self.width = max(1, min(self.budget, self.vocab_size, MAX_WIDTH))
             if self.auto and self.budget > self.width:
-                raise ValueError(f"budget='auto' builds one tree at the largest budget {self.budget} and takes "
-                                 f"its first n nodes, which needs top-{self.budget} (at most {self.width} here)")
+                raise ValueError(f"budget='auto' builds trees of up to {self.budget} nodes and takes their first n, "
+                                 f"which needs top-{self.budget} (at most {self.width} here)")
         elif mode == "chain":
             self.budget, self.width = self.depth, 1
         else:
@@ -610,23 +610,36 @@ class Engine:
             ids = torch.zeros((b, 0, 0), dtype=torch.int32, device=self.device)
             return self._ops_build(lp, ids, roots, lengths, buf)
         logits = self.drafter_kv.forward(roots, lengths, self.depth)
-        full = self._round_buffers(b, self.budget) if self.auto else buf
+        nb = self._build_budget(n)
+        full = buf if nb == n else self._round_buffers(b, nb)
+        width = max(1, min(nb, self.vocab_size, MAX_WIDTH)) if self.mode == "ddtree" else self.width
         if self.on_cuda:
-            trees = api.build_trees_from_logits(logits, self.width, self.budget, root_tokens=roots,
-                                                root_positions=lengths, pad_token=0, out=full["trees"],
-                                                errors="status")
+            trees = api.build_trees_from_logits(logits, width, nb, root_tokens=roots, root_positions=lengths,
+                                                pad_token=0, out=full["trees"], errors="status")
         else:
             trees = _trees_to_torch(api.build_trees_from_logits(
-                logits.float().numpy(), self.width, self.budget, root_tokens=roots.numpy(),
-                root_positions=lengths.numpy(), pad_token=0))
+                logits.float().numpy(), width, nb, root_tokens=roots.numpy(), root_positions=lengths.numpy(),
+                pad_token=0))
         if self.auto:
-            # the drafter's expected accepted draft tokens at every budget m: the sum of the first
-            # m nodes' path probabilities (nodes come in decreasing score), over the active slots
+            # the drafter's expected accepted draft tokens at every budget m <= nb: the sum of the
+            # first m nodes' path probabilities (nodes come in decreasing score), over the active
+            # slots; -1 beyond nb (not known this round)
             active = (self.state.remaining[:b] > 0).to(torch.float64)
-            self.state.curve.copy_((trees.logw[:, 1:].exp().cumsum(1) * active[:, None]).sum(0))
-            if n != self.budget:
+            self.state.curve[:nb].copy_((trees.logw[:, 1:].exp().cumsum(1) * active[:, None]).sum(0))
+            if nb < self.budget:
+                self.state.curve[nb:].fill_(-1.0)
+            if nb != n:
                 trees = truncate_trees(trees, n, buf.get("trees"))
         return trees
+
+    def _build_budget(self, n: int) -> int:
+        """The budget a round of budget ``n`` builds its tree at: ``n``, or with
+        budget='auto' the next of ``auto_budgets`` above it, so that the round also tells
+        how many tokens one step up would be worth (its first ``n`` nodes are the budget-n
+        tree)."""
+        if not self.auto:
+            return n
+        return next((m for m in self.budgets if m > n), n)
 
     def _ops_build(self, lp, ids, roots, lengths, buf):
         from ..core import api
@@ -891,7 +904,8 @@ class Engine:
         maximises expected tokens per second for this batch: (active requests + c x the
         expected accepted draft tokens at that budget) / the round's measured time, with
         the expected tokens from the last round read (the drafter's path probabilities,
-        summed) and c the ratio of accepted to expected tokens so far."""
+        summed; known up to one budget above that round's) and c the ratio of accepted to
+        expected tokens so far."""
         if not self.auto:
             return self.budget
         if self._curve is None:
@@ -900,6 +914,8 @@ class Engine:
         c = min(2.0, max(0.05, acc / pred)) if pred > 0 else 1.0
         best, best_rate = self.budgets[0], -1.0
         for n in self.budgets:
+            if self._curve[n - 1] < 0:  # beyond the last round's tree: not known
+                continue
             cost = self.costs.get((b, n))
             if cost is None:  # CPU or no graphs: the round's time grows with its rows
                 cost = 1.0 + b * (n + 1) / 4096
