@@ -200,7 +200,9 @@ class Engine:
             for ``mode="ar"``), trained on ``target``'s hidden states at
             ``drafter.config.target_layers``.
         max_batch: request slots B (rounds run buckets of 1, 2, 4 .. B slots).
-        budget: N, draft nodes per tree (mode "ddtree"; "chain" uses L, "ar" 0).
+        budget: N, draft nodes per tree (mode "ddtree"; "chain" uses L, "ar" 0), at most
+            ``MAX_BUDGET``; or "auto": each round's budget among ``auto_budgets`` (the one
+            that maximises expected tokens per second, :meth:`_choose_budget`).
         mode: "ddtree", "chain" or "ar" (module docstring).
         max_length: the most positions a request may take (prompt + generated tokens);
             a request reaching it finishes with "length". The KV caches hold
@@ -211,10 +213,15 @@ class Engine:
         sampling: whether rounds verify by sampling (per-request temperature; a request
             with temperature 0 is still greedy). False: greedy verification only (requests
             with temperature > 0 are refused).
+        auto_budgets: the budgets ``budget="auto"`` chooses among (each needs a captured
+            graph per bucket).
 
     Raises:
         ValueError: bad sizes, an unknown mode, a drafter whose vocabulary, feature size
-            or layers do not match the target, max_length beyond the target's positions.
+            or layers do not match the target, max_length beyond the target's positions,
+            stop tokens outside the vocabulary, models of another dtype on CUDA.
+        TypeError: a target that is not a transformers model, a drafter that is not a
+            BlockDrafter.
     """
 
     def __init__(self, target: Any, drafter: Any = None, *, max_batch: int = 1, budget: int | str = 64,
