@@ -131,7 +131,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                          max_length=max_length, stop_tokens=stops, sampling=sampling)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        eng.capture_all()
+        eng.capture_all(prefill=True)
         bar = None
         if not args.no_progress:
             from tqdm import tqdm

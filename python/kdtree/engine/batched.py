@@ -878,13 +878,29 @@ class Engine:
             b *= 2
         return out + [self.max_batch]
 
-    def capture_all(self, buckets: Sequence[int] | None = None) -> None:
+    def capture_all(self, buckets: Sequence[int] | None = None, *, prefill: bool = False) -> None:
         """Captures each bucket's round (default every bucket; CUDA graphs, a no-op
         without them). Runs the warm-up rounds on idle slots, so it must come before the
-        first request."""
+        first request. ``prefill``: also every prefill graph shape (requests bucket x
+        power-of-two chunk up to ``prefill_chunk``) that fits the prefill graphs' size
+        limit, with padding inputs (which write only the unused last cache row), instead
+        of capturing each on its first use."""
         if not self.use_graphs:
             return
         torch = _torch()
+        if prefill:
+            self._check_idle_for_capture(0)
+            for k in self.buckets():
+                c = 16
+                while True:
+                    width = min(c, self.prefill_chunk)
+                    if k * width <= self._prefill_graph_rows and (k, width) not in self._prefill_graphs:
+                        self._prefill_graph((k, width), torch.zeros((k, width), dtype=torch.long),
+                                            torch.full((k, width), self.capacity - 1, dtype=torch.long),
+                                            torch.zeros(k, dtype=torch.long))
+                    if width >= self.prefill_chunk:
+                        break
+                    c *= 2
         for b in self.buckets() if buckets is None else buckets:
             if b not in self.buckets():
                 raise ValueError(f"bucket {b} is not one of {self.buckets()}")
