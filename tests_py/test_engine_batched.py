@@ -398,3 +398,24 @@ def test_gpu_mask_without_columns_inside_capture_is_a_kdtree_error():
     with pytest.raises(kdtree.KdtreeError, match="pass columns="):
         with torch.cuda.graph(g):
             kdtree.tree_attention_mask(trees, prefix, errors="status")
+
+
+def test_drafter_context_cache_equals_the_module(pair):
+    """BlockDrafterKV (context keys/values cached per slot, appended in pieces and into
+    any slots) gives the logits BlockDrafterModule.forward computes from all the features."""
+    from kdtree.engine.drafter import BlockDrafterKV
+
+    _, drafter = pair
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(3, 20, cfg.feature_size, generator=g)
+    lengths = torch.tensor([20, 7, 13])
+    roots = torch.tensor([5, 9, 100])
+    with torch.no_grad():
+        want = drafter(feats, torch.arange(20)[None] < lengths[:, None], roots, lengths, cfg.max_depth)
+    kv = BlockDrafterKV(drafter, 4, 40)
+    rows = torch.arange(20)[None].expand(3, 20)
+    kv.append(feats[:, :12], rows[:, :12].contiguous())  # slots 0 .. 2, first 12 positions
+    kv.append(feats[:, 12:], rows[:, 12:].contiguous(), slot=torch.tensor([0, 1, 2]))
+    got = kv.forward(roots, lengths, cfg.max_depth)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()

@@ -176,10 +176,13 @@ def verify_greedy(
 
 
 def _host_out(out, acc: Acceptance, trees: TreeBatch) -> Acceptance:
-    """A host call's result, copied into ``out`` when one is given."""
+    """A host call's result, copied into ``out`` when one is given (``out.target_tokens``
+    is not written: host calls compute no target tokens)."""
     if out is None:
         return acc
-    return host.fill_acceptance(out, acc, trees.batch, checks.path_capacity(trees))
+    if not isinstance(out, Acceptance):
+        raise checks.type_error(f"out must be an Acceptance (from an earlier verify call), got {type(out).__name__}")
+    return _copy_host_out(acc, out, ("accepted_nodes", "accept_length", "bonus_token", "request_status"), "verify")
 
 
 def _copy_host_out(result, out, names: tuple[str, ...], what: str):

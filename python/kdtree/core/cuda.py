@@ -421,18 +421,12 @@ def _acceptance(out, like, batch: int, width: int, rows: int, targets: bool, s):
         if not dev.is_device_array(a):
             raise checks.type_error(f"out.{name} must be a CUDA array (the outputs of an earlier GPU call), got "
                                     f"{type(a).__name__}")
-        v = _view(a, f"out.{name}", "int32", len(shape), s)
-        if v.shape != shape:
-            raise checks.shape_error(f"out.{name} must have shape {shape} (out= must come from a call with the same "
-                                     f"trees' batch and budget), got {v.shape}")
-        if v.readonly:
-            raise checks.invalid(f"out.{name} is read-only")
-        views.append((v.ptr, v.ptr + 4 * v.size, name, v))
+        v = _out_array(a, f"out.{name}", "int32", shape, like, s)
+        views.append((v.ptr, v.ptr + 4 * v.size, name))
     views.sort(key=lambda t: t[0])
-    for (_, hi, first, _), (lo, _, second, _) in zip(views, views[1:], strict=False):
+    for (_, hi, first), (lo, _, second) in zip(views, views[1:], strict=False):
         if lo < hi:
             raise checks.invalid(f"out.{first} and out.{second} share memory; every output needs its own array")
-    _same_device([v for *_, v in views] + [dev.view(like, "trees.num_nodes")])
     return (out.accepted_nodes, out.accept_length, out.bonus_token, out.request_status,
             out.target_tokens if targets else None)
 

@@ -473,27 +473,6 @@ def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_comm
     return acc
 
 
-def fill_acceptance(out, acc: Acceptance, batch: int, width: int) -> Acceptance:
-    """Copies a host result into ``out`` (an :class:`Acceptance` of numpy arrays of the
-    result's shapes and dtypes, checked) and returns ``out``; ``out.target_tokens`` is not
-    written (host calls compute no target tokens)."""
-    if not isinstance(out, Acceptance):
-        raise checks.type_error(f"out must be an Acceptance (from an earlier verify call), got {type(out).__name__}")
-    fields = (("accepted_nodes", (batch, width)), ("accept_length", (batch,)), ("bonus_token", (batch,)),
-              ("request_status", (batch,)))
-    for name, shape in fields:
-        a = getattr(out, name)
-        if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.shape != shape:
-            got = f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise checks.shape_error(f"out.{name} must be a numpy int32 array of shape {shape} (the host arrays of an "
-                                     f"earlier call with the same trees), got {got}")
-        if not a.flags.writeable:
-            raise checks.invalid(f"out.{name} must be writeable")
-    for name, _ in fields:
-        getattr(out, name)[...] = getattr(acc, name)
-    return out
-
-
 def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors):
     if layout not in ("bhsd", "bshd"):
         raise checks.invalid(f"layout must be 'bhsd' or 'bshd', got {layout!r}")

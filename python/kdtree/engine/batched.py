@@ -730,12 +730,11 @@ class Engine:
                 src = p + acc.accepted_nodes[r, : m + 1].long()
                 for t in keys + values:
                     t[r, :, p: p + m + 1] = t[r, :, src]
-        path = acc.accepted_nodes.long()
         m = acc.accept_length.long()
         bonus = acc.bonus_token
-        safe = path.clamp(min=0)
+        safe = acc.accepted_nodes.long().clamp(min=0)  # path nodes, root first (padding -> the root)
         tok_path = trees.tokens.gather(1, safe)
-        path = acc.accepted_nodes.shape[1]
+        path = safe.shape[1]
         j = self._path_cols[None, :path]
         shifted = torch.cat([tok_path[:, 1:], tok_path[:, :1]], dim=1)
         committed = torch.where(j < m[:, None], shifted,
@@ -745,12 +744,13 @@ class Engine:
         ok = acc.request_status == 0
         count = torch.where(ok, count, torch.zeros_like(count))
         if feats is not None:  # on CUDA a parallel branch (of the graph) beside the updates below
+            rows = lengths[:, None] + j  # before the lengths move on below (the branch runs beside them)
             side = self._side_stream
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side) if side is not None else _nullcontext():
                 f = feats.gather(1, safe[:, :, None].expand(b, path, feats.shape[-1]))
-                self.drafter_kv.append(f, lengths[:, None] + j)
+                self.drafter_kv.append(f, rows)
         last = committed.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
         has = count > 0
         st.roots[:b] = torch.where(has, last.to(torch.int32), st.roots[:b])

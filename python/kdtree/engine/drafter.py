@@ -109,17 +109,25 @@ def _torch():
     return torch
 
 
-def _rope(x, positions, theta: float):
-    """Rotary embedding of ``x`` [B, H, S, D] at integer ``positions`` [B, S] (rotate-half
-    convention, as Llama/Qwen)."""
+def _rope_tables(positions, d: int, theta: float, dtype):
+    """(cos, sin) of the rotary angles at ``positions`` (any shape P), ``P + [d]``, computed in
+    float64 and rounded to ``dtype``."""
     torch = _torch()
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
-    ang = positions.to(torch.float64)[:, None, :, None] * inv  # [B, 1, S, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float64) / d))
+    ang = positions.to(torch.float64)[..., None] * inv
+    return torch.cat([ang.cos(), ang.cos()], dim=-1).to(dtype), torch.cat([ang.sin(), ang.sin()], dim=-1).to(dtype)
+
+
+def _rotate(x, cos, sin):
+    """The rotate-half rotary embedding (Llama/Qwen) of ``x`` with broadcastable tables."""
+    half = x.shape[-1] // 2
+    return x * cos + _torch().cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _rope(x, positions, theta: float):
+    """Rotary embedding of ``x`` [B, H, S, D] at integer ``positions`` [B, S]."""
+    cos, sin = _rope_tables(positions[:, None, :], x.shape[-1], theta, x.dtype)
+    return _rotate(x, cos, sin)
 
 
 def _build_modules():
@@ -358,22 +366,13 @@ class BlockDrafterKV:
         self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.layers]
         self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.layers]
         self._cols = torch.arange(self.capacity + cfg.block_size, device=param.device)
-        # rotary tables for every position the cache and the block can take, computed as
-        # _rope computes them (float64 angles, cos and sin rounded to the model's dtype)
-        d = cfg.head_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=param.device, dtype=torch.float64) / d))
-        ang = torch.arange(self.capacity + cfg.block_size, device=param.device, dtype=torch.float64)[:, None] * inv
-        self._cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(param.dtype)
-        self._sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(param.dtype)
+        # rotary tables for every position the cache and the block can take (as _rope's)
+        self._cos, self._sin = _rope_tables(torch.arange(self.capacity + cfg.block_size, device=param.device),
+                                            cfg.head_dim, cfg.rope_theta, param.dtype)
 
     def _rotary(self, positions):
         """(cos, sin) ``[b, 1, S, D]`` of int64 ``positions`` ``[b, S]``."""
         return self._cos[positions][:, None], self._sin[positions][:, None]
-
-    @staticmethod
-    def _rotate(x, cos, sin):
-        half = x.shape[-1] // 2
-        return x * cos + _torch().cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     def append(self, features: Any, rows: Any, slot: int | None = None) -> None:
         """Caches the context keys and values of ``features`` ``[b, r, feature_size]``
@@ -389,7 +388,7 @@ class BlockDrafterKV:
             cos, sin = self._rotary(rows)
             heads = torch.arange(self.config.num_heads, device=rows.device)[None, :, None]
             for i, layer in enumerate(m.layers):
-                k = self._rotate(layer._heads(layer.k(ctx)), cos, sin)
+                k = _rotate(layer._heads(layer.k(ctx)), cos, sin)
                 v = layer._heads(layer.v(ctx))
                 if slot is None:
                     idx = rows[:, None, :, None].expand(b, k.shape[1], r, k.shape[3])
@@ -430,8 +429,8 @@ class BlockDrafterKV:
             for i, layer in enumerate(m.layers):
                 kc, vc = self.keys[i][:b], self.values[i][:b]
                 x = layer.attn_norm(h)
-                q = self._rotate(layer._heads(layer.q(x)), cos, sin)
-                kc.scatter_(2, idx, self._rotate(layer._heads(layer.k(x)), cos, sin))
+                q = _rotate(layer._heads(layer.q(x)), cos, sin)
+                kc.scatter_(2, idx, _rotate(layer._heads(layer.k(x)), cos, sin))
                 vc.scatter_(2, idx, layer._heads(layer.v(x)))
                 a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
                 h = h + layer.o(a.transpose(1, 2).reshape(b, s, -1))
