@@ -794,8 +794,8 @@ class Engine:
             self._pending.append((host, None, n, set(active)))
 
     def _outputs_of_round(self) -> tuple:
-        st = self.state
-        return st.out_tokens, st.out_counts, st.out_status, st.remaining, st.curve
+        st = self.state  # the expected-token curve only for budget='auto', which reads it
+        return (st.out_tokens, st.out_counts, st.out_status, st.remaining) + ((st.curve,) if self.auto else ())
 
     def _read(self, pending: tuple) -> None:
         host, event, n, launched = pending
@@ -803,8 +803,9 @@ class Engine:
             t0 = time.perf_counter()
             event.synchronize()
             self.stats.host_wait += time.perf_counter() - t0
-        tokens, counts, status, remaining, curve = (h.numpy() for h in host)
+        tokens, counts, status, remaining, *curve = (h.numpy() for h in host)
         if self.auto:
+            curve = curve[0]
             self._curve = curve.copy()
             live = [s for s in launched if self._slots[s] is not None and int(status[s]) == 0]
             self._calibration[0] += sum(max(int(counts[s]) - 1, 0) for s in live)
