@@ -99,13 +99,8 @@ def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dr
         cache.keys[layer].index_put_(where, key.to(cache.keys[layer].dtype))
         cache.values[layer].index_put_(where, value.to(cache.values[layer].dtype))
         kc, vc = cache.keys[layer].index_select(0, slots), cache.values[layer].index_select(0, slots)
-    heads = query.shape[1]
-    if heads != kv_heads:
-        out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask,
-                                                               scale=scaling, enable_gqa=True)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask,
-                                                               scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask, scale=scaling,
+                                                           enable_gqa=query.shape[1] != kv_heads)
     return out.transpose(1, 2).contiguous(), None
 
 
