@@ -361,6 +361,78 @@ def test_truncated_trees_equal_smaller_builds():
             assert np.array_equal(getattr(got, name).numpy(), np.asarray(getattr(want, name))), (n, name)
 
 
+def _depth_limited_reference(logits, root, position, cap, budget):
+    """The tree of ``budget`` nodes a request that may commit ``cap`` more tokens gets,
+    computed another way: a build without the limit at a budget large enough to hold it,
+    keeping the nodes of depth <= cap - 1 in pop order (a node's ancestors are shallower,
+    so dropping the deeper ones leaves the others' best-first order as it was)."""
+    import numpy as np
+
+    import kdtree
+
+    big = 2048
+    t = kdtree.build_trees_from_logits(logits[None], big, big, root_tokens=[root], root_positions=[position],
+                                       pad_token=0)
+    n = int(t.num_nodes[0])
+    keep = [i for i in range(1, n + 1) if t.depths[0, i] <= cap - 1][:budget]
+    assert len(keep) == budget or n < big or cap <= 1, "the reference budget is too small"
+    index = {0: 0} | {old: new for new, old in enumerate(keep, 1)}
+    return (np.array([t.tokens[0, i] for i in keep], np.int64), np.array([t.depths[0, i] for i in keep], np.int64),
+            np.array([index[int(t.parents[0, i])] for i in keep], np.int64), np.array([t.logw[0, i] for i in keep]))
+
+
+def _check_depth_follows_remaining(target, drafter, prompts, expected, **kw):
+    import numpy as np
+
+    budget = 16
+    eng = Engine(target, drafter, max_batch=4, budget=budget, max_length=512, **kw)
+    seen = []
+    build = eng._build
+
+    def record(b, n, logits, lengths, roots, buf):
+        trees = build(b, n, logits, lengths, roots, buf)
+        host = {k: getattr(trees, k).cpu().numpy().copy() for k in ("num_nodes", "tokens", "depths", "parents", "logw")}
+        seen.append((logits.float().cpu().numpy().copy(), lengths.cpu().numpy().copy(), roots.cpu().numpy().copy(),
+                     eng.state.remaining[:b].cpu().numpy().copy(), host))
+        return trees
+
+    eng._build = record
+    caps = [1, 2, 3, 5, 9, NEW]
+    ids = [eng.submit(p, c) for p, c in zip(prompts, caps, strict=False)]
+    while eng.busy:
+        eng.step()
+    assert [eng.output(i).tokens for i in ids] == [want[:c] for want, c in zip(expected, caps, strict=False)]
+    limited = 0
+    for logits, lengths, roots, remaining, trees in seen:
+        for r in range(len(remaining)):
+            n = int(trees["num_nodes"][r])
+            if remaining[r] <= 0:
+                assert n == 0
+                continue
+            want = _depth_limited_reference(logits[r], int(roots[r]), int(lengths[r]), int(remaining[r]), budget)
+            for name, w in zip(("tokens", "depths", "parents", "logw"), want, strict=True):
+                g = trees[name][r, 1:n + 1].astype(w.dtype)
+                # the GPU's top-k log-probs are float32 sums: equal to the CPU's to rounding
+                same = np.allclose(g, w, rtol=0, atol=1e-5) if name == "logw" else np.array_equal(g, w)
+                assert same, (name, int(remaining[r]), g, w)
+            limited += int(remaining[r]) - 1 < eng.depth
+    assert limited >= len(caps)
+
+
+def test_tree_depth_follows_remaining_tokens(pair, prompts, expected):
+    """A request that may commit r more tokens accepts at most r - 1 draft tokens: its tree
+    spends the budget on depths 1 .. r - 1 only (checked for every request of every round
+    against an unlimited build filtered by depth), and the output is still AR's."""
+    _check_depth_follows_remaining(*pair, prompts, expected)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_tree_depth_follows_remaining_tokens(gpu_pair, prompts, expected):
+    """The same on the GPU (eager rounds, so that each round's trees can be read)."""
+    _check_depth_follows_remaining(*gpu_pair, prompts, expected, use_graphs=False)
+
+
 def test_budget_auto(pair, prompts, expected):
     target, drafter = pair
     eng = Engine(target, drafter, max_batch=4, budget="auto", auto_budgets=(4, 16, 64), max_length=512)

@@ -6,7 +6,9 @@ power of two holding every active slot), with no host synchronisation inside:
 
 1. draft     the drafter's logits ``[b, L, V]`` from its cached context keys/values
              (:class:`kdtree.engine.drafter.BlockDrafterKV`);
-2. build     :func:`kdtree.build_trees_from_logits` (top-k + the best-first builder);
+2. build     :func:`kdtree.topk_logprobs`, each request's entries deeper than its
+             remaining tokens allow set to -inf (its tree spends the budget where it
+             can be accepted), then :func:`kdtree.build_trees` (the best-first builder);
 3. mask      :func:`kdtree.tree_attention_mask` (additive, over the cache's capacity) and
              the node positions;
 4. target    one forward of the target's transformers model over the ``N + 1`` tree
@@ -320,6 +322,7 @@ class Engine:
         self._cols = torch.arange(self.capacity, device=self.device)
         self._tree_rows = torch.arange(self.budget + 1, device=self.device)
         self._path_cols = torch.arange(self.path, device=self.device)
+        self._depth_rows = torch.arange(self.depth, device=self.device)
         self._buffers: dict[int, dict] = {}
         self._side_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
@@ -610,23 +613,47 @@ class Engine:
 
     def _stage_draft_build(self, b, n, lengths, roots, buf):
         torch = _torch()
-        from ..core import api
 
         if self.drafter_kv is None:  # a root-only tree (AR)
             lp = torch.zeros((b, 0, 0), dtype=torch.float32, device=self.device)
             ids = torch.zeros((b, 0, 0), dtype=torch.int32, device=self.device)
             return self._ops_build(lp, ids, roots, lengths, buf)
         logits = self.drafter_kv.forward(roots, lengths, self.depth)
+        return self._build(b, n, logits, lengths, roots, buf)
+
+    def _build(self, b, n, logits, lengths, roots, buf):
+        """The round's draft trees from the drafter's ``logits`` ``[b, L, V]``: top-k, each
+        request's entries deeper than its remaining tokens allow set to -inf (never
+        emitted: a request that may commit ``r`` more tokens accepts at most ``r - 1``
+        draft tokens, so its tree spends the budget on depths ``1 .. r - 1``), then the
+        best-first builder."""
+        torch = _torch()
+        from ..core import api
+
         nb = self._build_budget(n)
         full = buf if nb == n else self._round_buffers(b, nb)
         width = max(1, min(nb, self.vocab_size, MAX_WIDTH)) if self.mode == "ddtree" else self.width
+        k = min(width, nb)
+        deep = self._depth_rows[None, :, None] >= (self.state.remaining[:b] - 1)[:, None, None]
         if self.on_cuda:
-            trees = api.build_trees_from_logits(logits, width, nb, root_tokens=roots, root_positions=lengths,
-                                                pad_token=0, out=full["trees"], errors="status")
+            topk = full.get("topk")
+            if topk is None or topk.logprobs.shape[-1] != k:
+                from ..core.types import TopK
+
+                shape = (b, self.depth, k)
+                topk = full["topk"] = TopK(torch.empty(shape, dtype=torch.float32, device=self.device),
+                                           torch.empty(shape, dtype=torch.int32, device=self.device),
+                                           torch.empty(shape[:2], dtype=torch.int32, device=self.device))
+            lp, ids = api.topk_logprobs(logits, k, out=topk, errors="status")
+            lp.masked_fill_(deep, float("-inf"))
+            trees = api.build_trees(lp, ids, nb, root_tokens=roots, root_positions=lengths,
+                                    vocab_size=self.vocab_size, pad_token=0, out=full["trees"], errors="status")
         else:
-            trees = _trees_to_torch(api.build_trees_from_logits(
-                logits.float().numpy(), width, nb, root_tokens=roots.numpy(), root_positions=lengths.numpy(),
-                pad_token=0))
+            lp, ids = api.topk_logprobs(logits.float().numpy(), k)
+            lp[np.broadcast_to(deep.numpy(), lp.shape)] = -np.inf
+            trees = _trees_to_torch(api.build_trees(lp, ids, nb, root_tokens=roots.numpy(),
+                                                    root_positions=lengths.numpy(),
+                                                    vocab_size=self.vocab_size, pad_token=0))
         if self.auto:
             # the drafter's expected accepted draft tokens at every budget m <= nb: the sum of the
             # first m nodes' path probabilities (nodes come in decreasing score), over the active
@@ -967,7 +994,6 @@ class Engine:
         if context < 0 or context > room:
             raise ValueError(f"context {context} leaves too few cache rows for {iters} rounds (capacity "
                              f"{self.capacity}); build the engine with a larger max_length")
-        from ..core import api
 
         st = self.state
         lengths, roots = st.lengths[:b], st.roots[:b]
@@ -1004,9 +1030,7 @@ class Engine:
         graphs = {"round": self._graphs[(b, n)]}
         if dl is not None:
             graphs["draft"] = capture(lambda: self.drafter_kv.forward(roots, lengths, self.depth))
-            graphs["build"] = capture(lambda: api.build_trees_from_logits(
-                dl, self.width, self.budget, root_tokens=roots, root_positions=lengths, pad_token=0,
-                out=buf["trees"], errors="status"))
+            graphs["build"] = capture(lambda: self._build(b, n, dl, lengths, roots, buf))
         else:
             graphs["build"] = capture(lambda: self._stage_draft_build(b, n, lengths, roots, buf))
         graphs["mask"] = capture(lambda: self._stage_mask(trees, lengths, buf))
