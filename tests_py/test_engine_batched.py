@@ -389,8 +389,8 @@ def _check_depth_follows_remaining(target, drafter, prompts, expected, **kw):
     seen = []
     build = eng._build
 
-    def record(b, n, logits, lengths, roots, buf):
-        trees = build(b, n, logits, lengths, roots, buf)
+    def record(b, n, logits, lengths, roots, buf, *rest):
+        trees = build(b, n, logits, lengths, roots, buf, *rest)
         host = {k: getattr(trees, k).cpu().numpy().copy() for k in ("num_nodes", "tokens", "depths", "parents", "logw")}
         seen.append((logits.float().cpu().numpy().copy(), lengths.cpu().numpy().copy(), roots.cpu().numpy().copy(),
                      eng.state.remaining[:b].cpu().numpy().copy(), host))
@@ -440,6 +440,10 @@ def test_budget_auto(pair, prompts, expected):
     assert [o.tokens for o in outs] == expected
     assert sum(eng.budget_counts.values()) == eng.stats.rounds
     assert set(eng.budget_counts) <= {4, 16, 64}
+    # the expected-token curve, averaged over the probe rounds: non-decreasing in the budget,
+    # below the deepest path a request can accept
+    curve = eng._curve
+    assert curve is not None and (curve[1:] >= curve[:-1] - 1e-12).all() and 0 < curve[-1] <= eng.depth
     with pytest.raises(ValueError, match="mode 'chain'"):
         Engine(target, drafter, budget="auto", mode="chain")
 

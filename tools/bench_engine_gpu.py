@@ -88,10 +88,11 @@ def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, r
     tps, wall, stats, tokens, counts = runs[len(runs) // 2]
     prof = eng.profile_round(batch) if budget != "auto" else {}
     decode_rounds = stats["rounds"]
-    decode_wall = wall - stats["prefill_wall"]
+    decode_wall = wall - stats["prefill_gpu"]  # less the prefill forwards' GPU time
     return {
         "tokens_per_s": tps, "tokens_per_s_all": [r[0] for r in runs], "wall_s": wall,
-        "decode_tokens_per_s": stats["tokens"] / decode_wall, "prefill_s": stats["prefill_wall"],
+        "decode_tokens_per_s": stats["tokens"] / decode_wall, "prefill_s": stats["prefill_gpu"],
+        "prefill_host_s": stats["prefill_wall"], "prefill_chunks": stats["prefill_chunks"],
         "acceptance": stats["tokens"] / max(stats["slot_rounds"], 1),
         "forwards_per_token": stats["rounds"] / max(stats["tokens"], 1) * batch,
         "rounds": decode_rounds, "wall_per_round_ms": 1e3 * decode_wall / max(decode_rounds, 1),

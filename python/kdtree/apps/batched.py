@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print("\n" + "-" * 66, file=out)
     print(f"DDTree     : {tokens} tokens in {wall:.3f} s = {tokens / wall:,.0f} tokens/s; acceptance length "
           f"{stats.acceptance_length:.2f}; {stats.rounds} target forwards (rounds) = "
-          f"{stats.rounds / max(tokens, 1):.3f} a token; prefill {stats.prefill_wall:.3f} s", file=out)
+          f"{stats.rounds / max(tokens, 1):.3f} a token; prefill {stats.prefill_gpu:.3f} s", file=out)
     if budget == "auto":
         print("budgets    : rounds at each budget " + ", ".join(f"N={n}: {c}" for n, c in sorted(used.items())),
               file=out)

@@ -60,6 +60,11 @@ PREFILL_GRAPH_ROWS = 16384
 MAX_BUDGET = 4096
 # budget="auto": the budgets it chooses among
 AUTO_BUDGETS = (16, 32, 64, 128, 256)
+# budget="auto": every this many rounds one builds its tree at the largest budget (and runs
+# its first n nodes), which measures the drafter's expected-token curve at every budget
+AUTO_PROBE_EVERY = 8
+# budget="auto": the weight of each probe's curve in the running average
+AUTO_CURVE_WEIGHT = 0.25
 # GPU top-k limit (kdt_topk_logprobs_cuda): the width of a DDTree tree is min(budget, V, 1024).
 MAX_WIDTH = 1024
 # stage names of a round, in order (the benchmark times each alone in a graph)
@@ -163,7 +168,9 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_chunks: int = 0
     wall: float = 0.0            # seconds inside step()
-    prefill_wall: float = 0.0    # seconds of it in prefill forwards
+    prefill_wall: float = 0.0    # seconds of it issuing prefill chunks (on the CPU: running them)
+    prefill_gpu: float = 0.0     # seconds the prefill forwards ran on the GPU (CUDA events;
+                                 # complete once the engine is idle)
     host_wait: float = 0.0       # seconds step() spent waiting for the GPU
 
     @property
@@ -215,8 +222,8 @@ class Engine:
         sampling: whether rounds verify by sampling (per-request temperature; a request
             with temperature 0 is still greedy). False: greedy verification only (requests
             with temperature > 0 are refused).
-        auto_budgets: the budgets ``budget="auto"`` chooses among (each needs a captured
-            graph per bucket).
+        auto_budgets: the budgets ``budget="auto"`` chooses among (each needs two
+            captured graphs per bucket: with and without the probe).
 
     Raises:
         ValueError: bad sizes, an unknown mode, a drafter whose vocabulary, feature size
@@ -326,13 +333,16 @@ class Engine:
         self._buffers: dict[int, dict] = {}
         self._side_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._prefill_events: deque = deque()  # (start, end) CUDA events of prefill chunks not yet counted
         # a prefill graph keeps its forward's hidden states (every layer's, for the drafter):
         # at most about 1 GiB of them a graph
         per_row = int(cfg.hidden_size) * (int(cfg.num_hidden_layers) + 1) * self.dtype.itemsize
         self._prefill_graph_rows = min(PREFILL_GRAPH_ROWS, (1 << 30) // max(per_row, 1))
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple[int, int, bool], Any] = {}  # (bucket, budget, probe)
         self.costs: dict[tuple[int, int], float] = {}  # budget='auto': GPU ms of each (bucket, budget) round
-        self._curve = None        # budget='auto': expected accepted draft tokens at each budget, last round read
+        self._curve = None        # budget='auto': expected accepted draft tokens a request at each budget
+                                  # (running average over the probe rounds read)
+        self._auto_rounds = 0     # budget='auto': rounds launched (every AUTO_PROBE_EVERY-th probes)
         self._calibration = [0.0, 0.0]  # accepted draft tokens, and their prediction, over the rounds read
         self.budget_counts: dict[int, int] = {}  # rounds run at each budget
         self.round_counts: dict[tuple[int, int], int] = {}  # rounds run at each (bucket, budget)
@@ -439,6 +449,7 @@ class Engine:
         while len(self._pending) > keep:
             self._read(self._pending.popleft())
         self.stats.wall += time.perf_counter() - t0
+        self._count_prefill_gpu(wait=not self.busy)
 
     def _admit(self) -> None:
         for i in range(self.max_batch):
@@ -477,6 +488,9 @@ class Engine:
         width = max(stop - start for _, start, stop in chunks)
         t0 = time.perf_counter()
         if width > 0:
+            if self.on_cuda:
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             k, c = len(chunks), width
             graph = None
             if self.use_graphs:  # pad to a captured shape: a bucket of requests x a power-of-two chunk
@@ -484,23 +498,40 @@ class Engine:
                 c = min(max(16, 1 << (width - 1).bit_length()), max(self.prefill_chunk, width))
                 graph = (k, c) if k * c <= self._prefill_graph_rows else None
             # padding (rows and whole requests) writes the last cache row of slot 0, which no round reads
-            ids = torch.zeros((k, c), dtype=torch.long)
-            rows = torch.full((k, c), self.capacity - 1, dtype=torch.long)
-            slots = torch.zeros(k, dtype=torch.long)
+            # pinned, so that the copies below queue behind the round in flight instead of
+            # waiting for it (torch's pinned-memory cache keeps a buffer until its copy ran)
+            pin = self.on_cuda
+            ids = torch.zeros((k, c), dtype=torch.long, pin_memory=pin)
+            rows = torch.full((k, c), self.capacity - 1, dtype=torch.long, pin_memory=pin)
+            slots = torch.zeros(k, dtype=torch.long, pin_memory=pin)
             for i, (req, start, stop) in enumerate(chunks):
                 ids[i, : stop - start] = torch.tensor(req.out.prompt[start:stop])
                 rows[i, : stop - start] = torch.arange(start, stop)
                 slots[i] = req.slot
             if graph is None:
-                self._prefill_forward(ids.to(self.device), rows.to(self.device), slots.to(self.device))
+                self._prefill_forward(*(t.to(self.device, non_blocking=True) for t in (ids, rows, slots)))
             else:
                 self._prefill_graph(graph, ids, rows, slots)
             self.stats.prefill_tokens += sum(stop - start for _, start, stop in chunks)
             self.stats.prefill_chunks += 1
+            if self.on_cuda:
+                events[1].record()
+                self._prefill_events.append(events)
         for req, _, stop in chunks:
             req.prefilled = stop
             st.lengths[req.slot] = stop  # rounds of other slots write this slot's rows from here on only
         self.stats.prefill_wall += time.perf_counter() - t0
+        if not self.on_cuda:
+            self.stats.prefill_gpu = self.stats.prefill_wall
+
+    def _count_prefill_gpu(self, wait: bool) -> None:
+        """Adds the GPU time of finished prefill chunks to the stats (all of them with
+        ``wait``)."""
+        ev = self._prefill_events
+        while ev and (wait or ev[0][1].query()):
+            start, end = ev.popleft()
+            end.synchronize()
+            self.stats.prefill_gpu += start.elapsed_time(end) / 1e3
 
     def _prefill_forward(self, ids, rows, slots) -> None:
         """The prefill forward (capturable): target K/V and the drafter's context rows."""
@@ -518,7 +549,7 @@ class Engine:
         if entry is not None:
             graph, static = entry
             for dst, src in zip(static, (ids, rows, slots), strict=True):
-                dst.copy_(src, non_blocking=False)
+                dst.copy_(src, non_blocking=True)
             graph.replay()
             return
         static = tuple(t.to(self.device) for t in (ids, rows, slots))
@@ -600,18 +631,20 @@ class Engine:
             self._buffers[(b, n)] = buf
         return buf
 
-    def _round(self, b: int, n: int) -> None:
-        """One round for slots 0 .. b-1 at budget n (module docstring); capturable."""
+    def _round(self, b: int, n: int, probe: bool = False) -> None:
+        """One round for slots 0 .. b-1 at budget n (module docstring); capturable.
+        ``probe`` (budget='auto'): the tree is built at the largest budget, its
+        expected-token curve written, and its first n nodes run."""
         st = self.state
         lengths, roots = st.lengths[:b], st.roots[:b]
         buf = self._round_buffers(b, n)
-        trees = self._stage_draft_build(b, n, lengths, roots, buf)
+        trees = self._stage_draft_build(b, n, lengths, roots, buf, probe)
         mask = self._stage_mask(trees, lengths, buf)
         logits, feats = self._stage_target(b, n, trees, mask, lengths)
         acc = self._stage_verify(b, trees, logits, buf)
         self._stage_commit(b, trees, acc, feats, buf)
 
-    def _stage_draft_build(self, b, n, lengths, roots, buf):
+    def _stage_draft_build(self, b, n, lengths, roots, buf, probe=False):
         torch = _torch()
 
         if self.drafter_kv is None:  # a root-only tree (AR)
@@ -619,9 +652,9 @@ class Engine:
             ids = torch.zeros((b, 0, 0), dtype=torch.int32, device=self.device)
             return self._ops_build(lp, ids, roots, lengths, buf)
         logits = self.drafter_kv.forward(roots, lengths, self.depth)
-        return self._build(b, n, logits, lengths, roots, buf)
+        return self._build(b, n, logits, lengths, roots, buf, probe)
 
-    def _build(self, b, n, logits, lengths, roots, buf):
+    def _build(self, b, n, logits, lengths, roots, buf, probe=False):
         """The round's draft trees from the drafter's ``logits`` ``[b, L, V]``: top-k, each
         request's entries deeper than its remaining tokens allow set to -inf (never
         emitted: a request that may commit ``r`` more tokens accepts at most ``r - 1``
@@ -630,7 +663,7 @@ class Engine:
         torch = _torch()
         from ..core import api
 
-        nb = self._build_budget(n)
+        nb = self.budget if probe else n
         full = buf if nb == n else self._round_buffers(b, nb)
         width = max(1, min(nb, self.vocab_size, MAX_WIDTH)) if self.mode == "ddtree" else self.width
         k = min(width, nb)
@@ -654,26 +687,14 @@ class Engine:
             trees = _trees_to_torch(api.build_trees(lp, ids, nb, root_tokens=roots.numpy(),
                                                     root_positions=lengths.numpy(),
                                                     vocab_size=self.vocab_size, pad_token=0))
-        if self.auto:
-            # the drafter's expected accepted draft tokens at every budget m <= nb: the sum of the
-            # first m nodes' path probabilities (nodes come in decreasing score), over the active
-            # slots; -1 beyond nb (not known this round)
+        if probe:
+            # the drafter's expected accepted draft tokens at every budget m: the sum of the first
+            # m nodes' path probabilities (nodes come in decreasing score), over the active slots
             active = (self.state.remaining[:b] > 0).to(torch.float64)
-            self.state.curve[:nb].copy_((trees.logw[:, 1:].exp().cumsum(1) * active[:, None]).sum(0))
-            if nb < self.budget:
-                self.state.curve[nb:].fill_(-1.0)
+            self.state.curve.copy_((trees.logw[:, 1:].exp().cumsum(1) * active[:, None]).sum(0))
             if nb != n:
                 trees = truncate_trees(trees, n, buf.get("trees"))
         return trees
-
-    def _build_budget(self, n: int) -> int:
-        """The budget a round of budget ``n`` builds its tree at: ``n``, or with
-        budget='auto' the next of ``auto_budgets`` above it, so that the round also tells
-        how many tokens one step up would be worth (its first ``n`` nodes are the budget-n
-        tree)."""
-        if not self.auto:
-            return n
-        return next((m for m in self.budgets if m > n), n)
 
     def _ops_build(self, lp, ids, roots, lengths, buf):
         from ..core import api
@@ -797,13 +818,15 @@ class Engine:
         return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._outputs_of_round()]
 
     def _launch(self, b: int, n: int, active: list[int]) -> None:
+        probe = self.auto and self._auto_rounds % AUTO_PROBE_EVERY == 0
+        self._auto_rounds += self.auto
         if self.use_graphs:
-            graph = self._graphs.get((b, n))
+            graph = self._graphs.get((b, n, probe))
             if graph is None:
-                graph = self._capture(b, n)
+                graph = self._capture(b, n, probe)
             graph.replay()
         else:
-            self._round(b, n)
+            self._round(b, n, probe)
         self.stats.rounds += 1
         self.stats.target_rows += b * (n + 1)
         self.budget_counts[n] = self.budget_counts.get(n, 0) + 1
@@ -815,28 +838,31 @@ class Engine:
             for h, d in zip(host, self._outputs_of_round(), strict=True):
                 h.copy_(d, non_blocking=True)
             self._events[k].record()
-            self._pending.append((host, self._events[k], n, set(active)))
+            self._pending.append((host, self._events[k], n, probe, set(active)))
         else:
             host = [t.clone() for t in self._outputs_of_round()]
-            self._pending.append((host, None, n, set(active)))
+            self._pending.append((host, None, n, probe, set(active)))
 
     def _outputs_of_round(self) -> tuple:
         st = self.state  # the expected-token curve only for budget='auto', which reads it
         return (st.out_tokens, st.out_counts, st.out_status, st.remaining) + ((st.curve,) if self.auto else ())
 
     def _read(self, pending: tuple) -> None:
-        host, event, n, launched = pending
+        host, event, n, probe, launched = pending
         if event is not None:
             t0 = time.perf_counter()
             event.synchronize()
             self.stats.host_wait += time.perf_counter() - t0
         tokens, counts, status, remaining, *curve = (h.numpy() for h in host)
         if self.auto:
-            curve = curve[0]
-            self._curve = curve.copy()
             live = [s for s in launched if self._slots[s] is not None and int(status[s]) == 0]
-            self._calibration[0] += sum(max(int(counts[s]) - 1, 0) for s in live)
-            self._calibration[1] += float(curve[n - 1]) if n >= 1 else 0.0
+            if self._curve is not None and live:
+                self._calibration[0] += sum(max(int(counts[s]) - 1, 0) for s in live)
+                self._calibration[1] += len(live) * float(self._curve[n - 1])
+            if probe and live:
+                per = curve[0] / len(live)
+                w = AUTO_CURVE_WEIGHT
+                self._curve = per.copy() if self._curve is None else (1 - w) * self._curve + w * per
         for s in sorted(launched):
             req = self._slots[s]
             if req is None:
@@ -871,24 +897,24 @@ class Engine:
             self._slots[req.slot] = None
             self.state.remaining[req.slot] = 0
 
-    def _capture(self, b: int, n: int):
+    def _capture(self, b: int, n: int, probe: bool = False):
         """Captures bucket ``b``'s round at budget ``n`` (after two warm-up rounds on a
         side stream, which commit nothing: every slot is checked inactive first)."""
         self._check_idle_for_capture(b)
-        return self._capture_unchecked(b, n)
+        return self._capture_unchecked(b, n, probe)
 
-    def _capture_unchecked(self, b: int, n: int):
+    def _capture_unchecked(self, b: int, n: int, probe: bool = False):
         torch = _torch()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._round(b, n)
+                self._round(b, n, probe)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._round(b, n)
-        self._graphs[(b, n)] = graph
+            self._round(b, n, probe)
+        self._graphs[(b, n, probe)] = graph
         return graph
 
     def _check_idle_for_capture(self, b: int) -> None:
@@ -933,16 +959,18 @@ class Engine:
             if b not in self.buckets():
                 raise ValueError(f"bucket {b} is not one of {self.buckets()}")
             for n in self.budgets:
-                if (b, n) not in self._graphs:
-                    self._capture(b, n)
+                for probe in (False, True) if self.auto else (False,):
+                    if (b, n, probe) not in self._graphs:
+                        self._capture(b, n, probe)
                 if self.auto and (b, n) not in self.costs:  # the cost model: each round's GPU time
+                    graph = self._graphs[(b, n, False)]
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    self._graphs[(b, n)].replay()
+                    graph.replay()
                     times = []
                     for _ in range(3):  # the median of three batches of ten replays
                         start.record()
                         for _ in range(10):
-                            self._graphs[(b, n)].replay()
+                            graph.replay()
                         end.record()
                         end.synchronize()
                         times.append(start.elapsed_time(end) / 10)
@@ -952,25 +980,24 @@ class Engine:
 
     def _choose_budget(self, b: int, active: int) -> int:
         """The budget of the next round: fixed, or with budget='auto' the one that
-        maximises expected tokens per second for this batch: (active requests + c x the
-        expected accepted draft tokens at that budget) / the round's measured time, with
-        the expected tokens from the last round read (the drafter's path probabilities,
-        summed; known up to one budget above that round's) and c the ratio of accepted to
-        expected tokens so far."""
+        maximises expected tokens per second for this batch: active requests x (1 + c x
+        the expected accepted draft tokens a request at that budget) / the round's
+        measured GPU time. The expected tokens are the drafter's path probabilities of a
+        tree's first n nodes, summed, averaged over the probe rounds (every
+        ``AUTO_PROBE_EVERY``-th round builds at the largest budget); c is the ratio of
+        accepted to expected draft tokens over the rounds read (kept in [0.05, 2])."""
         if not self.auto:
             return self.budget
-        if self._curve is None:
+        if self._curve is None:  # no probe read yet
             return self.budgets[len(self.budgets) // 2]
         acc, pred = self._calibration
         c = min(2.0, max(0.05, acc / pred)) if pred > 0 else 1.0
         best, best_rate = self.budgets[0], -1.0
         for n in self.budgets:
-            if self._curve[n - 1] < 0:  # beyond the last round's tree: not known
-                continue
             cost = self.costs.get((b, n))
             if cost is None:  # CPU or no graphs: the round's time grows with its rows
                 cost = 1.0 + b * (n + 1) / 4096
-            rate = (active + c * float(self._curve[n - 1])) / cost
+            rate = active * (1.0 + c * float(self._curve[n - 1])) / cost
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -1019,7 +1046,7 @@ class Engine:
             return g
 
         reset()
-        if (b, n) not in self._graphs:
+        if (b, n, False) not in self._graphs:
             self._capture_unchecked(b, n)
         with torch.no_grad():
             dl = self.drafter_kv.forward(roots, lengths, self.depth) if self.drafter_kv is not None else None
@@ -1027,7 +1054,7 @@ class Engine:
             mask = self._stage_mask(trees, lengths, buf)
             logits, feats = self._stage_target(b, n, trees, mask, lengths)
             acc = self._stage_verify(b, trees, logits, buf)
-        graphs = {"round": self._graphs[(b, n)]}
+        graphs = {"round": self._graphs[(b, n, False)]}
         if dl is not None:
             graphs["draft"] = capture(lambda: self.drafter_kv.forward(roots, lengths, self.depth))
             graphs["build"] = capture(lambda: self._build(b, n, dl, lengths, roots, buf))
@@ -1057,6 +1084,7 @@ class Engine:
         return {k: out[k] for k in (*ROUND_STAGES, "round")}
 
     def reset_stats(self) -> None:
+        self._count_prefill_gpu(wait=True)
         self.stats = EngineStats()
 
 
