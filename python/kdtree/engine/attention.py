@@ -74,8 +74,10 @@ def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers attention function (``AttentionInterface``) for the engine's cache.
 
     ``query`` ``[b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, q, d]`` (after the
-    rotary embedding), ``attention_mask`` additive ``[b, 1, q, capacity]`` in the query's
-    dtype. Returns ``([b, q, heads, d], None)`` as transformers' functions do.
+    rotary embedding), ``attention_mask`` additive ``[b, 1, q, C]`` in the query's dtype,
+    ``C <= capacity``: the attention reads the first ``C`` cache rows (every row written
+    must be below ``C``). Returns ``([b, q, heads, d], None)`` as transformers' functions
+    do.
 
     Raises:
         RuntimeError: a model module not attached to an engine cache (``_kdtree_kv``).
@@ -99,6 +101,9 @@ def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dr
         cache.keys[layer].index_put_(where, key.to(cache.keys[layer].dtype))
         cache.values[layer].index_put_(where, value.to(cache.values[layer].dtype))
         kc, vc = cache.keys[layer].index_select(0, slots), cache.values[layer].index_select(0, slots)
+    cols = attention_mask.shape[-1]  # a mask over fewer columns than the capacity: the first cols rows
+    if cols < kc.shape[2]:
+        kc, vc = kc[:, :, :cols], vc[:, :, :cols]
     out = torch.nn.functional.scaled_dot_product_attention(query, kc, vc, attn_mask=attention_mask, scale=scaling,
                                                            enable_gqa=query.shape[1] != kv_heads)
     return out.transpose(1, 2).contiguous(), None

@@ -9,7 +9,8 @@ power of two holding every active slot), with no host synchronisation inside:
 2. build     :func:`kdtree.topk_logprobs`, each request's entries deeper than its
              remaining tokens allow set to -inf (its tree spends the budget where it
              can be accepted), then :func:`kdtree.build_trees` (the best-first builder);
-3. mask      :func:`kdtree.tree_attention_mask` (additive, over the cache's capacity) and
+3. mask      :func:`kdtree.tree_attention_mask` (additive, over the first
+             ``max_length + N + 1`` cache rows: the most a budget-N round can reach) and
              the node positions;
 4. target    one forward of the target's transformers model over the ``N + 1`` tree
              rows of every request (:mod:`kdtree.engine.attention` writes each
@@ -617,7 +618,7 @@ class Engine:
                 like = self.state.lengths
                 buf = {"trees": gpu.empty_trees(like, b, n, self.depth)}
                 buf["trees"].request_status = torch.zeros(b, dtype=torch.int32, device=dev)
-                buf["mask"] = TreeMask(torch.empty((b, rows, self.capacity), dtype=self.dtype, device=dev), None,
+                buf["mask"] = TreeMask(torch.empty((b, rows, self.max_length + rows), dtype=self.dtype, device=dev), None,
                                        torch.empty((b, rows), dtype=torch.int64, device=dev),
                                        torch.empty(b, dtype=torch.int32, device=dev))
                 buf["acc"] = Acceptance(torch.empty((b, path), dtype=torch.int32, device=dev),
@@ -710,12 +711,15 @@ class Engine:
         torch = _torch()
         from ..core import api
 
+        # a budget-N round writes rows below length + N + 1 <= max_length + N + 1: the
+        # attention reads those rows only (fewer than the capacity at a smaller auto budget)
+        cols = self.max_length + trees.budget + 1
         if self.on_cuda:
             dtype = str(self.dtype).removeprefix("torch.")
-            return api.tree_attention_mask(trees, lengths, kind="additive", dtype=dtype, columns=self.capacity,
+            return api.tree_attention_mask(trees, lengths, kind="additive", dtype=dtype, columns=cols,
                                            out=buf["mask"], errors="status")
         m = api.tree_attention_mask(_trees_to_numpy(trees), lengths.numpy(), kind="additive", dtype="float32",
-                                    columns=self.capacity)
+                                    columns=cols)
         from ..core.types import TreeMask
 
         return TreeMask(torch.from_numpy(np.asarray(m.mask, np.float32)).to(self.dtype), None,
@@ -853,42 +857,48 @@ class Engine:
             t0 = time.perf_counter()
             event.synchronize()
             self.stats.host_wait += time.perf_counter() - t0
-        tokens, counts, status, remaining, *curve = (h.numpy() for h in host)
+        tokens, counts, status, remaining, *curve = host
+        # plain Python values once, not numpy scalars per slot (this loop is the host's
+        # share of a round at large batches)
+        top = max(launched) + 1 if launched else 0
+        counts, status, remaining = (t[:top].tolist() for t in (counts, status, remaining))
         if self.auto:
-            live = [s for s in launched if self._slots[s] is not None and int(status[s]) == 0]
+            live = [s for s in launched if self._slots[s] is not None and status[s] == 0]
             if self._curve is not None and live:
-                self._calibration[0] += sum(max(int(counts[s]) - 1, 0) for s in live)
+                self._calibration[0] += sum(max(counts[s] - 1, 0) for s in live)
                 self._calibration[1] += len(live) * float(self._curve[n - 1])
             if probe and live:
-                per = curve[0] / len(live)
+                per = curve[0].numpy() / len(live)
                 w = AUTO_CURVE_WEIGHT
                 self._curve = per.copy() if self._curve is None else (1 - w) * self._curve + w * per
+        rows = tokens[:top].tolist()
+        stops, stats = self.stop_tokens, self.stats
         for s in sorted(launched):
             req = self._slots[s]
             if req is None:
                 continue
-            c = int(counts[s])
+            c = counts[s]
             out = req.out
-            if int(status[s]) != 0:
+            if status[s] != 0:
                 from .._native import STATUS_NAMES
 
-                out.error = (f"the round failed with {STATUS_NAMES.get(int(status[s]), int(status[s]))} "
+                out.error = (f"the round failed with {STATUS_NAMES.get(status[s], status[s])} "
                              f"(slot {s}, after {len(out.tokens)} tokens)")
                 self._finish(req, "error")
                 continue
-            self.stats.slot_rounds += 1
+            stats.slot_rounds += 1
             if c == 0:
                 continue
-            new = tokens[s, :c].tolist()
+            new = rows[s][:c]
             out.tokens.extend(new)
             out.rounds += 1
             out.committed.append(c)
-            self.stats.tokens += c
+            stats.tokens += c
             if req.on_tokens is not None:
                 req.on_tokens(c)
-            if new[-1] in self.stop_tokens:
+            if new[-1] in stops:
                 self._finish(req, "stop_token")
-            elif int(remaining[s]) <= 0:
+            elif remaining[s] <= 0:
                 self._finish(req, "max_new_tokens" if len(out.tokens) >= req.max_new_tokens else "length")
 
     def _finish(self, req: _Request, reason: str) -> None:
