@@ -5,7 +5,8 @@ A round, for the requests in slots ``0 .. b-1`` (``b`` the batch bucket: the sma
 power of two holding every active slot), with no host synchronisation inside:
 
 1. draft     the drafter's logits ``[b, L, V]`` from its cached context keys/values
-             (:class:`kdtree.engine.drafter.BlockDrafterKV`);
+             (``drafter.kv_cache``: :class:`kdtree.engine.dflash.DFlashKV` or
+             :class:`kdtree.engine.drafter.BlockDrafterKV`);
 2. build     :func:`kdtree.topk_logprobs`, each request's entries deeper than its
              remaining tokens allow set to -inf (its tree spends the budget where it
              can be accepted), then :func:`kdtree.build_trees` (the best-first builder);
@@ -76,12 +77,6 @@ def _torch():
     import torch
 
     return torch
-
-
-def _drafter_config():
-    from .drafter import BlockDrafterConfig
-
-    return BlockDrafterConfig
 
 
 @dataclass
@@ -206,9 +201,10 @@ class Engine:
     Args:
         target: a loaded transformers causal LM of the Llama, Qwen2 or Qwen3 families
             (:func:`kdtree.engine.hf.load_causal_lm`), on its device and dtype.
-        drafter: a :class:`kdtree.engine.drafter.BlockDrafter` on the same device (None
-            for ``mode="ar"``), trained on ``target``'s hidden states at
-            ``drafter.config.target_layers``.
+        drafter: a DFlash drafter (:func:`kdtree.engine.dflash.load_dflash`, the published
+            format) or a :class:`kdtree.engine.drafter.BlockDrafter`, on the same device
+            (None for ``mode="ar"``), trained on ``target``'s hidden states at
+            ``drafter.feature_layers``.
         max_batch: request slots B (rounds run buckets of 1, 2, 4 .. B slots).
         budget: N, draft nodes per tree (mode "ddtree"; "chain" uses L, "ar" 0), at most
             ``MAX_BUDGET``; or "auto": each round's budget among ``auto_budgets`` (the one
@@ -244,9 +240,9 @@ class Engine:
         if not hasattr(target, "config") or not hasattr(target, "parameters"):
             raise TypeError(f"target must be a transformers causal LM (kdtree.engine.hf.load_causal_lm), got "
                             f"{type(target).__name__}")
-        if drafter is not None and not isinstance(getattr(drafter, "config", None), _drafter_config()):
-            raise TypeError(f"drafter must be a BlockDrafter (kdtree.engine.drafter.load_drafter), got "
-                            f"{type(drafter).__name__}")
+        if drafter is not None and not callable(getattr(drafter, "kv_cache", None)):
+            raise TypeError(f"drafter must be a DFlash drafter (kdtree.engine.dflash.load_dflash) or a BlockDrafter "
+                            f"(kdtree.engine.drafter.load_drafter), got {type(drafter).__name__}")
         self.auto = budget == "auto"
         if self.auto:
             if mode != "ddtree":
@@ -274,15 +270,15 @@ class Engine:
         elif drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter (mode='ar' runs without one)")
         else:
-            dcfg = drafter.config
-            if int(dcfg.vocab_size) != self.vocab_size:
-                raise ValueError(f"drafter vocabulary {dcfg.vocab_size} != target vocabulary {self.vocab_size}")
+            if int(drafter.vocab_size) != self.vocab_size:
+                raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {self.vocab_size}")
             n_layers = int(cfg.num_hidden_layers)
-            if any(not 0 <= i <= n_layers for i in dcfg.target_layers):
-                raise ValueError(f"drafter target_layers {list(dcfg.target_layers)} outside the target's hidden "
-                                 f"states 0 .. {n_layers}")
-            if len(dcfg.target_layers) * int(cfg.hidden_size) != int(dcfg.feature_size):
-                raise ValueError(f"drafter feature_size {dcfg.feature_size} != {len(dcfg.target_layers)} layers x "
+            layers = list(drafter.feature_layers)
+            if any(not 0 <= i <= n_layers for i in layers):
+                raise ValueError(f"the drafter's feature layers (hidden states {layers}) are outside the target's "
+                                 f"hidden states 0 .. {n_layers}")
+            if len(layers) * int(cfg.hidden_size) != int(drafter.feature_size):
+                raise ValueError(f"drafter feature_size {drafter.feature_size} != {len(layers)} layers x "
                                  f"target hidden size {cfg.hidden_size}")
         self.target = target.eval()
         self.drafter = drafter
@@ -290,7 +286,7 @@ class Engine:
         param = next(target.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        self.depth = 0 if drafter is None else int(drafter.config.max_depth)
+        self.depth = 0 if drafter is None else int(drafter.max_depth)
         if mode == "ddtree":
             self.budget = int(budget)
             self.width = max(1, min(self.budget, self.vocab_size, MAX_WIDTH))
@@ -316,13 +312,11 @@ class Engine:
         if self.use_graphs and not self.on_cuda:
             raise ValueError("use_graphs needs the models on a CUDA device")
         self.kv = attention.attach(target, self.max_batch, self.capacity)
-        self.feature_layers = () if drafter is None else tuple(drafter.config.target_layers)
+        self.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         if drafter is not None:
-            from .drafter import BlockDrafterKV
-
             if next(drafter.parameters()).device != self.device:
                 raise ValueError(f"the drafter is on {next(drafter.parameters()).device}, the target on {self.device}")
-            self.drafter_kv = BlockDrafterKV(drafter, self.max_batch, self.capacity)
+            self.drafter_kv = drafter.kv_cache(self.max_batch, self.capacity)
         else:
             self.drafter_kv = None
         self.state = _State(torch, self.device, self.max_batch, self.path, stop_tokens, self.budget)

@@ -220,6 +220,10 @@ def _build_classes():
         def mask_token_id(self) -> int:
             return int(self.config.dflash_config["mask_token_id"])
 
+        def kv_cache(self, slots: int, capacity: int):
+            """The batched engine's cached decoder of this drafter (:class:`DFlashKV`)."""
+            return DFlashKV(self, slots, capacity)
+
         def rotary(self, positions, dtype):
             """(cos, sin) ``[b, 1, s, head_dim]`` at int ``positions`` ``[b, s]``."""
             cos, sin = self.rotary_emb(self.fc.weight.to(dtype), positions)

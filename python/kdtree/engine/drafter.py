@@ -181,6 +181,28 @@ def _build_modules():
             self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
             self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
 
+        # what the engines read (the same names on kdtree.engine.dflash's DFlashDrafter)
+        @property
+        def max_depth(self) -> int:
+            return self.config.max_depth
+
+        @property
+        def feature_layers(self) -> tuple[int, ...]:
+            """Indices into transformers' ``hidden_states`` (0 = embeddings) of the features."""
+            return tuple(self.config.target_layers)
+
+        @property
+        def feature_size(self) -> int:
+            return int(self.config.feature_size)
+
+        @property
+        def vocab_size(self) -> int:
+            return int(self.config.vocab_size)
+
+        def kv_cache(self, slots: int, capacity: int):
+            """The batched engine's cached decoder of this drafter."""
+            return BlockDrafterKV(self, slots, capacity)
+
         def forward(self, features, context_valid, bonus, start, depth: int | None = None):
             """Logits [B, depth, V] for the positions after the bonus.
 

@@ -1,0 +1,240 @@
+"""DFlash drafters in the published format (kdtree.engine.dflash).
+
+The reference here is independent of the module: the published computation written out
+in numpy float64 from its description (context features, per-layer queries from the block
+and keys/values from [context; block] with per-head RMS norms and rotary positions, no
+mask, the target's embedding and LM head). The module must equal it to float64 rounding,
+the cached decoder (DFlashKV) must equal the module, and the batched engine with a DFlash
+drafter must give exactly the target's greedy output. (Parity with the published module
+itself: tools/check_dflash_parity.py, which needs its source.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
+
+from kdtree.engine import dflash  # noqa: E402
+from kdtree.engine.batched import Engine  # noqa: E402
+
+VOCAB, HIDDEN, TARGET_LAYERS = 96, 48, 6
+
+
+def tiny_target(seed: int = 0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
+                                   num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)  # logits of tens, as a trained model's
+    return model
+
+
+def drafter_config(block=8, ids=(1, 3), layers=2, mask=5, **extra):
+    d = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+             block_size=block, num_target_layers=TARGET_LAYERS,
+             dflash_config={"mask_token_id": mask} | ({"target_layer_ids": list(ids)} if ids is not None else {}))
+    d.update(extra)
+    return d
+
+
+def random_drafter(target, seed=1, **kw):
+    cfg = dflash.dflash_config(drafter_config(**kw))
+    torch.manual_seed(seed)
+    m = dflash.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings())
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return m.to(next(target.parameters()).dtype).eval()
+
+
+# ---- the independent float64 reference ----------------------------------------------------
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = pos * inv
+    cos, sin = np.concatenate([np.cos(ang)] * 2), np.concatenate([np.sin(ang)] * 2)
+    rot = np.concatenate([-x[d // 2:], x[: d // 2]])
+    return x * cos + rot * sin
+
+
+def reference_logits(model, feats, root, start, depth):
+    """float64 logits [depth, V] of one request: feats [T, F] at positions 0 .. T-1, the root
+    at position start."""
+    cfg = model.config
+    P = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    emb = model._target_io[0].weight.detach().double().numpy()
+    head = model._target_io[1].weight.detach().double().numpy()
+    eps = cfg.rms_norm_eps
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    t = feats.shape[0]
+    ctx = _rms(feats @ P["fc.weight"].T, P["hidden_norm.weight"], eps)
+    h = np.stack([emb[root]] + [emb[cfg.dflash_config["mask_token_id"]]] * depth)
+    pos_ctx, pos_blk = np.arange(t), start + np.arange(depth + 1)
+    for i in range(cfg.num_hidden_layers):
+        L = f"layers.{i}."
+        x = _rms(h, P[L + "input_layernorm.weight"], eps)
+        rows = np.concatenate([ctx, x])
+        rpos = np.concatenate([pos_ctx, pos_blk])
+        q = (x @ P[L + "self_attn.q_proj.weight"].T).reshape(len(x), nh, d)
+        k = (rows @ P[L + "self_attn.k_proj.weight"].T).reshape(len(rows), nkv, d)
+        v = (rows @ P[L + "self_attn.v_proj.weight"].T).reshape(len(rows), nkv, d)
+        out = np.zeros((len(x), nh, d))
+        for hh in range(nh):
+            g = hh // (nh // nkv)
+            qs = np.stack([_rope(_rms(q[r, hh], P[L + "self_attn.q_norm.weight"], eps), pos_blk[r], theta)
+                           for r in range(len(x))])
+            ks = np.stack([_rope(_rms(k[r, g], P[L + "self_attn.k_norm.weight"], eps), rpos[r], theta)
+                           for r in range(len(rows))])
+            s = qs @ ks.T / np.sqrt(d)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[:, hh] = (p / p.sum(-1, keepdims=True)) @ v[:, g]
+        h = h + out.reshape(len(x), -1) @ P[L + "self_attn.o_proj.weight"].T
+        y = _rms(h, P[L + "post_attention_layernorm.weight"], eps)
+        gate = y @ P[L + "mlp.gate_proj.weight"].T
+        h = h + ((gate / (1 + np.exp(-gate))) * (y @ P[L + "mlp.up_proj.weight"].T)) @ P[L + "mlp.down_proj.weight"].T
+    return _rms(h[1:], P["norm.weight"], eps) @ head.T
+
+
+def features(target, tokens, ids):
+    with torch.no_grad():
+        hs = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1] for i in ids], dim=-1)[0]
+
+
+@pytest.mark.parametrize(("block", "ids", "layers"), [(8, (1, 3), 2), (16, (0, 4, 5), 1), (16, None, 3)])
+def test_module_equals_the_reference(block, ids, layers):
+    target = tiny_target()
+    m = random_drafter(target, block=block, ids=ids, layers=layers)
+    used = m.target_layer_ids
+    assert used == tuple(ids if ids is not None else dflash.default_target_layer_ids(TARGET_LAYERS, layers))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, 23).tolist()
+    f = features(target, tokens[:-1], used)
+    want = reference_logits(m, f.numpy(), tokens[-1], 22, block - 1)
+    with torch.no_grad():
+        got = m(f[None], torch.ones((1, 22), dtype=torch.bool), torch.tensor([tokens[-1]]), torch.tensor([22]))[0]
+    # float64 but for the rotary tables, which transformers' Qwen3RotaryEmbedding computes in
+    # float32 (as the published module does): agreement to ~1e-7 of the logits' scale
+    assert np.abs(got.numpy() - want).max() < 1e-6 * max(1.0, np.abs(want).max())
+    # float32, as users run it: within float32 rounding of the float64 reference
+    t32 = tiny_target(dtype=torch.float32)
+    m32 = random_drafter(t32, block=block, ids=ids, layers=layers)
+    want32 = reference_logits(m32, features(t32, tokens[:-1], used).double().numpy(), tokens[-1], 22, block - 1)
+    with torch.no_grad():
+        got32 = m32(features(t32, tokens[:-1], used)[None], torch.ones((1, 22), dtype=torch.bool),
+                    torch.tensor([tokens[-1]]), torch.tensor([22]))[0]
+    assert np.abs(got32.double().numpy() - want32).max() <= 1e-4
+
+
+def test_default_target_layer_ids():
+    # the published rule, by hand: 36 target layers, 5 drafter layers: 1 + i * 32 / 4
+    assert dflash.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dflash.default_target_layer_ids(28, 1) == [14]
+    assert dflash.default_target_layer_ids(6, 3) == [1, 2, 3]  # 1 + i * 2 / 2
+
+
+def test_cached_decoder_equals_the_module():
+    """DFlashKV over two rounds for two requests of different lengths, in any slots."""
+    target = tiny_target()
+    m = random_drafter(target, block=8, ids=(0, 2, 5))
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, VOCAB, n).tolist() for n in (19, 31)]
+    kv = dflash.DFlashKV(m, 4, 64)
+    slots = torch.tensor([3, 1])
+    for r, seq in enumerate(seqs):  # prefill each request into its slot
+        f = features(target, seq[:-1], m.target_layer_ids)
+        kv.append(f[None], torch.arange(len(seq) - 1)[None], slot=slots[r:r + 1])
+    for extra in (0, 4):
+        if extra:  # a round commits 4 tokens for each request
+            for r in range(2):
+                seqs[r] += rng.integers(0, VOCAB, 4).tolist()
+                f = features(target, seqs[r][:-1], m.target_layer_ids)
+                n = len(seqs[r]) - 1
+                kv.append(f[None, n - 4:n], torch.arange(n - 4, n)[None], slot=slots[r:r + 1])
+        for r, seq in enumerate(seqs):
+            n = len(seq) - 1
+            f = features(target, seq[:-1], m.target_layer_ids)
+            with torch.no_grad():
+                want = m(f[None], torch.ones((1, n), dtype=torch.bool), torch.tensor([seq[-1]]), torch.tensor([n]))
+            # forward reads slots 0 .. b-1: put the request's rows in slot 0 for the check
+            for layer in range(len(kv.keys)):
+                kv.keys[layer][0].copy_(kv.keys[layer][int(slots[r])])
+                kv.values[layer][0].copy_(kv.values[layer][int(slots[r])])
+            got = kv.forward(torch.tensor([seq[-1]]), torch.tensor([n]))
+            assert torch.allclose(got, want, rtol=0, atol=1e-10), (extra, r, float((got - want).abs().max()))
+
+
+def test_save_load_round_trip_and_errors(tmp_path):
+    target = tiny_target()
+    m = random_drafter(target)
+    dflash.save_dflash(m, tmp_path / "d")
+    assert dflash.is_dflash_folder(tmp_path / "d") and not dflash.is_dflash_folder(tmp_path)
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert saved["block_size"] == 8 and saved["dflash_config"]["target_layer_ids"] == [1, 3]
+    back = dflash.load_dflash(tmp_path / "d", target)
+    for (k, a), (k2, b) in zip(m.state_dict().items(), back.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b)
+    assert not any(k.startswith(("embed", "lm_head")) for k in back.state_dict())
+    assert back._target_io[0] is target.get_input_embeddings()
+    # a drafter that does not fit the target: refused before any weight is read
+    other = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16)).double()
+    with pytest.raises(ValueError, match="hidden_size 48 != the target's 32"):
+        dflash.load_dflash(tmp_path / "d", other)
+    # bad configs name the field
+    for change, match in (({"block_size": 1}, "block_size"), ({"dflash_config": {}}, "mask_token_id"),
+                          ({"dflash_config": {"mask_token_id": VOCAB}}, "mask_token_id"),
+                          ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [9]}}, "beyond"),
+                          ({"dflash_config": None}, "dflash_config")):
+        with pytest.raises(ValueError, match=match):
+            dflash.dflash_config(drafter_config() | change)
+    # weights that do not match the config
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(tmp_path / "d" / "model.safetensors"))
+    w["fc.weight"] = w["fc.weight"][:, :10].contiguous()
+    save_file(w, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight"):
+        dflash.load_dflash(tmp_path / "d", target)
+    del w["fc.weight"]
+    save_file(w, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        dflash.load_dflash(tmp_path / "d", target)
+    (tmp_path / "d" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        dflash.load_dflash(tmp_path / "d", target)
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "chain"])
+def test_batched_engine_with_a_dflash_drafter_equals_greedy(mode, tmp_path):
+    """The batched engine with a (random) DFlash drafter loaded from the published format:
+    every output is the target's own greedy decoding (float32)."""
+    target = tiny_target(dtype=torch.float32)
+    dflash.save_dflash(random_drafter(target, block=8, ids=(1, 4)), tmp_path / "d")
+    drafter = dflash.load_dflash(tmp_path / "d", target)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 9, 30, 12)]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    eng = Engine(target, drafter, max_batch=2, budget=16, mode=mode, max_length=128)
+    got = [o.tokens for o in eng.generate(prompts, 12)]
+    assert got == want
+    assert eng.stats.rounds < sum(len(w) for w in want)  # the drafter's tokens were used at least once
