@@ -170,6 +170,21 @@ def test_batched_prompts_file(tmp_path):
     assert r.returncode != 0 and 'line 2: a JSON line needs a "prompt" string' in r.stderr
 
 
+def test_batched_refuses_options_it_does_not_use(tmp_path):
+    """Single-sequence options given to the batched run are errors that name them, not
+    silently dropped."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("def parse(text):\n")
+    base = ["generate", "--batch-size", "2", "--prompts-file", str(f)]
+    for extra, said in ((["--plot", str(tmp_path / "x.png")], "--plot: not used by the batched run"),
+                        (["--depth", "40"], "--depth: not used"),
+                        (["--prompt", "hi"], "the prompts come from --prompts-file"),
+                        (["--repeats", "5", "--tree-nodes", "3"], "--repeats, --tree-nodes: not used"),
+                        (["--top-k", "5"], "--top-k applies to sampling")):
+        r = run_cli(base + extra, tmp_path)
+        assert r.returncode == 2 and said in r.stderr, (extra, r.stderr[-300:])
+
+
 def test_batched_budget_auto(tmp_path):
     """--budget auto with the batched engine: decodes, reports the budgets it chose, and the
     outputs equal the engine's AR run; without --batch-size it is a usage error."""

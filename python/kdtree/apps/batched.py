@@ -79,6 +79,20 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     from .generate import EOS, _check_device, load_pair
 
     _check_device(args.device)
+    # options of the single-sequence run that the batched run has no use for: refused, not ignored
+    from .generate import TREE_NODES
+
+    unused = [name for name, on in (("--plot", args.plot is not None), ("--depth", args.depth is not None),
+                                    ("--repeats", args.repeats != 3), ("--tree-nodes", args.tree_nodes != TREE_NODES),
+                                    ("--prompt", args.prompts_file is not None and args.prompt is not None),
+                                    ("--prompt-file", args.prompts_file is not None and args.prompt_file is not None))
+              if on]
+    if unused:
+        raise UsageError(f"{', '.join(unused)}: not used by the batched run (--batch-size / --prompts-file)"
+                         + ("; the prompts come from --prompts-file" if args.prompts_file is not None
+                            and (args.prompt is not None or args.prompt_file is not None) else ""))
+    if args.top_k and args.temperature == 0:
+        raise UsageError("--top-k applies to sampling: add --temperature T > 0 (greedy decoding ignores it)")
     if args.prompts_file is not None:
         entries = read_prompts(args.prompts_file)
     else:

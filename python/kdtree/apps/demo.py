@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("transformer", "ngram"), default="transformer",
                    help="transformer: the shipped Qwen3-style target and block drafter (kdtree generate); "
                         "ngram: byte n-gram target and drafter estimated from the standard library")
+    p.add_argument("--models", type=Path, default=None,
+                   help="transformer: the folder of the pair (default: the checkout's fixtures/models/stdlib-qwen3, "
+                        "or that path under the current folder)")
     p.add_argument("--plot", type=Path, default=None,
                    help="(transformer) write the acceptance histogram and one round's tree to this PNG/SVG")
     p.add_argument("--budget", type=_budget, default=64,
@@ -221,6 +224,8 @@ def _run_transformer(args: argparse.Namespace) -> int:
     generate.add_arguments(gp)
     gargs = gp.parse_args([])
     gargs.budget = args.budget
+    if args.models is not None:
+        gargs.models = args.models
     gargs.depth = args.depth
     gargs.max_new_tokens = 96 if args.max_new_tokens is None else args.max_new_tokens
     gargs.prompt_file = args.prompt_file
@@ -241,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_transformer(args)
     if args.plot is not None:
         raise UsageError("--plot only applies to --model transformer")
+    if args.models is not None:
+        raise UsageError("--models only applies to --model transformer")
     if args.prompt_chars is not None:
         raise UsageError("--prompt-chars only applies to --model transformer (--prompt-bytes sets the "
                          "n-gram prompt's length)")

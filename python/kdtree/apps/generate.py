@@ -31,7 +31,17 @@ from .cli import plural as _plural
 from .cli import timed_pair, tree_ops_text, wall_text
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "").replace("\n", " ")
-DEFAULT_MODELS = Path(__file__).resolve().parents[3] / "fixtures" / "models" / "stdlib-qwen3"
+SHIPPED_PAIR = Path("fixtures") / "models" / "stdlib-qwen3"
+
+
+def _default_models() -> Path:
+    """The shipped pair: in the checkout this package runs from, else (an installed package)
+    under the current folder, as when running from a checkout's root."""
+    here = Path(__file__).resolve().parents[3] / SHIPPED_PAIR
+    return here if here.is_dir() else SHIPPED_PAIR
+
+
+DEFAULT_MODELS = _default_models()
 EOS = "<|endoftext|>"
 MAX_BUDGET = 4096
 
@@ -181,8 +191,8 @@ def load_pair(models: Path, device: str, dtype: str | None):
         import torch  # noqa: F401
         from tokenizers import Tokenizer
     except ImportError as exc:
-        raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}); "
-                         f"`nox -s demo` installs them") from None
+        raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}): "
+                         f"pip install \"kdtree[models]\" (or run `nox -s demo`, which installs them)") from None
     from ..engine.drafter import load_drafter
     from ..engine.hf import load_causal_lm
 
