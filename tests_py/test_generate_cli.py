@@ -50,7 +50,7 @@ def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
     assert "engine/rounds.py, characters 2000..2300:" in out  # --prompt-chars reaches generate
     assert "saves target forwards, not seconds" in field(out, "wall time")  # the CPU note
     assert "---- prompt (300 characters) " in out
-    assert "Qwen3ForCausalLM" in out and "DFlash-style block drafter" in out
+    assert "Qwen3ForCausalLM" in out and "kdtree block drafter (DFlash-style)" in out
     assert "identical to greedy autoregressive decoding: YES" in out
     ar, dd = field(out, "target forwards").split(";")[0].replace("AR ", "").split(", DDTree ")
     assert int(ar) == 40 and 1 <= int(dd.split()[0]) < 40  # the drafter saves forwards

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     import torch
 
     from ..engine.batched import Engine, SamplingParams
-    from .generate import EOS, _check_device, load_pair
+    from .generate import EOS, _check_device, load_models
 
     _check_device(args.device)
     # options of the single-sequence run that the batched run has no use for: refused, not ignored
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         from .generate import _default_prompt
 
         entries = [{"prompt": _default_prompt(args)[0], "_line": 1}]
-    tok, target, drafter = load_pair(args.models, args.device, args.dtype)
+    tok, target, drafter = load_models(args)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
     max_pos = int(getattr(target.config, "max_position_embeddings", 0) or 0)
@@ -134,6 +134,11 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     batch = args.batch_size or 1
     print(f"{header}: batched DDTree decoding, {len(prompts)} prompts, batch {batch}, budget N={budget}, "
           f"{args.device} {next(target.parameters()).dtype}", file=out)
+    from .generate import drafter_kind, pair_source
+
+    print(f"  models   : {pair_source(args)}; target {type(target).__name__}, "
+          f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters; {drafter_kind(drafter)}, "
+          f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters", file=out)
     print("  " + ("sampling (per-request settings)" if sampling else "greedy"), file=out)
     print("  acceptance length = tokens committed per request per round (accepted draft tokens + the bonus "
           "token); target forwards = rounds, each one forward over every active request's tree; times "

@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "256-token sequences: keep prompt + new tokens within that)")
     p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
                    help="folder with tokenizer.json, target/ and drafter/ (tools/train_models.py)")
+    p.add_argument("--target", type=Path, default=None,
+                   help="a Hugging Face model folder (Llama, Qwen2, Qwen3, Qwen3-MoE; config.json, safetensors and "
+                        "tokenizer.json) to use instead of --models; needs --drafter")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="the drafter folder for --target: a DFlash drafter in its published format (config.json "
+                        "with dflash_config, model.safetensors) or a kdtree block drafter (drafter_config.json)")
     p.add_argument("--budget", type=_budget_arg, default=64,
                    help="draft nodes per tree N; with --batch-size also 'auto' (the budget that maximises expected "
                         "tokens/s for the batch at hand, from round times measured at start-up)")
@@ -169,6 +175,97 @@ def _check_plot_path(path: Path) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--plot needs matplotlib (pip install matplotlib; nox -s demo installs it)") from None
+
+
+def pair_source(args: argparse.Namespace) -> str:
+    """Where the models come from, for the run's header."""
+    if getattr(args, "target", None) is not None:
+        return f"target {args.target}, drafter {args.drafter}"
+    return str(args.models)
+
+
+def load_models(args: argparse.Namespace):
+    """(tokenizer, target, drafter) from ``--target``/``--drafter`` or ``--models``."""
+    from .cli import UsageError
+
+    if (args.target is None) != (args.drafter is None):
+        raise UsageError("--target and --drafter go together (or use --models for a folder holding both)")
+    if args.target is not None:
+        return load_target_and_drafter(args.target, args.drafter, args.device, args.dtype)
+    return load_pair(args.models, args.device, args.dtype)
+
+
+def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dtype: str | None):
+    """(tokenizer, target model, drafter model) from a Hugging Face target folder (with its
+    tokenizer.json) and a drafter folder (published DFlash format, or kdtree's block
+    drafter). The pair is checked on the configs (vocabulary, hidden size, target layers)
+    before any weight is loaded. Raises UsageError naming the folder and the mismatch."""
+    from .cli import UsageError
+
+    for flag, d in (("--target", target_dir), ("--drafter", drafter_dir)):
+        if not d.is_dir():
+            raise UsageError(f"{flag} {d}: {'not a folder' if d.exists() else 'no such folder'}")
+    if not (target_dir / "tokenizer.json").is_file():
+        raise UsageError(f"--target {target_dir}: no tokenizer.json (a Hugging Face model folder holds one)")
+    try:
+        import torch  # noqa: F401
+        from tokenizers import Tokenizer
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise UsageError(f"the transformer engine needs torch, transformers and tokenizers ({exc}): "
+                         f"pip install \"kdtree[models]\"") from None
+    from ..engine import dflash
+    from ..engine.drafter import CONFIG_NAME, BlockDrafterConfig, load_drafter
+    from ..engine.hf import load_causal_lm
+
+    try:
+        tcfg = AutoConfig.from_pretrained(str(target_dir), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - a broken config: one line naming the folder
+        raise UsageError(f"--target {target_dir}: cannot read its config: {exc}") from None
+    tc = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    is_dflash = dflash.is_dflash_folder(drafter_dir)
+    try:
+        if is_dflash:
+            dflash.check_pair(dflash.dflash_config(drafter_dir / dflash.CONFIG_NAME), tcfg, f"--drafter {drafter_dir}")
+        elif (drafter_dir / CONFIG_NAME).is_file():
+            dcfg = BlockDrafterConfig.from_json((drafter_dir / CONFIG_NAME).read_text())
+            problems = []
+            if dcfg.vocab_size != int(tc.vocab_size):
+                problems.append(f"vocabulary {dcfg.vocab_size} != the target's {tc.vocab_size}")
+            if any(not 0 <= i <= int(tc.num_hidden_layers) for i in dcfg.target_layers):
+                problems.append(f"target_layers {list(dcfg.target_layers)} outside the target's hidden states "
+                                f"0 .. {tc.num_hidden_layers}")
+            elif dcfg.feature_size != len(dcfg.target_layers) * int(tc.hidden_size):
+                problems.append(f"feature_size {dcfg.feature_size} != {len(dcfg.target_layers)} layers x "
+                                f"{tc.hidden_size}")
+            if problems:
+                raise ValueError(f"--drafter {drafter_dir} does not fit the target: " + "; ".join(problems))
+        else:
+            raise ValueError(f"--drafter {drafter_dir}: neither a DFlash drafter (config.json with dflash_config) "
+                             f"nor a kdtree block drafter ({CONFIG_NAME})")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    try:
+        tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+        target = load_causal_lm(target_dir, device=device, dtype=dtype)
+        drafter = (dflash.load_dflash(drafter_dir, target) if is_dflash
+                   else load_drafter(drafter_dir, device=device, dtype=dtype))
+    except Exception as exc:  # noqa: BLE001 - any broken file: one line naming the folders
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot load --target {target_dir} / --drafter {drafter_dir}: "
+                         f"{type(exc).__name__}: {first}") from None
+    if tok.get_vocab_size(with_added_tokens=True) > int(tc.vocab_size):
+        raise UsageError(f"--target {target_dir}: the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} "
+                         f"tokens, more than the model's vocabulary of {tc.vocab_size}")
+    return tok, target, drafter
+
+
+def drafter_kind(model) -> str:
+    from ..engine import dflash
+
+    return "DFlash drafter (published format)" if dflash.is_dflash(model) else "kdtree block drafter (DFlash-style)"
 
 
 def load_pair(models: Path, device: str, dtype: str | None):
@@ -275,9 +372,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         raise UsageError(f"--top-p {args.top_p} applies to sampling only: add --temperature T > 0 "
                          f"(greedy decoding takes the argmax)")
     t0 = time.perf_counter()
-    tok, target_model, drafter_model = load_pair(args.models, args.device, args.dtype)
+    tok, target_model, drafter_model = load_models(args)
     t_load = time.perf_counter() - t0
-    max_depth = drafter_model.config.max_depth
+    max_depth = drafter_model.max_depth
     depth = max_depth if args.depth is None else args.depth
     if depth > max_depth:
         raise UsageError(f"--depth {depth} exceeds this drafter's {max_depth} positions per call")
@@ -298,18 +395,18 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                          f"exceed the target's {max_pos} positions")
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
-    layers = drafter_model.config.target_layers
+    layers = drafter_model.feature_layers
     out = sys.stdout
     greedy = args.temperature == 0.0
     n_params = sum(p.numel() for p in target_model.parameters())
     d_params = sum(p.numel() for p in drafter_model.parameters())
     print(f"{header}: DDTree speculative decoding (Ringel & Romano, arXiv 2604.12989)", file=out)
-    print(f"  models   : {args.models} (loaded in {t_load:.2f} s, {args.device}, "
+    print(f"  models   : {pair_source(args)} (loaded in {t_load:.2f} s, {args.device}, "
           f"{next(target_model.parameters()).dtype})", file=out)
     print(f"  target   : {type(target_model).__name__}, {n_params / 1e6:.2f} M parameters, "
           + ("greedy (argmax, ties to the lower id)" if greedy else
              f"sampling, temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"), file=out)
-    print(f"  drafter  : DFlash-style block drafter, {d_params / 1e6:.2f} M parameters, target layers "
+    print(f"  drafter  : {drafter_kind(drafter_model)}, {d_params / 1e6:.2f} M parameters, target hidden states "
           f"{list(layers)}, L={depth} positions per call", file=out)
     print(f"  prompt   : {prompt_desc}: {len(prompt)} tokens", file=out)
     print(f"  tree ops : {tree_ops_text(args.device)}", file=out)
@@ -327,7 +424,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     try:
         new_target()  # a model the engine cannot drive (sliding windows, ...) fails here, in one line
     except ValueError as exc:
-        raise UsageError(f"{args.models / 'target'}: {exc}") from None
+        raise UsageError(f"{args.target or args.models / 'target'}: {exc}") from None
 
     runner = BlockDrafterRunner(drafter_model)
     # Untimed warm-up: one new token by each method first, so that one-off costs (lazy

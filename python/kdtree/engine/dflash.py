@@ -328,18 +328,18 @@ def _target_io(target: Any):
 
 
 def check_pair(config: Any, target: Any, where: str = "the DFlash drafter") -> None:
-    """Refuses a drafter config that does not fit ``target`` (a transformers causal LM):
-    hidden size, vocabulary, target layers.
+    """Refuses a drafter config that does not fit a target (a transformers causal LM or its
+    config; nothing is allocated): hidden size, vocabulary, target layers, mask token.
 
     Raises:
         ValueError: naming the mismatch.
     """
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tc = getattr(target, "config", target)
+    tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
     if int(config.hidden_size) != int(tc.hidden_size):
         raise ValueError(f"{where}: hidden_size {config.hidden_size} != the target's {tc.hidden_size} (a DFlash "
                          f"drafter embeds with the target's embedding)")
-    emb, _ = _target_io(target)
-    vocab = int(emb.weight.shape[0])
+    vocab = int(tc.vocab_size)
     if int(config.vocab_size) != vocab:
         raise ValueError(f"{where}: vocab_size {config.vocab_size} != the target's {vocab}")
     ids = config.dflash_config["target_layer_ids"]

@@ -298,9 +298,11 @@ def load_drafter(folder: str | Path, *, device: str = "cpu", dtype: Any = None):
 
 
 class BlockDrafterRunner:
-    """A :class:`BlockDrafter` as the engine's drafter: ``draft(context, depth, features)``
-    with ``features`` from :meth:`kdtree.hf.HFTarget.drafter_features` (the target must
-    be built with ``feature_layers=config.target_layers``).
+    """A block drafter (a :class:`BlockDrafter` or a published-format DFlash drafter,
+    :func:`kdtree.engine.dflash.load_dflash`) as the single-sequence engine's drafter:
+    ``draft(context, depth, features)`` with ``features`` from
+    :meth:`kdtree.hf.HFTarget.drafter_features` (the target must be built with
+    ``feature_layers=model.feature_layers``).
 
     Raises (from :meth:`draft`): ValueError for a depth above ``block_size - 1``, a
     features tensor whose shape does not match the context, or missing features.
@@ -308,24 +310,25 @@ class BlockDrafterRunner:
 
     def __init__(self, model: Any):
         self.model = model.eval()
-        self.config: BlockDrafterConfig = model.config
-        self.vocab_size = int(self.config.vocab_size)
+        self.vocab_size = int(model.vocab_size)
+        self.max_depth = int(model.max_depth)
+        self.feature_size = int(model.feature_size)
         self.calls = 0
 
     def draft(self, context: Sequence[int], depth: int, features: Any = None) -> np.ndarray:
         torch = _torch()
         if depth == 0:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
-        if not 1 <= depth <= self.config.max_depth:
-            raise ValueError(f"this drafter drafts 1 .. {self.config.max_depth} positions, got depth {depth}")
+        if not 1 <= depth <= self.max_depth:
+            raise ValueError(f"this drafter drafts 1 .. {self.max_depth} positions, got depth {depth}")
         t = len(context) - 1
         param = next(self.model.parameters())
         if t > 0 and features is None:
             raise ValueError("the block drafter needs the target's features (HFTarget(feature_layers=...))")
         if features is None:
-            features = torch.zeros((0, self.config.feature_size), dtype=param.dtype, device=param.device)
-        if tuple(features.shape) != (t, self.config.feature_size):
-            raise ValueError(f"features have shape {tuple(features.shape)}, expected ({t}, {self.config.feature_size}) "
+            features = torch.zeros((0, self.feature_size), dtype=param.dtype, device=param.device)
+        if tuple(features.shape) != (t, self.feature_size):
+            raise ValueError(f"features have shape {tuple(features.shape)}, expected ({t}, {self.feature_size}) "
                              f"for a context of {t + 1} tokens")
         feats = features.to(device=param.device, dtype=param.dtype)[None]
         valid = torch.ones((1, t), dtype=torch.bool, device=param.device)
