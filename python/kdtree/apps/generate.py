@@ -290,6 +290,7 @@ def load_pair(models: Path, device: str, dtype: str | None):
     except ImportError as exc:
         raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}): "
                          f"pip install \"kdtree[models]\" (or run `nox -s demo`, which installs them)") from None
+    from ..engine import dflash
     from ..engine.drafter import load_drafter
     from ..engine.hf import load_causal_lm
 
@@ -298,22 +299,26 @@ def load_pair(models: Path, device: str, dtype: str | None):
     try:
         tok = Tokenizer.from_file(str(models / "tokenizer.json"))
         target = load_causal_lm(models / "target", device=device, dtype=dtype)
-        drafter = load_drafter(models / "drafter", device=device, dtype=dtype)
+        if dflash.is_dflash_folder(models / "drafter"):  # the published DFlash format
+            drafter = dflash.load_dflash(models / "drafter", target, device=device, dtype=dtype)
+        else:
+            drafter = load_drafter(models / "drafter", device=device, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - any broken file: one line naming the folder
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"cannot load the models in {models}: {type(exc).__name__}: {first}") from None
-    cfg, dcfg = target.config, drafter.config
+    cfg = target.config
     problems = []
     if tok.get_vocab_size(with_added_tokens=True) > int(cfg.vocab_size):
         problems.append(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, more than the "
                         f"target's vocabulary of {cfg.vocab_size}")
-    if int(cfg.vocab_size) != dcfg.vocab_size:
-        problems.append(f"drafter vocabulary {dcfg.vocab_size} != target vocabulary {cfg.vocab_size}")
-    if any(not 0 <= i <= int(cfg.num_hidden_layers) for i in dcfg.target_layers):
-        problems.append(f"drafter target_layers {list(dcfg.target_layers)} outside the target's "
+    if int(cfg.vocab_size) != drafter.vocab_size:
+        problems.append(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {cfg.vocab_size}")
+    layers = list(drafter.feature_layers)
+    if any(not 0 <= i <= int(cfg.num_hidden_layers) for i in layers):
+        problems.append(f"the drafter's feature layers (hidden states {layers}) are outside the target's "
                         f"0..{cfg.num_hidden_layers}")
-    elif dcfg.feature_size != len(dcfg.target_layers) * int(cfg.hidden_size):
-        problems.append(f"drafter feature_size {dcfg.feature_size} != {len(dcfg.target_layers)} layers x "
+    elif drafter.feature_size != len(layers) * int(cfg.hidden_size):
+        problems.append(f"drafter feature_size {drafter.feature_size} != {len(layers)} layers x "
                         f"{cfg.hidden_size}")
     if problems:
         raise UsageError(f"{models}: the tokenizer or the drafter does not fit the target: " + "; ".join(problems))
