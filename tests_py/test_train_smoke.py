@@ -1,6 +1,6 @@
-"""tools/train_models.py --smoke: the training script still runs end to end (tokenizer,
-target, greedy continuations, drafter, card) on CPU in under a minute, and what it writes
-loads and decodes losslessly through kdtree generate."""
+"""tools/train_models.py --smoke: the training script still runs end to end (corpus,
+tokenizer, target, the DFlash drafter, the evaluation and the card) on CPU in under a
+minute, and what it writes loads and decodes losslessly through kdtree generate."""
 
 from __future__ import annotations
 
@@ -30,12 +30,21 @@ def test_train_models_smoke_run(tmp_path):
     assert record["sizes"]["vocab"] == 384 and len(record["drafter_agreement"]) == 5
     assert all(0.0 <= a <= 1.0 for a in record["drafter_agreement"])
     assert record["held_out_perplexity"] > 1.0
+    # the kept weights are the best held-out evaluation's
+    assert 0 < record["target_best_step"] <= record["target_steps_run"]
+    # kdtree's engine on held-out prompts: every output equals the target's greedy decoding
+    assert all(v["identical"] == v["of"] for v in record["acceptance"].values())
+    corpus = json.loads((out / "corpus.json").read_text())
+    assert any(f["held_out"] for f in corpus["files"]) and not any("kdtree" in f["path"].split("/site-packages/")[-1]
+                                                                     .split("/")[0] for f in corpus["files"])
     card = (out / "README.md").read_text()
-    assert "held-out perplexity" in card and "top-1 agreement" in card
-    cfg = json.loads((out / "target" / "config.json").read_text())
-    assert cfg["kdtree_trained_window"] == 40  # the smoke drafter's 16 + 24 tokens
+    assert "Held-out perplexity" in card and "top-1 agreement" in card and "| source | licence | files |" in card
+    # the drafter is in the published DFlash format and the folder decodes through kdtree generate
+    dcfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert dcfg["block_size"] == 6 and dcfg["dflash_config"]["mask_token_id"] == 1
     g = subprocess.run([sys.executable, "-m", "kdtree", "generate", "--models", str(out), "--prompt", "import os\n",
-                        "--max-new-tokens", "12", "--budget", "8"], capture_output=True, text=True, env=env,
-                       timeout=300)
+                        "--max-new-tokens", "12", "--budget", "8", "--no-progress"], capture_output=True, text=True,
+                       env=env, timeout=300)
     assert g.returncode == 0, g.stderr
+    assert "DFlash drafter (published format)" in g.stdout
     assert "identical to greedy autoregressive decoding: YES" in g.stdout

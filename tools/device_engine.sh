@@ -6,6 +6,7 @@
 #   tests   the GPU pytest files of the engine and of sampling
 #   bench   tools/bench_engine_gpu.py with $BENCH_ARGS
 #   memcheck compute-sanitizer memcheck on a short engine run
+#   build   nothing more (the library and the wheel only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdt-out}
@@ -57,6 +58,7 @@ PY
     bench)
       python3 tools/bench_engine_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench.json" --plot "$OUT/engine.png" \
         2>&1 | tee "$OUT/bench.log" | tail -80 ;;
+    build) ;;
     memcheck)
       compute-sanitizer --tool memcheck --print-limit 20 python3 - <<'PY' 2>&1 | tee "$OUT/memcheck.log" | tail -20
 import torch

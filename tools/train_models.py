@@ -1,33 +1,45 @@
 #!/usr/bin/env python3
-"""Train the demo pair shipped in fixtures/models/: a byte-level BPE tokenizer, a
-small Qwen3-style target and a DFlash-style block drafter, all on the Python standard
-library's source files found on the machine (kdtree.ngram.stdlib_sources: tests and
-generated data excluded; every 20th file, by sorted path, is held out).
+"""Train the demo pair shipped in fixtures/models/: a byte-level BPE tokenizer, a small
+Qwen3 target and a DFlash drafter in the published format, on Python sources no one here
+wrote: the standard library and the permissively licensed packages installed on the
+machine (MIT, BSD, Apache, PSF, ISC; each listed with its licence in the model card).
+Whole files are held out (every 20th by sorted path); kdtree's own sources never enter.
 
     python tools/train_models.py --out fixtures/models/stdlib-qwen3 --device cuda
-    python tools/train_models.py --out /tmp/smoke --smoke          # minutes on a CPU
+    python tools/train_models.py --out /tmp/smoke --smoke          # a minute on a CPU
+    python tools/train_models.py --out DIR --device cuda --stage drafter --stage eval
 
-Steps (all seeded; the model card records every number printed here):
-1. tokenizer: byte-level BPE (the ``tokenizers`` library), ``<|endoftext|>`` = id 0
-   between files;
-2. target: Qwen3ForCausalLM trained from scratch (next-token cross-entropy, AdamW, cosine
-   schedule), saved in bfloat16; held-out perplexity measured on the saved weights;
-3. drafter data: the saved target's own greedy continuations of prompts cut from the
-   training files (float32, no sampling), so the drafter learns what the target says;
-4. drafter: kdtree.drafter.BlockDrafter on those continuations: for random anchors in the
-   generated part, context features = the target's hidden states at the chosen layers
-   before the anchor, block = [token at the anchor, mask x (block_size - 1)], labels = the
-   next block_size - 1 tokens; its embedding starts from the target's;
-5. evaluation: the drafter's per-position top-1 agreement with the target's greedy
-   continuation on held-out prompts; model card ``README.md`` and ``training.json``.
+Stages (``--stage``, repeatable; default all, in this order; each reads what the earlier
+ones wrote under ``--out``, so they can run in separate processes, e.g. separate
+device calls):
+1. ``corpus``: the file list, split and licences (``corpus.json``); the text is not kept;
+2. ``tokenizer``: byte-level BPE with ``<|endoftext|>`` (id 0, between files) and
+   ``<|mask|>`` (id 1, the drafter's mask token);
+3. ``target``: Qwen3ForCausalLM from scratch on ``--seq``-token windows (AdamW, cosine),
+   evaluated on held-out windows every ``--eval-every`` steps; the best evaluation's
+   weights are kept and saved (bfloat16) — training stops at ``--target-steps`` or when
+   ``--target-minutes`` run out (the schedule is sized from the first steps' speed);
+4. ``drafter``: a DFlash drafter (:mod:`kdtree.engine.dflash`, hidden size and embedding /
+   LM head of the frozen target) on sequences of real held-in text of ``--context`` tokens
+   followed by the target's own greedy continuation; anchors anywhere in them (in the real
+   text and in the continuation), labels the sequence's next ``block_size - 1`` tokens;
+   kept at its best held-out evaluation; saved in the published format;
+5. ``eval``: held-out perplexity, the drafter's per-position top-1 agreement, acceptance
+   length of kdtree's batched engine at N = 16 / 64 / 256 on held-out prompts of
+   ``--context`` tokens (greedy, outputs checked equal to the target's own), the repeated
+   8-token-window share of the continuations, samples; ``training.json`` and the model
+   card ``README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.metadata as metadata
 import json
 import math
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,7 +49,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-EOS = "<|endoftext|>"
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+STAGES = ("corpus", "tokenizer", "target", "drafter", "eval")
+PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|PSF|Python Software Foundation|ISC|Zlib|Unlicense|0BSD|HPND)\b", re.I)
+COPYLEFT = re.compile(r"\b(GPL|LGPL|AGPL|MPL|EPL|CDDL|copyleft)\b", re.I)
+MAX_FILE_CHARS = 400_000  # larger .py files are mostly generated tables
 
 
 def parse_args(argv=None):
@@ -46,39 +62,115 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True, help="output folder (created)")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and few steps, to check the script")
+    p.add_argument("--stage", action="append", choices=STAGES, help="stages to run (default: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--target-steps", type=int, default=3000)
-    p.add_argument("--drafter-steps", type=int, default=3000)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--corpus-mb", type=float, default=300.0, help="most characters of text (millions)")
+    p.add_argument("--hidden", type=int, default=320)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--seq", type=int, default=640, help="target training window (tokens)")
+    p.add_argument("--target-steps", type=int, default=20000)
+    p.add_argument("--target-minutes", type=float, default=8.0)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--drafter-layers", type=int, default=2)
+    p.add_argument("--block", type=int, default=16, help="drafter block size (bonus + drafted positions)")
+    p.add_argument("--context", type=int, default=512, help="real-text tokens before each drafter continuation")
+    p.add_argument("--drafter-steps", type=int, default=20000)
+    p.add_argument("--drafter-minutes", type=float, default=8.0)
     return p.parse_args(argv)
 
 
 def sizes(args):
     if args.smoke:
-        return dict(vocab=384, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, inter=128, seq=64, batch=8,
-                    target_steps=30, lr=3e-3, prompt=16, gen=24, n_prompts=32, held_prompts=8, d_hidden=64,
-                    d_layers=1, d_heads=2, d_head_dim=32, d_inter=128, block=6, feature_layers=(1, 2),
-                    drafter_steps=30, d_batch=8, anchors=4, d_lr=1e-3, gen_batch=16)
-    return dict(vocab=args.vocab, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, inter=768, seq=512,
-                batch=32, target_steps=args.target_steps, lr=3e-3, prompt=64, gen=192, n_prompts=4096,
-                held_prompts=256, d_hidden=256, d_layers=2, d_heads=4, d_head_dim=64, d_inter=768, block=16,
-                feature_layers=(1, 2, 3, 4), drafter_steps=args.drafter_steps, d_batch=32, anchors=8, d_lr=1e-3,
-                gen_batch=512)
+        return dict(vocab=384, hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, inter=128, seq=96, batch=8,
+                    target_steps=40, target_minutes=2.0, eval_every=10, lr=3e-3, eval_windows=8, context=48, gen=24,
+                    n_seqs=48, held_seqs=8, d_layers=1, block=6, d_batch=8, anchors=4, drafter_steps=30,
+                    drafter_minutes=2.0, d_lr=1e-3, gen_batch=16, corpus_chars=3e6, accept_prompts=2,
+                    accept_new=24, budgets=(4, 16))
+    heads = max(1, args.hidden // 64)
+    return dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(1, heads // 2),
+                head_dim=64, inter=3 * args.hidden, seq=args.seq, batch=64, target_steps=args.target_steps,
+                target_minutes=args.target_minutes, eval_every=args.eval_every, lr=2e-3, eval_windows=256,
+                context=args.context, gen=128, n_seqs=8192, held_seqs=256, d_layers=args.drafter_layers,
+                block=args.block, d_batch=32, anchors=8, drafter_steps=args.drafter_steps,
+                drafter_minutes=args.drafter_minutes, d_lr=1e-3, gen_batch=512, corpus_chars=args.corpus_mb * 1e6,
+                accept_prompts=64, accept_new=128, budgets=(16, 64, 256))
 
 
-def split_files():
-    from kdtree.ngram import stdlib_dir, stdlib_sources
+# ---- corpus ------------------------------------------------------------------------------
 
-    files = stdlib_sources()
-    texts, held = [], []
+def licence_of(dist) -> str:
+    m = dist.metadata
+    expr = m.get("License-Expression") or ""
+    text = (m.get("License") or "").strip().splitlines()[0][:80] if m.get("License") else ""
+    classifiers = [c.split("::")[-1].strip() for c in (m.get_all("Classifier") or []) if c.startswith("License ::")]
+    return expr or ("; ".join(classifiers) if classifiers else text)
+
+
+def collect_corpus(max_chars: float) -> dict:
+    """Files (sorted by source then path), each with its source and licence; every 20th held
+    out. Packages whose licence is not clearly permissive are skipped (listed)."""
+    from kdtree.engine.ngram import stdlib_dir, stdlib_sources
+
+    kdtree_dir = (ROOT / "python" / "kdtree").resolve()
+    sources = [("python-stdlib", f"PSF-2.0 (Python {platform.python_version()})",
+                [str(f) for f in stdlib_sources()])]
+    skipped = []
+    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata.get("Name") or "").lower()):
+        name = dist.metadata.get("Name") or "?"
+        lic = licence_of(dist)
+        files = [f for f in (dist.files or []) if f.suffix == ".py"]
+        if not files or name.lower() == "kdtree":
+            continue
+        if not PERMISSIVE.search(lic) or COPYLEFT.search(lic):
+            skipped.append({"package": name, "licence": lic or "(none given)"})
+            continue
+        paths = []
+        for f in files:
+            parts = {p.lower() for p in f.parts}
+            if parts & {"test", "tests", "testing", "_vendor", "vendor"}:
+                continue
+            full = Path(dist.locate_file(f)).resolve()
+            if full.is_file() and kdtree_dir not in full.parents:
+                paths.append(str(full))
+        if paths:
+            sources.append((name, lic, sorted(paths)))
+    files, total = [], 0
+    for name, lic, paths in sources:
+        for p in paths:
+            try:
+                n = Path(p).stat().st_size
+            except OSError:
+                continue
+            if n > MAX_FILE_CHARS or n == 0:
+                continue
+            if total + n > max_chars:
+                break
+            files.append({"path": p, "source": name, "licence": lic})
+            total += n
+        if total + MAX_FILE_CHARS > max_chars and any(f["source"] == name for f in files[-1:]):
+            break  # the cap is reached: no later source adds its small files
     for i, f in enumerate(files):
+        f["held_out"] = i % 20 == 7
+    packages = {}
+    for f in files:
+        e = packages.setdefault(f["source"], {"licence": f["licence"], "files": 0})
+        e["files"] += 1
+    return {"files": files, "packages": packages, "skipped": skipped, "stdlib": str(stdlib_dir())}
+
+
+def read_texts(corpus: dict) -> tuple[list[str], list[str]]:
+    train, held = [], []
+    for f in corpus["files"]:
         try:
-            t = f.read_text(encoding="utf-8")
+            t = Path(f["path"]).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        (held if i % 20 == 7 else texts).append(t)
-    return texts, held, len(files), str(stdlib_dir())
+        (held if f["held_out"] else train).append(t)
+    return train, held
 
+
+# ---- tokenizer and data ------------------------------------------------------------------
 
 def train_tokenizer(texts, vocab, path: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -86,7 +178,7 @@ def train_tokenizer(texts, vocab, path: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, MASK], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     tok.save(str(path))
@@ -102,55 +194,225 @@ def encode(tok, texts) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+# ---- training ----------------------------------------------------------------------------
+
 def lr_at(step, total, peak, warmup):
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_loop(torch, model, steps, peak_lr, weight_decay, loss_fn, name, log):
-    """AdamW (betas 0.9/0.95), warmup then cosine to 10% (lr_at), gradient clipping at 1;
-    bfloat16 autocast on CUDA. loss_fn(step) returns the step's loss. Returns (mean of the
-    last 100 losses, seconds)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn, evaluate, eval_every, name, log):
+    """AdamW (betas 0.9/0.95), warmup then cosine to 10%, gradient clipping at 1, bfloat16
+    autocast on CUDA. The schedule's length is ``max_steps``, or fewer when the first 20
+    steps' speed says ``minutes`` would run out. ``evaluate()`` (held-out loss) runs every
+    ``eval_every`` steps and at the end; the best evaluation's weights are restored.
+    Returns (steps run, best held-out loss, its step, seconds)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     use_amp = next(model.parameters()).device.type == "cuda"
-    losses = []
-    t0 = time.time()
-    for step in range(steps):
+    total, losses, t0 = max_steps, [], time.time()
+    best, best_step, best_state = float("inf"), -1, None
+    step = 0
+    while step < total:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, peak_lr, max(1, steps // 30))
+            g["lr"] = lr_at(step, total, peak_lr, max(1, total // 30))
+        model.train()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
             loss = loss_fn(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        if step % max(1, steps // 10) == 0 or step == steps - 1:
-            log(f"{name} step {step:5d}  loss {np.mean(losses[-50:]):.3f}  ({time.time() - t0:.0f} s)")
-    return float(np.mean(losses[-100:])), time.time() - t0
+        step += 1
+        if step == 20:  # size the schedule to the time budget
+            per = (time.time() - t0) / 20
+            total = max(20, min(max_steps, int(minutes * 60 / per)))
+            log(f"{name}: {per * 1e3:.0f} ms a step: {total} steps")
+        if step % eval_every == 0 or step == total:
+            model.eval()
+            with torch.no_grad():
+                held = evaluate()
+            if held < best:
+                best, best_step = held, step
+                best_state = copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
+            log(f"{name} step {step:6d}  loss {np.mean(losses[-50:]):.3f}  held-out {held:.3f}"
+                f"{'  (best)' if best_step == step else ''}  ({time.time() - t0:.0f} s)")
+    model.load_state_dict(best_state)
+    model.eval()
+    return step, best, best_step, time.time() - t0
 
 
-def train_target(torch, cfg_kw, ids, s, device, log):
+def windows(data, starts, seq):
+    import torch
+
+    return torch.stack([data[i:i + seq + 1] for i in starts])
+
+
+def stage_target(torch, args, s, out, log, rec):
+    from tokenizers import Tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(**cfg_kw)
-    model = Qwen3ForCausalLM(cfg).to(device)
-    data = torch.as_tensor(ids, device=device)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    corpus = json.loads((out / "corpus.json").read_text())
+    train_texts, held_texts = read_texts(corpus)
+    train_ids, held_ids = encode(tok, train_texts), encode(tok, held_texts)
+    vocab = tok.get_vocab_size()
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=s["hidden"], intermediate_size=s["inter"],
+                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                      head_dim=s["head_dim"], max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, rope_theta=10000.0)
+    torch.manual_seed(args.seed)
+    model = Qwen3ForCausalLM(cfg).to(args.device)
+    data = torch.as_tensor(train_ids, device=args.device)
+    held = torch.as_tensor(held_ids, device=args.device)
     gen = torch.Generator(device="cpu").manual_seed(1)
+    rng = np.random.default_rng(5)
+    held_starts = rng.integers(0, len(held_ids) - s["seq"] - 1, s["eval_windows"]).tolist()
 
     def loss_fn(step):
-        starts = torch.randint(0, len(ids) - s["seq"] - 1, (s["batch"],), generator=gen)
-        x = torch.stack([data[i:i + s["seq"] + 1] for i in starts.tolist()])
-        return model(input_ids=x, labels=x).loss  # labels are shifted inside
+        starts = torch.randint(0, len(train_ids) - s["seq"] - 1, (s["batch"],), generator=gen).tolist()
+        x = windows(data, starts, s["seq"])
+        return model(input_ids=x, labels=x).loss
 
-    loss, seconds = train_loop(torch, model, s["target_steps"], s["lr"], 0.1, loss_fn, "target", log)
-    return model, loss, seconds
+    def evaluate():
+        tot = 0.0
+        for b0 in range(0, len(held_starts), s["batch"]):
+            x = windows(held, held_starts[b0:b0 + s["batch"]], s["seq"])
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda")):
+                tot += float(model(input_ids=x, labels=x).loss) * x.shape[0]
+        return tot / len(held_starts)
+
+    steps, best, best_step, secs = train_loop(torch, model, s["target_steps"], s["target_minutes"], s["lr"], 0.1,
+                                              loss_fn, evaluate, s["eval_every"], "target", log)
+    model.config.kdtree_trained_window = s["seq"]
+    model.to(torch.bfloat16).save_pretrained(str(out / "target"))
+    tok.save(str(out / "target" / "tokenizer.json"))  # a Hugging Face folder carries its tokenizer
+    rec.update(train_tokens=int(len(train_ids)), held_tokens=int(len(held_ids)), target_steps_run=steps,
+               target_best_step=best_step, target_best_held_loss=best, target_seconds=secs,
+               target_params=sum(p.numel() for p in model.parameters()))
+    log(f"target: {rec['target_params'] / 1e6:.2f} M parameters, best held-out loss {best:.3f} at step {best_step} "
+        f"of {steps} ({secs:.0f} s)")
 
 
-def perplexity(torch, model, ids, seq, device):
-    data = torch.as_tensor(ids, device=device)
+def greedy_continuations(torch, model, prompts, gen, batch):
+    """Each prompt (equal lengths, int64 [n, P]) continued greedily by ``model`` for ``gen``
+    tokens (argmax, ties to the lower id): int64 [n, P + gen]."""
+    out = []
+    with torch.no_grad():
+        for b0 in range(0, prompts.shape[0], batch):
+            x = prompts[b0:b0 + batch]
+            res = model.generate(x, max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)
+            out.append(res[:, : x.shape[1] + gen])
+    return torch.cat(out)
+
+
+def drafter_sequences(torch, target, ids, n, s, seed):
+    """n sequences of ``context`` real tokens (cut at random from ids) followed by the
+    target's greedy continuation of ``gen`` tokens."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(ids) - s["context"], n)
+    dev = next(target.parameters()).device
+    prompts = torch.as_tensor(np.stack([ids[a:a + s["context"]] for a in starts]), device=dev)
+    return greedy_continuations(torch, target, prompts, s["gen"], s["gen_batch"])
+
+
+def drafter_batch(torch, target, drafter, seqs, s, gen):
+    """Random anchors anywhere a block fits after at least 8 context tokens: features,
+    valid mask, roots, starts, labels."""
+    b, t_all = seqs.shape
+    depth = s["block"] - 1
+    dev = seqs.device
+    with torch.no_grad():
+        hs = target(input_ids=seqs, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i] for i in drafter.feature_layers], dim=-1)
+    p = torch.randint(8, t_all - depth, (b, s["anchors"]), generator=gen).to(dev).reshape(-1)
+    item = torch.arange(b, device=dev)[:, None].expand(b, s["anchors"]).reshape(-1)
+    valid = torch.arange(t_all, device=dev)[None, :] < p[:, None]
+    labels = seqs[item[:, None], p[:, None] + torch.arange(1, depth + 1, device=dev)[None, :]]
+    return feats[item], valid, seqs[item, p], p, labels
+
+
+def feature_layer_ids(n_layers: int) -> list[int]:
+    """Up to four target layers spread from the second to the second-to-last (0-based)."""
+    k = max(1, min(4, n_layers - 2))
+    return sorted({int(round(x)) for x in np.linspace(1, max(1, n_layers - 2), k)})
+
+
+def load_target(out: Path, device: str):
+    from kdtree.engine.hf import load_causal_lm
+
+    target = load_causal_lm(out / "target", device=device, dtype="float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
+
+
+def stage_drafter(torch, args, s, out, log, rec):
+    from tokenizers import Tokenizer
+
+    from kdtree.engine import dflash
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    corpus = json.loads((out / "corpus.json").read_text())
+    train_texts, held_texts = read_texts(corpus)
+    train_ids, held_ids = encode(tok, train_texts), encode(tok, held_texts)
+    target = load_target(out, args.device)
+    tc = target.config
+    cfg = dflash.dflash_config(dict(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=s["d_layers"], num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim, max_position_embeddings=4096,
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=10000.0, block_size=s["block"],
+        num_target_layers=tc.num_hidden_layers,
+        dflash_config={"mask_token_id": tok.token_to_id(MASK),
+                       "target_layer_ids": feature_layer_ids(tc.num_hidden_layers)}))
+    torch.manual_seed(args.seed + 1)
+    drafter = dflash.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings()).to(args.device)
+    t0 = time.time()
+    seqs = drafter_sequences(torch, target, train_ids, s["n_seqs"], s, seed=10)
+    held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)
+    log(f"drafter data: {len(seqs)} training and {len(held)} held-out sequences of {s['context']} real tokens + "
+        f"{s['gen']} of the target's greedy continuation ({time.time() - t0:.0f} s)")
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    hgen_seed = 3
+
+    def loss_of(batch):
+        feats, valid, roots, start, labels = batch
+        logits = drafter(feats, valid, roots, start)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def loss_fn(step):
+        rows = torch.randint(0, seqs.shape[0], (s["d_batch"],), generator=gen).to(seqs.device)
+        return loss_of(drafter_batch(torch, target, drafter, seqs[rows], s, gen))
+
+    def evaluate():
+        g = torch.Generator(device="cpu").manual_seed(hgen_seed)
+        tot, n = 0.0, 0
+        for b0 in range(0, held.shape[0], s["d_batch"]):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda")):
+                tot += float(loss_of(drafter_batch(torch, target, drafter, held[b0:b0 + s["d_batch"]], s, g)))
+            n += 1
+        return tot / n
+
+    steps, best, best_step, secs = train_loop(torch, drafter, s["drafter_steps"], s["drafter_minutes"], s["d_lr"], 0.0,
+                                              loss_fn, evaluate, s["eval_every"], "drafter", log)
+    dflash.save_dflash(drafter.to(torch.bfloat16), out / "drafter")
+    rec.update(drafter_steps_run=steps, drafter_best_step=best_step, drafter_best_held_loss=best,
+               drafter_seconds=secs, drafter_params=sum(p.numel() for p in drafter.parameters()),
+               drafter_target_layer_ids=list(drafter.target_layer_ids))
+    log(f"drafter: {rec['drafter_params'] / 1e6:.2f} M parameters (DFlash, published format), best held-out loss "
+        f"{best:.3f} at step {best_step} of {steps} ({secs:.0f} s)")
+
+
+# ---- evaluation --------------------------------------------------------------------------
+
+def perplexity(torch, model, ids, seq):
+    dev = next(model.parameters()).device
+    data = torch.as_tensor(ids, device=dev)
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(ids) - seq - 1, seq):
@@ -161,215 +423,174 @@ def perplexity(torch, model, ids, seq, device):
     return math.exp(total / max(1, count)), count
 
 
-def greedy_continuations(torch, model, ids, n, prompt, gen, batch, device, seed):
-    """n prompts of `prompt` tokens cut at random from ids, each continued greedily by the
-    target for `gen` tokens (argmax, ties to the lower id): int64 [n, prompt + gen]."""
-    import inspect
+def stage_eval(torch, args, s, out, log, rec):
+    from tokenizers import Tokenizer
 
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(ids) - prompt, n)
-    out = []
+    from kdtree.apps.generate import repeated_share
+    from kdtree.engine import dflash
+    from kdtree.engine.batched import Engine
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    corpus = json.loads((out / "corpus.json").read_text())
+    _, held_texts = read_texts(corpus)
+    held_ids = encode(tok, held_texts)
+    target = load_target(out, args.device)
+    drafter = dflash.load_dflash(out / "drafter", target, dtype="float32")
+    ppl, n_tok = perplexity(torch, target, held_ids, min(s["seq"], 512))
+    log(f"held-out perplexity {ppl:.2f} over {n_tok} tokens (saved weights, float32)")
+    held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    hits, count = np.zeros(s["block"] - 1), 0
     with torch.no_grad():
-        for b0 in range(0, n, batch):
-            x = torch.as_tensor(np.stack([ids[s:s + prompt] for s in starts[b0:b0 + batch]]), device=device)
-            res = model(input_ids=x, use_cache=True)
-            cache = res.past_key_values
-            seqs = [x]
-            nxt = res.logits[:, -1].argmax(-1, keepdim=True)
-            for step in range(gen):
-                seqs.append(nxt)
-                if step + 1 == gen:
-                    break
-                pos = torch.full_like(nxt, prompt + step)
-                res = model(input_ids=nxt, position_ids=pos, use_cache=True, **{cache_kw: cache})
-                cache = res.past_key_values
-                nxt = res.logits[:, -1].argmax(-1, keepdim=True)
-            out.append(torch.cat(seqs, dim=1).cpu())
-    return torch.cat(out).numpy()
-
-
-def target_features(torch, model, seqs, layers):
-    out = model(input_ids=seqs, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-
-
-def drafter_batch(torch, target, seqs, s, gen, device):
-    """Random anchors in the generated part of each sequence: features, valid mask, bonus,
-    start, labels."""
-    b, t_all = seqs.shape
-    depth = s["block"] - 1
-    with torch.no_grad():
-        feats = target_features(torch, target, seqs, s["feature_layers"]).float()
-    lo, hi = s["prompt"] - 1, t_all - depth - 1
-    p = torch.randint(lo, hi + 1, (b, s["anchors"]), generator=gen).to(device)
-    item = torch.arange(b, device=device)[:, None].expand(b, s["anchors"]).reshape(-1)
-    p = p.reshape(-1)
-    valid = torch.arange(t_all, device=device)[None, :] < p[:, None]
-    bonus = seqs[item, p]
-    labels = seqs[item[:, None], p[:, None] + torch.arange(1, depth + 1, device=device)[None, :]]
-    return feats[item], valid, bonus, p, labels
-
-
-def train_drafter(torch, target, seqs, s, device, log):
-    from kdtree.drafter import BlockDrafter, BlockDrafterConfig
-
-    cfg = BlockDrafterConfig(vocab_size=target.config.vocab_size,
-                             feature_size=len(s["feature_layers"]) * target.config.hidden_size,
-                             target_layers=s["feature_layers"], hidden_size=s["d_hidden"], num_layers=s["d_layers"],
-                             num_heads=s["d_heads"], head_dim=s["d_head_dim"], intermediate_size=s["d_inter"],
-                             block_size=s["block"])
-    drafter = BlockDrafter(cfg).to(device)
-    with torch.no_grad():
-        if drafter.embed.weight.shape == target.model.embed_tokens.weight.shape:
-            drafter.embed.weight.copy_(target.model.embed_tokens.weight.float())
-    data = torch.as_tensor(seqs, device=device)
-    gen = torch.Generator(device="cpu").manual_seed(2)
-
-    def loss_fn(step):
-        rows = torch.randint(0, data.shape[0], (s["d_batch"],), generator=gen).to(device)
-        feats, valid, bonus, start, labels = drafter_batch(torch, target, data[rows], s, gen, device)
-        logits = drafter(feats, valid, bonus, start)
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    loss, seconds = train_loop(torch, drafter, s["drafter_steps"], s["d_lr"], 0.0, loss_fn, "drafter", log)
-    return drafter, loss, seconds
-
-
-def drafter_agreement(torch, target, drafter, seqs, s, device):
-    """Per drafted position, the fraction of anchors where the drafter's top-1 equals the
-    target's greedy token."""
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    hits = np.zeros(s["block"] - 1)
-    count = 0
-    data = torch.as_tensor(seqs, device=device)
-    with torch.no_grad():
-        for b0 in range(0, data.shape[0], s["d_batch"]):
-            feats, valid, bonus, start, labels = drafter_batch(torch, target, data[b0:b0 + s["d_batch"]], s, gen,
-                                                               device)
-            top = drafter(feats, valid, bonus, start).argmax(-1)
+        for b0 in range(0, held.shape[0], s["d_batch"]):
+            feats, valid, roots, start, labels = drafter_batch(torch, target, drafter, held[b0:b0 + s["d_batch"]], s, g)
+            top = drafter(feats, valid, roots, start).argmax(-1)
             hits += (top == labels).float().sum(0).cpu().numpy()
             count += labels.shape[0]
-    return (hits / count).tolist(), count
+    agree = (hits / count).tolist()
+    log("drafter top-1 agreement by position: " + " ".join(f"{a:.2f}" for a in agree))
+    # acceptance length of kdtree's batched engine, greedy, on held-out prompts of `context` tokens
+    rng = np.random.default_rng(12)
+    starts = rng.integers(0, len(held_ids) - s["context"], s["accept_prompts"])
+    prompts = [held_ids[a:a + s["context"]].tolist() for a in starts]
+    ar = Engine(target, None, mode="ar", max_batch=8, max_length=s["context"] + s["accept_new"] + 8)
+    want = [o.tokens for o in ar.generate(prompts, s["accept_new"])]
+    accept = {}
+    for n in s["budgets"]:
+        eng = Engine(target, drafter, max_batch=8, budget=n, max_length=s["context"] + s["accept_new"] + 8)
+        outs = eng.generate(prompts, s["accept_new"])
+        same = sum(o.tokens == w for o, w in zip(outs, want, strict=True))
+        accept[n] = {"acceptance_length": eng.stats.acceptance_length, "identical": same, "of": len(prompts)}
+        log(f"N={n}: acceptance length {eng.stats.acceptance_length:.2f} tokens a round; {same}/{len(prompts)} "
+            f"outputs identical to the target's greedy decoding")
+    shares = [repeated_share(w, p) for w, p in zip(want, prompts, strict=True)]
+    samples = [{"prompt_tail": tok.decode(p[-40:]), "continuation": tok.decode(w[:60])}
+               for p, w in zip(prompts[:3], want[:3], strict=True)]
+    rec.update(held_out_perplexity=ppl, perplexity_tokens=n_tok, drafter_agreement=agree, agreement_anchors=count,
+               acceptance={str(k): v for k, v in accept.items()}, repeated_share_mean=float(np.mean(shares)),
+               repeated_share_max=float(np.max(shares)), samples=samples)
+    log(f"repeated 8-token windows in the greedy continuations: mean {np.mean(shares):.1%}, max {np.max(shares):.1%}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from kdtree.drafter import load_drafter, save_drafter
-
-    torch.manual_seed(args.seed)
+    stages = args.stage or list(STAGES)
     s = sizes(args)
     out = args.out
-    (out / "target").mkdir(parents=True, exist_ok=True)
-    lines = []
+    out.mkdir(parents=True, exist_ok=True)
+    rec_path = out / "training.json"
+    rec = json.loads(rec_path.read_text()) if rec_path.is_file() else {}
+    lines = rec.setdefault("log", [])
 
     def log(msg):
         print(msg, flush=True)
         lines.append(msg)
 
-    t_start = time.time()
-    texts, held, n_files, stdlib = split_files()
-    log(f"corpus: {len(texts)} training files, {len(held)} held out, {sum(map(len, texts)) / 1e6:.1f} M chars "
-        f"({stdlib}, Python {platform.python_version()})")
-    tok = train_tokenizer(texts, s["vocab"], out / "tokenizer.json")
-    train_ids, held_ids = encode(tok, texts), encode(tok, held)
-    vocab = tok.get_vocab_size()
-    log(f"tokenizer: byte-level BPE, vocab {vocab}; {len(train_ids)} training tokens, {len(held_ids)} held out")
-
-    target_kw = dict(vocab_size=vocab, hidden_size=s["hidden"], intermediate_size=s["inter"],
-                     num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                     head_dim=s["head_dim"], max_position_embeddings=4096, tie_word_embeddings=True,
-                     bos_token_id=0, eos_token_id=0, pad_token_id=0, rope_theta=10000.0)
-    target, target_loss, target_time = train_target(torch, target_kw, train_ids, s, args.device, log)
-    # The longest context the pair was trained on (the drafter's sequences are the shorter):
-    # kdtree generate notes when a prompt plus new tokens go beyond it.
-    target.config.kdtree_trained_window = min(s["seq"], s["prompt"] + s["gen"])
-    target.to(torch.bfloat16).save_pretrained(str(out / "target"))
-    # Everything below uses the saved (bfloat16) weights, in float32.
-    from kdtree.hf import load_causal_lm
-
-    target = load_causal_lm(out / "target", device=args.device, dtype="float32")
-    n_params = sum(p.numel() for p in target.parameters())
-    ppl, ppl_tokens = perplexity(torch, target, held_ids, s["seq"], args.device)
-    log(f"target: {n_params / 1e6:.2f} M parameters, final training loss {target_loss:.3f}, held-out perplexity "
-        f"{ppl:.2f} over {ppl_tokens} tokens ({target_time:.0f} s)")
-
-    seqs = greedy_continuations(torch, target, train_ids, s["n_prompts"], s["prompt"], s["gen"], s["gen_batch"],
-                                args.device, seed=10)
-    held_seqs = greedy_continuations(torch, target, held_ids, s["held_prompts"], s["prompt"], s["gen"],
-                                     s["gen_batch"], args.device, seed=11)
-    log(f"drafter data: {len(seqs)} training and {len(held_seqs)} held-out greedy continuations of "
-        f"{s['gen']} tokens after {s['prompt']}-token prompts")
-    drafter, drafter_loss, drafter_time = train_drafter(torch, target, seqs, s, args.device, log)
-    drafter.eval()
-    save_drafter(drafter, out / "drafter")
-    drafter = load_drafter(out / "drafter", device=args.device)
-    d_params = sum(p.numel() for p in drafter.parameters())
-    agree, anchors = drafter_agreement(torch, target, drafter, held_seqs, s, args.device)
-    log(f"drafter: {d_params / 1e6:.2f} M parameters, final training loss {drafter_loss:.3f} ({drafter_time:.0f} s)")
-    log("drafter top-1 agreement with the target's greedy token, held-out, by position: "
-        + " ".join(f"{a:.2f}" for a in agree))
-
-    record = dict(command=" ".join(sys.argv), device=args.device,
-                  device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-                  python=platform.python_version(), torch=torch.__version__,
-                  transformers=__import__("transformers").__version__, stdlib=stdlib, files=n_files,
-                  train_files=len(texts), held_files=len(held), train_tokens=int(len(train_ids)),
-                  held_tokens=int(len(held_ids)), sizes={k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
-                  target_params=n_params, target_final_loss=target_loss, held_out_perplexity=ppl,
-                  drafter_params=d_params, drafter_final_loss=drafter_loss, drafter_agreement=agree,
-                  agreement_anchors=anchors, seconds=time.time() - t_start, log=lines)
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    write_card(out, record)
-    log(f"done in {time.time() - t_start:.0f} s: {out}")
+    torch.manual_seed(args.seed)
+    rec.update(command=" ".join(sys.argv), python=platform.python_version(), torch=torch.__version__,
+               transformers=__import__("transformers").__version__,
+               device_name=(torch.cuda.get_device_name() if args.device.startswith("cuda")
+                            else platform.processor() or platform.machine() or "a CPU"),
+               sizes={k: list(v) if isinstance(v, tuple) else v for k, v in s.items()})
+    t0 = time.time()
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        ts = time.time()
+        if stage == "corpus":
+            corpus = collect_corpus(s["corpus_chars"])
+            (out / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
+            n_held = sum(f["held_out"] for f in corpus["files"])
+            log(f"corpus: {len(corpus['files'])} files from {len(corpus['packages'])} sources ({n_held} held out); "
+                f"{len(corpus['skipped'])} packages skipped for their licence")
+        elif stage == "tokenizer":
+            corpus = json.loads((out / "corpus.json").read_text())
+            train_texts, _ = read_texts(corpus)
+            tok = train_tokenizer(train_texts, s["vocab"], out / "tokenizer.json")
+            log(f"tokenizer: byte-level BPE, vocab {tok.get_vocab_size()} ({sum(map(len, train_texts)) / 1e6:.1f} M "
+                f"training characters)")
+        elif stage == "target":
+            stage_target(torch, args, s, out, log, rec)
+        elif stage == "drafter":
+            stage_drafter(torch, args, s, out, log, rec)
+        else:
+            stage_eval(torch, args, s, out, log, rec)
+        rec.setdefault("stage_seconds", {})[stage] = time.time() - ts
+        rec_path.write_text(json.dumps(rec, indent=2) + "\n")
+    if (out / "corpus.json").is_file() and "held_out_perplexity" in rec:
+        write_card(out, rec, json.loads((out / "corpus.json").read_text()))
+    log(f"done in {time.time() - t0:.0f} s: {out}")
+    rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     return 0
 
 
-def write_card(out: Path, r: dict) -> None:
+def write_card(out: Path, r: dict, corpus: dict) -> None:
     s = r["sizes"]
     agree = " | ".join(f"{a:.2f}" for a in r["drafter_agreement"])
     heads = " | ".join(str(i + 1) for i in range(len(r["drafter_agreement"])))
-    text = f"""# stdlib-qwen3: the demo target and drafter
+    acc = "\n".join(f"| {n} | {v['acceptance_length']:.2f} | {v['identical']}/{v['of']} |"
+                    for n, v in r["acceptance"].items())
+    pk = "\n".join(f"| {name} | {e['licence']} | {e['files']} |" for name, e in sorted(corpus["packages"].items()))
+    samples = "\n\n".join(f"```\n...{x['prompt_tail']}\n>>> {x['continuation']}\n```" for x in r["samples"])
+    n_files = len(corpus["files"])
+    n_held = sum(f["held_out"] for f in corpus["files"])
+    text = f"""# The demo pair: a Qwen3 target and a DFlash drafter
 
-Trained by `tools/train_models.py` ({r['command']}) on {r['device_name']} ({r['device']}),
-Python {r['python']}, torch {r['torch']}, transformers {r['transformers']}; {r['seconds']:.0f} s in all.
+Trained by `tools/train_models.py` (`{r['command']}`) on {r['device_name']}, Python {r['python']},
+torch {r['torch']}, transformers {r['transformers']}.
 
 ## Corpus
-The Python {r['python']} standard library's `.py` files on that machine ({r['stdlib']}),
-tests and generated data excluded: {r['files']} files, every 20th (by sorted path) held out:
-{r['train_files']} training files ({r['train_tokens']} tokens), {r['held_files']} held out
-({r['held_tokens']} tokens). Files are separated by `<|endoftext|>` (token 0).
+Python sources no one in this project wrote: the standard library and the permissively
+licensed packages installed on that machine; {n_files} files, every 20th (by source and
+path) held out whole ({n_held} files); {r.get('train_tokens', 0):,} training tokens,
+{r.get('held_tokens', 0):,} held out. Test suites and vendored code are excluded; files are
+separated by `<|endoftext|>` (token 0). Sources and licences:
 
-## Tokenizer (`tokenizer.json`)
-Byte-level BPE (the `tokenizers` library), vocabulary {s['vocab']} including `<|endoftext|>`.
+| source | licence | files |
+|---|---|---|
+{pk}
 
-## Target (`target/`, bfloat16 safetensors)
-Qwen3ForCausalLM: {s['layers']} layers, hidden {s['hidden']}, {s['heads']} query / {s['kv_heads']} KV heads of
-{s['head_dim']}, MLP {s['inter']}, tied embeddings; {r['target_params'] / 1e6:.2f} M parameters. Trained from
-scratch: {s['target_steps']} AdamW steps of {s['batch']} x {s['seq']} tokens, peak learning rate {s['lr']},
-cosine schedule. Final training loss {r['target_final_loss']:.3f}; **held-out perplexity
-{r['held_out_perplexity']:.2f}** (saved weights, float32, {s['seq']}-token windows).
+Skipped for their licence (not clearly permissive): {', '.join(x['package'] for x in corpus['skipped']) or 'none'}.
 
-## Drafter (`drafter/`, float32 safetensors, `kdtree.drafter.BlockDrafter`)
-DFlash-style block drafter: features = the target's hidden states at layers
-{list(s['feature_layers'])} (0 = embeddings), injected as keys/values in each of its {s['d_layers']} layers
-(hidden {s['d_hidden']}, {s['d_heads']} heads of {s['d_head_dim']}, MLP {s['d_inter']}); block size {s['block']}
-(bonus + {s['block'] - 1} drafted positions); {r['drafter_params'] / 1e6:.2f} M parameters. Trained on the
-target's own greedy continuations ({s['n_prompts']} prompts of {s['prompt']} tokens cut from training files,
-{s['gen']} generated tokens each): {s['drafter_steps']} AdamW steps of {s['d_batch']} sequences x {s['anchors']}
-random anchors in the generated part; final training loss {r['drafter_final_loss']:.3f}.
+## Tokenizer (`tokenizer.json`, also in `target/`)
+Byte-level BPE, vocabulary {s['vocab']} with `<|endoftext|>` (0) and `<|mask|>` (1, the drafter's mask).
 
-Context lengths: the target saw {s['seq']}-token windows, the drafter {s['prompt'] + s['gen']}-token sequences;
-`target/config.json` records the shorter as `kdtree_trained_window`.
+## Target (`target/`, bfloat16, a Hugging Face Qwen3ForCausalLM folder)
+{s['layers']} layers, hidden {s['hidden']}, {s['heads']} query / {s['kv_heads']} KV heads of {s['head_dim']},
+MLP {s['inter']}, tied embeddings; {r['target_params'] / 1e6:.2f} M parameters. {r['target_steps_run']} AdamW steps
+of {s['batch']} x {s['seq']} tokens; the weights of the best held-out evaluation (step
+{r['target_best_step']}, loss {r['target_best_held_loss']:.3f}) are kept. **Held-out perplexity
+{r['held_out_perplexity']:.2f}** (saved weights, float32).
 
-Per-position top-1 agreement with the target's greedy token ({r['agreement_anchors']} anchors in
-continuations of held-out prompts):
+## Drafter (`drafter/`, bfloat16, the published DFlash format)
+{s['d_layers']} DFlash layers over the target's embedding and LM head, target layers
+{r['drafter_target_layer_ids']}, block size {s['block']}, mask token `<|mask|>`;
+{r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
+sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
+continuation, anchors anywhere in them: {r['drafter_steps_run']} steps; best held-out loss
+{r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}).
+
+Per-position top-1 agreement with the sequence's next tokens ({r['agreement_anchors']} held-out anchors):
 
 | position | {heads} |
 |---|{'---|' * len(r['drafter_agreement'])}
 | top-1 agreement | {agree} |
+
+Acceptance length of kdtree's batched engine (greedy, held-out prompts of {s['context']} tokens,
+{s['accept_new']} new tokens):
+
+| budget N | tokens a round | outputs identical to the target's greedy decoding |
+|---|---|---|
+{acc}
+
+Repeated 8-token windows in the target's greedy continuations: mean
+{r['repeated_share_mean']:.1%}, max {r['repeated_share_max']:.1%}.
+
+## Samples (held-out prompts, the target's greedy continuation)
+
+{samples}
 """
     (out / "README.md").write_text(text)
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Train the demo pair on the device machine (tools/train_models.py) in stages that each fit
+# one device call, e.g.
+#   tools/device_train.sh corpus tokenizer target     # first call
+#   tools/device_train.sh drafter eval                # a later call, carrying build-pair/
+# The pair folder is $PAIR (default build-pair/, git-ignored: carry it to the next call);
+# a copy of it lands in $OUT/pair. TRAIN_ARGS adds options (e.g. "--target-minutes 7").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kdt-out}
+PAIR=${PAIR:-build-pair}
+mkdir -p "$OUT"
+bash tools/device_engine.sh build || exit 1
+export PYTHONPATH=/tmp/site:$PWD/python KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONUNBUFFERED=1
+stages=()
+for s in "$@"; do stages+=(--stage "$s"); done
+python3 tools/train_models.py --out "$PAIR" --device cuda "${stages[@]}" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" | tail -40
+rc=${PIPESTATUS[0]}
+mkdir -p "$OUT/pair" && cp -r "$PAIR"/. "$OUT/pair/"
+exit "$rc"
