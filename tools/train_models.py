@@ -88,7 +88,8 @@ def sizes(args):
                     drafter_minutes=2.0, d_lr=1e-3, gen_batch=16, corpus_chars=3e6, accept_prompts=2,
                     accept_new=24, budgets=(4, 16))
     heads = max(1, args.hidden // 64)
-    return dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(1, heads // 2),
+    return dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=heads,
+                kv_heads=heads // 2 if heads % 2 == 0 else heads,
                 head_dim=64, inter=3 * args.hidden, seq=args.seq, batch=64, target_steps=args.target_steps,
                 target_minutes=args.target_minutes, eval_every=args.eval_every, lr=2e-3, eval_windows=256,
                 context=args.context, gen=128, n_seqs=8192, held_seqs=256, d_layers=args.drafter_layers,
