@@ -198,15 +198,28 @@ def test_save_load_round_trip_and_errors(tmp_path):
         dflash.load_dflash(tmp_path / "d", other)
     # bad configs name the field
     for change, match in (({"block_size": 1}, "block_size"), ({"dflash_config": {}}, "mask_token_id"),
+                          ({"num_attention_heads": 3}, "does not divide"), ({"num_hidden_layers": 100000}, "256"),
+                          ({"intermediate_size": 0}, "intermediate_size"), ({"rms_norm_eps": 1}, "not a valid Qwen3"),
+                          ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 1]}}, "distinct"),
                           ({"dflash_config": {"mask_token_id": VOCAB}}, "mask_token_id"),
                           ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [9]}}, "beyond"),
                           ({"dflash_config": None}, "dflash_config")):
         with pytest.raises(ValueError, match=match):
             dflash.dflash_config(drafter_config() | change)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        dflash.dflash_config("{not json")
+    # a drafter trained for a target of another depth
+    cfg = dflash.dflash_config(drafter_config() | {"num_target_layers": 36})
+    with pytest.raises(ValueError, match="num_target_layers 36"):
+        dflash.check_pair(cfg, target)
     # weights that do not match the config
     from safetensors.torch import load_file, save_file
 
     w = load_file(str(tmp_path / "d" / "model.safetensors"))
+    ints = {k: (v * 0).to(torch.int64) if k == "norm.weight" else v for k, v in w.items()}
+    save_file(ints, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="non-float dtype"):
+        dflash.load_dflash(tmp_path / "d", target)
     w["fc.weight"] = w["fc.weight"][:, :10].contiguous()
     save_file(w, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight"):
@@ -232,7 +245,9 @@ def test_batched_engine_with_a_dflash_drafter_equals_greedy(mode, tmp_path):
     want = []
     for p in prompts:
         with torch.no_grad():
-            out = target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            x = torch.tensor([p])  # (an explicit mask: without it, generate hides prompt tokens equal to the pad id)
+            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                                  pad_token_id=0)
         want.append(out[0, len(p):].tolist())
     eng = Engine(target, drafter, max_batch=2, budget=16, mode=mode, max_length=128)
     got = [o.tokens for o in eng.generate(prompts, 12)]
@@ -328,3 +343,30 @@ def test_cli_target_and_drafter_folders(tmp_path):
     assert r.returncode == 2 and "hidden_size 64 != the target's 48" in r.stderr, r.stderr[-500:]
     r = cli("--target", str(tmp_path / "target"), "--prompt", "x")
     assert r.returncode == 2 and "--target and --drafter go together" in r.stderr
+
+
+def test_cli_refuses_models_twice_and_reports_bad_runs(tmp_path):
+    """--models with --target/--drafter is refused; a run that fails on its data (a drafter
+    with NaN weights) ends with one line and status 1, not a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**__import__("os").environ, "PYTHONPATH": str(root / "python")}
+    target = family_model("qwen3", vocab=4096)
+    target.save_pretrained(tmp_path / "target")
+    import shutil
+
+    shutil.copy(root / "fixtures" / "models" / "stdlib-qwen3" / "tokenizer.json", tmp_path / "target")
+    cfg = dflash.dflash_config(drafter_config(block=6, ids=(1, 2)) | {"vocab_size": 4096})
+    d = dflash.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings())
+    with torch.no_grad():
+        d.fc.weight.fill_(float("nan"))
+    dflash.save_dflash(d, tmp_path / "drafter")
+    base = [sys.executable, "-m", "kdtree", "generate", "--target", str(tmp_path / "target"), "--drafter",
+            str(tmp_path / "drafter"), "--prompt", "x = 1", "--max-new-tokens", "4", "--no-progress"]
+    r = subprocess.run(base + ["--models", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "name the models twice" in r.stderr
+    r = subprocess.run(base, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "NaN" in r.stderr, r.stderr[-800:]

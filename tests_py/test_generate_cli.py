@@ -180,7 +180,9 @@ def test_batched_refuses_options_it_does_not_use(tmp_path):
                         (["--depth", "40"], "--depth: not used"),
                         (["--prompt", "hi"], "the prompts come from --prompts-file"),
                         (["--repeats", "5", "--tree-nodes", "3"], "--repeats, --tree-nodes: not used"),
-                        (["--top-k", "5"], "--top-k applies to sampling")):
+                        (["--top-k", "5"], "--top-k applies to sampling"),
+                        (["--top-p", "0.5"], "--top-p 0.5 applies to sampling only"),
+                        (["--prompt-offset", "3"], "--prompt-offset: not used")):
         r = run_cli(base + extra, tmp_path)
         assert r.returncode == 2 and said in r.stderr, (extra, r.stderr[-300:])
 

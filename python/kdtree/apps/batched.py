@@ -85,20 +85,26 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     unused = [name for name, on in (("--plot", args.plot is not None), ("--depth", args.depth is not None),
                                     ("--repeats", args.repeats != 3), ("--tree-nodes", args.tree_nodes != TREE_NODES),
                                     ("--prompt", args.prompts_file is not None and args.prompt is not None),
-                                    ("--prompt-file", args.prompts_file is not None and args.prompt_file is not None))
+                                    ("--prompt-file", args.prompts_file is not None and args.prompt_file is not None),
+                                    ("--prompt-offset", args.prompts_file is not None and args.prompt_offset is not None))
               if on]
     if unused:
         raise UsageError(f"{', '.join(unused)}: not used by the batched run (--batch-size / --prompts-file)"
                          + ("; the prompts come from --prompts-file" if args.prompts_file is not None
                             and (args.prompt is not None or args.prompt_file is not None) else ""))
-    if args.top_k and args.temperature == 0:
-        raise UsageError("--top-k applies to sampling: add --temperature T > 0 (greedy decoding ignores it)")
     if args.prompts_file is not None:
         entries = read_prompts(args.prompts_file)
     else:
         from .generate import _default_prompt
 
         entries = [{"prompt": _default_prompt(args)[0], "_line": 1}]
+    # (a JSON line may set its own temperature: then the flags are that request's defaults)
+    if args.temperature == 0 and not any("temperature" in e for e in entries):
+        if args.top_k:
+            raise UsageError("--top-k applies to sampling: add --temperature T > 0 (greedy decoding ignores it)")
+        if args.top_p < 1.0:
+            raise UsageError(f"--top-p {args.top_p} applies to sampling only: add --temperature T > 0 (greedy "
+                             f"decoding takes the argmax)")
     tok, target, drafter = load_models(args)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]

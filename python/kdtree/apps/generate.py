@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-chars", type=_int_in(1), default=PROMPT_CHARS,
                    help="characters of the file used as the prompt (the shipped drafter was trained on "
                         "256-token sequences: keep prompt + new tokens within that)")
-    p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
-                   help="folder with tokenizer.json, target/ and drafter/ (tools/train_models.py)")
+    p.add_argument("--models", type=Path, default=None,
+                   help=f"folder with tokenizer.json, target/ and drafter/ (tools/train_models.py; default: "
+                        f"{SHIPPED_PAIR} of the checkout, or under the current folder)")
     p.add_argument("--target", type=Path, default=None,
                    help="a Hugging Face model folder (Llama, Qwen2, Qwen3, Qwen3-MoE; config.json, safetensors and "
                         "tokenizer.json) to use instead of --models; needs --drafter")
@@ -181,7 +182,7 @@ def pair_source(args: argparse.Namespace) -> str:
     """Where the models come from, for the run's header."""
     if getattr(args, "target", None) is not None:
         return f"target {args.target}, drafter {args.drafter}"
-    return str(args.models)
+    return str(args.models or DEFAULT_MODELS)
 
 
 def load_models(args: argparse.Namespace):
@@ -191,8 +192,10 @@ def load_models(args: argparse.Namespace):
     if (args.target is None) != (args.drafter is None):
         raise UsageError("--target and --drafter go together (or use --models for a folder holding both)")
     if args.target is not None:
+        if args.models is not None:
+            raise UsageError("--models and --target/--drafter name the models twice: give one or the other")
         return load_target_and_drafter(args.target, args.drafter, args.device, args.dtype)
-    return load_pair(args.models, args.device, args.dtype)
+    return load_pair(args.models or DEFAULT_MODELS, args.device, args.dtype)
 
 
 def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dtype: str | None):
@@ -240,6 +243,8 @@ def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dt
                                 f"{tc.hidden_size}")
             if problems:
                 raise ValueError(f"--drafter {drafter_dir} does not fit the target: " + "; ".join(problems))
+        elif (drafter_dir / dflash.CONFIG_NAME).is_file():  # a config.json that is not a DFlash one: say why
+            dflash.dflash_config(drafter_dir / dflash.CONFIG_NAME)
         else:
             raise ValueError(f"--drafter {drafter_dir}: neither a DFlash drafter (config.json with dflash_config) "
                              f"nor a kdtree block drafter ({CONFIG_NAME})")
@@ -247,15 +252,17 @@ def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dt
         raise UsageError(str(exc)) from None
     if dtype is None:
         dtype = "float32" if device == "cpu" else "bfloat16"
-    try:
-        tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-        target = load_causal_lm(target_dir, device=device, dtype=dtype)
-        drafter = (dflash.load_dflash(drafter_dir, target) if is_dflash
-                   else load_drafter(drafter_dir, device=device, dtype=dtype))
-    except Exception as exc:  # noqa: BLE001 - any broken file: one line naming the folders
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise UsageError(f"cannot load --target {target_dir} / --drafter {drafter_dir}: "
-                         f"{type(exc).__name__}: {first}") from None
+    def loaded(flag, folder, fn):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - any broken file: one line naming the folder
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UsageError(f"cannot load {flag} {folder}: {type(exc).__name__}: {first}") from None
+
+    tok = loaded("--target", target_dir, lambda: Tokenizer.from_file(str(target_dir / "tokenizer.json")))
+    target = loaded("--target", target_dir, lambda: load_causal_lm(target_dir, device=device, dtype=dtype))
+    drafter = loaded("--drafter", drafter_dir, lambda: dflash.load_dflash(drafter_dir, target) if is_dflash
+                     else load_drafter(drafter_dir, device=device, dtype=dtype))
     if tok.get_vocab_size(with_added_tokens=True) > int(tc.vocab_size):
         raise UsageError(f"--target {target_dir}: the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} "
                          f"tokens, more than the model's vocabulary of {tc.vocab_size}")
@@ -429,7 +436,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     try:
         new_target()  # a model the engine cannot drive (sliding windows, ...) fails here, in one line
     except ValueError as exc:
-        raise UsageError(f"{args.target or args.models / 'target'}: {exc}") from None
+        raise UsageError(f"{args.target or (args.models or DEFAULT_MODELS) / 'target'}: {exc}") from None
 
     runner = BlockDrafterRunner(drafter_model)
     # Untimed warm-up: one new token by each method first, so that one-off costs (lazy

@@ -71,13 +71,16 @@ def dflash_config(data: dict | str | Path) -> Any:
     """
     from transformers import Qwen3Config
 
-    if isinstance(data, Path) or (isinstance(data, str) and not data.lstrip().startswith("{")):
-        where = str(data)
-        data = json.loads(Path(data).read_text())
-    else:
-        where = "the DFlash config"
-        if isinstance(data, str):
-            data = json.loads(data)
+    try:
+        if isinstance(data, Path) or (isinstance(data, str) and not data.lstrip().startswith("{")):
+            where = str(data)
+            data = json.loads(Path(data).read_text())
+        else:
+            where = "the DFlash config"
+            if isinstance(data, str):
+                data = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{where}: a DFlash config must be a JSON object, got {type(data).__name__}")
     data = dict(data)
@@ -92,9 +95,20 @@ def dflash_config(data: dict | str | Path) -> Any:
     block = data.get("block_size")
     if not is_int(block) or not 2 <= block <= 1024:
         raise ValueError(f"{where}: block_size must be an integer in [2, 1024], got {block!r}")
-    layers = data.get("num_hidden_layers")
-    if not is_int(layers) or layers < 1:
-        raise ValueError(f"{where}: num_hidden_layers must be an integer >= 1, got {layers!r}")
+    for name, cap in (("num_hidden_layers", 256), ("hidden_size", 1 << 16), ("intermediate_size", 1 << 20),
+                      ("num_attention_heads", 1024), ("num_key_value_heads", 1024), ("vocab_size", 2**31 - 1)):
+        v = data.get(name)
+        if v is None and name == "num_key_value_heads":
+            continue  # transformers: as many as the query heads
+        if not is_int(v) or not 1 <= v <= cap:
+            raise ValueError(f"{where}: {name} must be an integer in [1, {cap}], got {v!r}")
+    layers = data["num_hidden_layers"]
+    heads, kv = data["num_attention_heads"], data.get("num_key_value_heads") or data["num_attention_heads"]
+    if heads % kv:
+        raise ValueError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    head_dim = data.get("head_dim")
+    if head_dim is not None and (not is_int(head_dim) or head_dim < 2 or head_dim % 2):
+        raise ValueError(f"{where}: head_dim must be an even integer >= 2 (rotary embeddings), got {head_dim!r}")
     n_target = data.get("num_target_layers")
     ids = sub.get("target_layer_ids")
     if ids is None:
@@ -102,9 +116,9 @@ def dflash_config(data: dict | str | Path) -> Any:
             raise ValueError(f"{where}: without dflash_config.target_layer_ids, num_target_layers must be an "
                              f"integer >= 4, got {n_target!r}")
         ids = default_target_layer_ids(n_target, layers)
-    if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
-        raise ValueError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of integers >= 0, "
-                         f"got {ids!r}")
+    if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids) or len(set(ids)) < len(ids):
+        raise ValueError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of distinct integers "
+                         f">= 0, got {ids!r}")
     if is_int(n_target) and max(ids) >= n_target:
         raise ValueError(f"{where}: target_layer_ids {ids} name layers beyond num_target_layers {n_target}")
     vocab = data.get("vocab_size")
@@ -118,7 +132,7 @@ def dflash_config(data: dict | str | Path) -> Any:
     data.pop("auto_map", None)
     try:
         return Qwen3Config(**{k: v for k, v in data.items() if k not in ("model_type", "transformers_version")})
-    except (ValueError, TypeError) as exc:  # transformers' own validation
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation (its errors are not ValueErrors)
         raise ValueError(f"{where}: not a valid Qwen3 config for a DFlash drafter: {exc}") from exc
 
 
@@ -346,6 +360,9 @@ def check_pair(config: Any, target: Any, where: str = "the DFlash drafter") -> N
     n = int(tc.num_hidden_layers)
     if max(ids) >= n:
         raise ValueError(f"{where}: target_layer_ids {ids} name layers beyond the target's {n}")
+    declared = getattr(config, "num_target_layers", None)
+    if declared is not None and int(declared) != n:
+        raise ValueError(f"{where}: trained for a target of num_target_layers {declared}; this target has {n} layers")
     if int(config.dflash_config["mask_token_id"]) >= vocab:
         raise ValueError(f"{where}: mask_token_id {config.dflash_config['mask_token_id']} outside the target's "
                          f"vocabulary ({vocab})")
@@ -355,8 +372,14 @@ def _weight_files(folder: Path) -> list[Path]:
     if (folder / WEIGHTS_NAME).is_file():
         return [folder / WEIGHTS_NAME]
     if (folder / INDEX_NAME).is_file():
-        index = json.loads((folder / INDEX_NAME).read_text())
-        names = sorted(set((index.get("weight_map") or {}).values()))
+        try:
+            index = json.loads((folder / INDEX_NAME).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{folder / INDEX_NAME}: not valid JSON ({exc})") from None
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ValueError(f"{folder / INDEX_NAME}: 'weight_map' must map weight names to shard files")
+        names = sorted(set(wm.values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if not names or missing:
             raise FileNotFoundError(f"{folder / INDEX_NAME}: shard files missing: {missing or 'none listed'}")
@@ -386,10 +409,22 @@ def load_dflash(folder: str | Path, target: Any, *, device: Any = None, dtype: A
     emb, head = _target_io(target)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg, emb, head).state_dict().items()}
-    stored = {}
+    stored, where_stored, dtypes = {}, {}, {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            stored.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+            for k in h.keys():
+                if k in where_stored:
+                    raise ValueError(f"{folder}: weight {k} is in both {where_stored[k]} and {f.name}")
+                sl = h.get_slice(k)
+                stored[k], where_stored[k], dtypes[k] = tuple(sl.get_shape()), f.name, sl.get_dtype()
+    if (folder / INDEX_NAME).is_file() and not (folder / WEIGHTS_NAME).is_file():
+        wm = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+        off = sorted(k for k in where_stored if wm.get(k, where_stored[k]) != where_stored[k])
+        if off:
+            raise ValueError(f"{folder / INDEX_NAME}: weight_map places {off[:3]} in other shards than hold them")
+    bad = sorted(k for k, d in dtypes.items() if d not in ("F16", "BF16", "F32", "F64"))
+    if bad:
+        raise ValueError(f"{folder}: weights of a non-float dtype: {[(k, dtypes[k]) for k in bad[:3]]}")
     # published files may carry the rotary table; nothing else beyond the module's names
     extra = sorted(k for k in set(stored) - set(shapes) if not k.endswith("rotary_emb.inv_freq"))
     missing = sorted(set(shapes) - set(stored))
@@ -400,7 +435,11 @@ def load_dflash(folder: str | Path, target: Any, *, device: Any = None, dtype: A
         raise ValueError(f"{folder}: weights do not match {CONFIG_NAME}: " + "; ".join(wrong[:3]))
     param = next(target.parameters())
     device = param.device if device is None else device
-    dtype = param.dtype if dtype is None else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    if isinstance(dtype, str):
+        if dtype not in ("float32", "float64", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32', 'float64', 'float16' or 'bfloat16', got {dtype!r}")
+        dtype = getattr(torch, dtype)
+    dtype = param.dtype if dtype is None else dtype
     model = DFlashDrafter(cfg, emb, head)
     state = {}
     for f in files:
