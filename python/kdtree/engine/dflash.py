@@ -500,23 +500,17 @@ class DFlashKV:
         """Caches the context keys and values of target ``features`` ``[b, r, feature_size]``
         at context rows ``rows`` int64 ``[b, r]`` (< capacity). ``slot``: None for slots
         ``0 .. b-1``, or int64 ``[b]``."""
+        from .drafter import write_rows
+
         torch = _torch()
         m = self.model
         with torch.no_grad():
             ctx = m.context(features.to(self.keys[0].dtype))
-            b, r = rows.shape
             cos, sin = self._rotary(rows)
             heads = torch.arange(self.kv_heads, device=rows.device)[None, :, None]
             for i, layer in enumerate(m.layers):
                 k, v = layer.self_attn.key_value(ctx, cos, sin)
-                if slot is None:
-                    idx = rows[:, None, :, None].expand(b, self.kv_heads, r, self.head_dim)
-                    self.keys[i][:b].scatter_(2, idx, k)
-                    self.values[i][:b].scatter_(2, idx, v)
-                else:
-                    where = (slot[:, None, None], heads, rows[:, None, :])
-                    self.keys[i].index_put_(where, k)
-                    self.values[i].index_put_(where, v)
+                write_rows(self.keys[i], self.values[i], k, v, rows, slot, heads)
 
     def forward(self, roots: Any, lengths: Any, depth: int | None = None) -> Any:
         """Drafter logits ``[b, depth, V]`` after each request's root (``roots`` int

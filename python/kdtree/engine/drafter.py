@@ -361,6 +361,22 @@ class CallableDrafter:
         return out
 
 
+def write_rows(keys: Any, values: Any, k: Any, v: Any, rows: Any, slot: Any, heads: Any) -> None:
+    """Writes one layer's keys and values ``k``, ``v`` ``[b, h, r, d]`` into the cache
+    ``keys``/``values`` ``[slots, h, rows, d]`` at int64 ``rows`` ``[b, r]`` of slots
+    ``0 .. b-1`` (``slot`` None) or of int64 ``slot`` ``[b]``; ``heads`` is
+    ``arange(h)[None, :, None]`` on the cache's device (made once by the caller)."""
+    b, h, r, d = k.shape
+    if slot is None:
+        idx = rows[:, None, :, None].expand(b, h, r, d)
+        keys[:b].scatter_(2, idx, k)
+        values[:b].scatter_(2, idx, v)
+    else:
+        where = (slot[:, None, None], heads, rows[:, None, :])
+        keys.index_put_(where, k)
+        values.index_put_(where, v)
+
+
 class BlockDrafterKV:
     """A :class:`BlockDrafter` with its context keys and values cached on the device, for
     the batched engine: each committed position's target features are projected once
@@ -409,20 +425,11 @@ class BlockDrafterKV:
         m = self.model
         with torch.no_grad():
             ctx = m.fuse_norm(m.fuse(features.to(self.keys[0].dtype)))
-            b, r = rows.shape
             cos, sin = self._rotary(rows)
             heads = torch.arange(self.config.num_heads, device=rows.device)[None, :, None]
             for i, layer in enumerate(m.layers):
                 k = _rotate(layer._heads(layer.k(ctx)), cos, sin)
-                v = layer._heads(layer.v(ctx))
-                if slot is None:
-                    idx = rows[:, None, :, None].expand(b, k.shape[1], r, k.shape[3])
-                    self.keys[i][:b].scatter_(2, idx, k)
-                    self.values[i][:b].scatter_(2, idx, v)
-                else:
-                    where = (slot[:, None, None], heads, rows[:, None, :])
-                    self.keys[i].index_put_(where, k)
-                    self.values[i].index_put_(where, v)
+                write_rows(self.keys[i], self.values[i], k, layer._heads(layer.v(ctx)), rows, slot, heads)
 
     def forward(self, roots: Any, lengths: Any, depth: int | None = None) -> Any:
         """Drafter logits ``[b, depth, V]`` for the positions after each request's root.
