@@ -183,7 +183,7 @@ def table(rows: list[list], head: list[str]) -> str:
 def main() -> int:
     import torch
 
-    from kdtree.engine.drafter import load_drafter
+    from kdtree.apps.generate import load_pair
     from kdtree.engine.hf import load_causal_lm
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,8 +209,7 @@ def main() -> int:
         return 2
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}")
-    target = load_causal_lm(PAIR / "target", device="cuda", dtype="bfloat16")
-    drafter = load_drafter(PAIR / "drafter", device="cuda", dtype="bfloat16")
+    _, target, drafter = load_pair(PAIR, "cuda", "bfloat16")
     prompts = held_out_prompts(max(args.batches) * args.requests_per_slot, args.prompt_tokens)
     max_length = max(512, args.prompt_tokens + args.new_tokens + 16)
     results = {"device": dev, "shipped": {}, "baselines": {}, "qwen3_8b": {}}

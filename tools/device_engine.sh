@@ -34,12 +34,10 @@ for step in "${steps[@]}"; do
     smoke)
       python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log" | tail -40
 import time, traceback, torch
-from kdtree.engine.hf import load_causal_lm
-from kdtree.engine.drafter import load_drafter
+from pathlib import Path
+from kdtree.apps.generate import load_pair
 from kdtree.engine.batched import Engine
-P = "fixtures/models/stdlib-qwen3"
-t = load_causal_lm(P + "/target", device="cuda", dtype="bfloat16")
-d = load_drafter(P + "/drafter", device="cuda", dtype="bfloat16")
+_, t, d = load_pair(Path("fixtures/models/stdlib-qwen3"), "cuda", "bfloat16")
 prompts = [[5 + i, 17, 99, 300 + i] * (4 + i) for i in range(4)]
 for mode, n in (("ar", 0), ("chain", 0), ("ddtree", 64)):
     try:
@@ -62,12 +60,10 @@ PY
     memcheck)
       compute-sanitizer --tool memcheck --print-limit 20 python3 - <<'PY' 2>&1 | tee "$OUT/memcheck.log" | tail -20
 import torch
-from kdtree.engine.hf import load_causal_lm
-from kdtree.engine.drafter import load_drafter
+from pathlib import Path
+from kdtree.apps.generate import load_pair
 from kdtree.engine.batched import Engine
-P = "fixtures/models/stdlib-qwen3"
-t = load_causal_lm(P + "/target", device="cuda", dtype="bfloat16")
-d = load_drafter(P + "/drafter", device="cuda", dtype="bfloat16")
+_, t, d = load_pair(Path("fixtures/models/stdlib-qwen3"), "cuda", "bfloat16")
 e = Engine(t, d, budget=32, max_batch=2, max_length=256, stop_tokens=[0])
 e.capture_all()
 outs = e.generate([[5, 17, 99, 300] * 5, [7, 8, 9]], 24)

@@ -4,7 +4,7 @@
 #   tools/device_train.sh corpus tokenizer target     # first call
 #   tools/device_train.sh drafter eval                # a later call, carrying build-pair/
 # The pair folder is $PAIR (default build-pair/, git-ignored: carry it to the next call);
-# a copy of it lands in $OUT/pair. TRAIN_ARGS adds options (e.g. "--target-minutes 7").
+# a copy of it comes back as $OUT/pair.tar.part-*. TRAIN_ARGS adds options (e.g. "--target-minutes 7").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdt-out}
@@ -16,5 +16,7 @@ stages=()
 for s in "$@"; do stages+=(--stage "$s"); done
 python3 tools/train_models.py --out "$PAIR" --device cuda "${stages[@]}" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" | tail -40
 rc=${PIPESTATUS[0]}
-mkdir -p "$OUT/pair" && cp -r "$PAIR"/. "$OUT/pair/"
+# Files come back from the device at most 16 MiB each: the pair travels as a split tar,
+# joined here by  cat pair.tar.part-* | tar xf - -C build-pair
+tar cf - -C "$PAIR" . | split -b 15M - "$OUT/pair.tar.part-"
 exit "$rc"

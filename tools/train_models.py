@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=512, help="real-text tokens before each drafter continuation")
     p.add_argument("--drafter-steps", type=int, default=20000)
     p.add_argument("--drafter-minutes", type=float, default=8.0)
+    p.add_argument("--compare", type=Path, help="an older pair's folder: the eval stage compares the two targets "
+                   "on held-out standard-library text, per character")
     return p.parse_args(argv)
 
 
@@ -206,8 +208,8 @@ def lr_at(step, total, peak, warmup):
 
 def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn, evaluate, eval_every, name, log):
     """AdamW (betas 0.9/0.95), warmup then cosine to 10%, gradient clipping at 1, bfloat16
-    autocast on CUDA. The schedule's length is ``max_steps``, or fewer when the first 20
-    steps' speed says ``minutes`` would run out. ``evaluate()`` (held-out loss) runs every
+    autocast on CUDA. The schedule's length is ``max_steps``, or fewer when steps 10-40's
+    speed says ``minutes`` would run out. ``evaluate()`` (held-out loss) runs every
     ``eval_every`` steps and at the end; the best evaluation's weights are restored.
     Returns (steps run, best held-out loss, its step, seconds)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -228,9 +230,11 @@ def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn,
         opt.step()
         losses.append(float(loss.detach()))
         step += 1
-        if step == 20:  # size the schedule to the time budget
-            per = (time.time() - t0) / 20
-            total = max(20, min(max_steps, int(minutes * 60 / per)))
+        if step == 10:
+            t10 = time.time()
+        if step == 40:  # size the schedule to the time budget, timed after the first steps' warm-up
+            per = (time.time() - t10) / 30
+            total = max(40, min(max_steps, int((minutes * 60 - (time.time() - t0)) / per) + 40))
             log(f"{name}: {per * 1e3:.0f} ms a step: {total} steps")
         if step % eval_every == 0 or step == total:
             model.eval()
@@ -403,7 +407,7 @@ def stage_drafter(torch, args, s, out, log, rec):
                                               loss_fn, evaluate, s["eval_every"], "drafter", log)
     dflash.save_dflash(drafter.to(torch.bfloat16), out / "drafter")
     rec.update(drafter_steps_run=steps, drafter_best_step=best_step, drafter_best_held_loss=best,
-               drafter_seconds=secs, drafter_params=sum(p.numel() for p in drafter.parameters()),
+               drafter_seconds=secs, drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
                drafter_target_layer_ids=list(drafter.target_layer_ids))
     log(f"drafter: {rec['drafter_params'] / 1e6:.2f} M parameters (DFlash, published format), best held-out loss "
         f"{best:.3f} at step {best_step} of {steps} ({secs:.0f} s)")
@@ -424,6 +428,45 @@ def perplexity(torch, model, ids, seq):
     return math.exp(total / max(1, count)), count
 
 
+def per_char(torch, model, tok, texts, seq):
+    """Held-out loss of ``model`` with its tokenizer ``tok`` in nats a character (the mean
+    token loss times tokens per character), so that models with different tokenizers
+    compare; and the token count."""
+    ids = encode(tok, texts)
+    ppl, _ = perplexity(torch, model, ids, seq)
+    chars = sum(len(t) + 1 for t in texts)
+    return math.log(ppl) * len(ids) / chars, len(ids)
+
+
+def compare_older(torch, args, out, tok, log, rec):
+    """The older pair's target (``--compare``, a folder with target/ and tokenizer.json) and
+    the new one on the same held-out standard-library files, in nats a character, and as a
+    perplexity in the older tokenizer's tokens."""
+    from tokenizers import Tokenizer
+
+    corpus = json.loads((out / "corpus.json").read_text())
+    files = [f for f in corpus["files"] if f["held_out"] and f["source"] == "python-stdlib"]
+    _, texts = read_texts({"files": files})
+    old_tok_path = next(p for p in (args.compare / "tokenizer.json", args.compare / "target" / "tokenizer.json")
+                        if p.is_file())
+    old_tok = Tokenizer.from_file(str(old_tok_path))
+    new_target = load_target(out, args.device)
+    from kdtree.engine.hf import load_causal_lm
+
+    old_target = load_causal_lm(args.compare / "target", device=args.device, dtype="float32")
+    new_npc, _ = per_char(torch, new_target, tok, texts, 512)
+    old_npc, old_n = per_char(torch, old_target, old_tok, texts, 512)
+    chars_per_old_token = sum(len(t) + 1 for t in texts) / old_n
+    res = {"files": len(texts), "chars": sum(len(t) for t in texts), "new_nats_per_char": new_npc,
+           "older_nats_per_char": old_npc,
+           "new_perplexity_in_older_tokens": math.exp(new_npc * chars_per_old_token),
+           "older_perplexity": math.exp(old_npc * chars_per_old_token), "older": str(args.compare)}
+    rec["compare"] = res
+    log(f"held-out standard-library files ({len(texts)}): {new_npc:.3f} nats a character against the older "
+        f"target's {old_npc:.3f}; perplexity in the older tokenizer's tokens {res['new_perplexity_in_older_tokens']:.1f}"
+        f" against {res['older_perplexity']:.1f}")
+
+
 def stage_eval(torch, args, s, out, log, rec):
     from tokenizers import Tokenizer
 
@@ -439,6 +482,8 @@ def stage_eval(torch, args, s, out, log, rec):
     drafter = dflash.load_dflash(out / "drafter", target, dtype="float32")
     ppl, n_tok = perplexity(torch, target, held_ids, min(s["seq"], 512))
     log(f"held-out perplexity {ppl:.2f} over {n_tok} tokens (saved weights, float32)")
+    if args.compare:
+        compare_older(torch, args, out, tok, log, rec)
     held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)
     g = torch.Generator(device="cpu").manual_seed(3)
     hits, count = np.zeros(s["block"] - 1), 0
