@@ -438,11 +438,13 @@ def per_char(torch, model, tok, texts, seq):
     return math.log(ppl) * len(ids) / chars, len(ids)
 
 
-def compare_older(torch, args, out, tok, log, rec):
+def compare_older(torch, args, out, tok, new_target, log, rec):
     """The older pair's target (``--compare``, a folder with target/ and tokenizer.json) and
     the new one on the same held-out standard-library files, in nats a character, and as a
     perplexity in the older tokenizer's tokens."""
     from tokenizers import Tokenizer
+
+    from kdtree.engine.hf import load_causal_lm
 
     corpus = json.loads((out / "corpus.json").read_text())
     files = [f for f in corpus["files"] if f["held_out"] and f["source"] == "python-stdlib"]
@@ -450,9 +452,6 @@ def compare_older(torch, args, out, tok, log, rec):
     old_tok_path = next(p for p in (args.compare / "tokenizer.json", args.compare / "target" / "tokenizer.json")
                         if p.is_file())
     old_tok = Tokenizer.from_file(str(old_tok_path))
-    new_target = load_target(out, args.device)
-    from kdtree.engine.hf import load_causal_lm
-
     old_target = load_causal_lm(args.compare / "target", device=args.device, dtype="float32")
     new_npc, _ = per_char(torch, new_target, tok, texts, 512)
     old_npc, old_n = per_char(torch, old_target, old_tok, texts, 512)
@@ -483,7 +482,7 @@ def stage_eval(torch, args, s, out, log, rec):
     ppl, n_tok = perplexity(torch, target, held_ids, min(s["seq"], 512))
     log(f"held-out perplexity {ppl:.2f} over {n_tok} tokens (saved weights, float32)")
     if args.compare:
-        compare_older(torch, args, out, tok, log, rec)
+        compare_older(torch, args, out, tok, target, log, rec)
     held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)
     g = torch.Generator(device="cpu").manual_seed(3)
     hits, count = np.zeros(s["block"] - 1), 0
