@@ -236,6 +236,19 @@ def test_gpu_graph_greedy_equals_autoregressive(gpu_pair, prompts, expected, bud
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_gpu_generate_captures_itself(gpu_pair, prompts, expected, mode):
+    """generate() on a fresh graph engine captures its round graphs before admitting any
+    request (no capture_all() by the caller), in every mode."""
+    target, drafter = gpu_pair
+    eng = Engine(target, drafter, max_batch=4, mode=mode, max_length=512)
+    outs = eng.generate(prompts[:6], NEW)
+    assert [o.tokens for o in outs] == expected[:6]
+    assert eng.generate(prompts[6:8], NEW)[1].tokens == expected[7]  # a second call keeps the graphs
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_graph_equals_eager(gpu_pair, prompts):
     target, drafter = gpu_pair
     runs = []

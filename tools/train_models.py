@@ -21,9 +21,9 @@ device calls):
    ``--target-minutes`` run out (the schedule is sized from the first steps' speed);
 4. ``drafter``: a DFlash drafter (:mod:`kdtree.engine.dflash`, hidden size and embedding /
    LM head of the frozen target) on sequences of real held-in text of ``--context`` tokens
-   followed by the target's own greedy continuation; anchors anywhere in them (in the real
-   text and in the continuation), labels the sequence's next ``block_size - 1`` tokens;
-   kept at its best held-out evaluation; saved in the published format;
+   followed by the target's own greedy continuation; half the anchors anywhere in them,
+   half in the continuation; the labels of a block are the target's teacher-forced argmax
+   at each of its positions (what greedy verification accepts); kept at its best held-out evaluation; saved in the published format;
 5. ``eval``: held-out perplexity, the drafter's per-position top-1 agreement, acceptance
    length of kdtree's batched engine at N = 16 / 64 / 256 on held-out prompts of
    ``--context`` tokens (greedy, outputs checked equal to the target's own), the repeated
@@ -326,18 +326,25 @@ def drafter_sequences(torch, target, ids, n, s, seed):
 
 
 def drafter_batch(torch, target, drafter, seqs, s, gen):
-    """Random anchors anywhere a block fits after at least 8 context tokens: features,
-    valid mask, roots, starts, labels."""
+    """Anchors in the real text (anywhere a block fits after at least 8 tokens) and, for
+    half of them, in the target's own continuation (from ``context`` on): features, valid
+    mask, roots, starts, labels. The label of the token j after an anchor is the target's
+    argmax at the token before it (teacher-forced, from the same forward as the features):
+    what verification accepts, rather than the text itself."""
     b, t_all = seqs.shape
     depth = s["block"] - 1
     dev = seqs.device
     with torch.no_grad():
-        hs = target(input_ids=seqs, output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i] for i in drafter.feature_layers], dim=-1)
-    p = torch.randint(8, t_all - depth, (b, s["anchors"]), generator=gen).to(dev).reshape(-1)
+        res = target(input_ids=seqs, output_hidden_states=True)
+        feats = torch.cat([res.hidden_states[i] for i in drafter.feature_layers], dim=-1)
+        choice = res.logits.argmax(-1)  # [b, t_all]: the target's next token after each position
+    n_real = s["anchors"] // 2
+    real = torch.randint(8, t_all - depth, (b, n_real), generator=gen)
+    cont = torch.randint(min(s["context"], t_all - depth - 1), t_all - depth, (b, s["anchors"] - n_real), generator=gen)
+    p = torch.cat([real, cont], dim=1).to(dev).reshape(-1)
     item = torch.arange(b, device=dev)[:, None].expand(b, s["anchors"]).reshape(-1)
     valid = torch.arange(t_all, device=dev)[None, :] < p[:, None]
-    labels = seqs[item[:, None], p[:, None] + torch.arange(1, depth + 1, device=dev)[None, :]]
+    labels = choice[item[:, None], p[:, None] + torch.arange(0, depth, device=dev)[None, :]]
     return feats[item], valid, seqs[item, p], p, labels
 
 
@@ -498,7 +505,7 @@ def stage_eval(torch, args, s, out, log, rec):
     rng = np.random.default_rng(12)
     starts = rng.integers(0, len(held_ids) - s["context"], s["accept_prompts"])
     prompts = [held_ids[a:a + s["context"]].tolist() for a in starts]
-    ar = Engine(target, None, mode="ar", max_batch=8, max_length=s["context"] + s["accept_new"] + 8)
+    ar = Engine(target, None, mode="ar", budget=0, max_batch=8, max_length=s["context"] + s["accept_new"] + 8)
     want = [o.tokens for o in ar.generate(prompts, s["accept_new"])]
     accept = {}
     for n in s["budgets"]:
@@ -614,10 +621,11 @@ of {s['batch']} x {s['seq']} tokens; the weights of the best held-out evaluation
 {r['drafter_target_layer_ids']}, block size {s['block']}, mask token `<|mask|>`;
 {r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
-continuation, anchors anywhere in them: {r['drafter_steps_run']} steps; best held-out loss
+continuation, half the anchors anywhere in them and half in the continuation, each block
+labelled with the target's teacher-forced argmax: {r['drafter_steps_run']} steps; best held-out loss
 {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}).
 
-Per-position top-1 agreement with the sequence's next tokens ({r['agreement_anchors']} held-out anchors):
+Per-position top-1 agreement with the target's argmax ({r['agreement_anchors']} held-out anchors):
 
 | position | {heads} |
 |---|{'---|' * len(r['drafter_agreement'])}

@@ -413,11 +413,15 @@ class Engine:
                  progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Decodes every prompt to the end (continuous batching over the slots); returns
         the outputs in the prompts' order. ``sampling``: one for all or one per prompt.
-        ``progress(n)`` is called with the tokens committed after each round."""
+        ``progress(n)`` is called with the tokens committed after each round. With CUDA
+        graphs on an idle engine it first captures every bucket's round graph
+        (:meth:`capture_all`; already captured ones are kept)."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        if self.use_graphs and not self.busy:
+            self.capture_all()  # the round graphs, captured while no request holds a slot
         ids = [self.submit(p, max_new_tokens, s, on_tokens=progress) for p, s in zip(prompts, sampling, strict=True)]
         while self.busy:
             self.step()
@@ -926,7 +930,7 @@ class Engine:
         slot. :meth:`capture_all` captures every bucket up front."""
         if any(r is not None for r in self._slots) or self._pending:
             raise RuntimeError("CUDA graphs are captured while no request holds a slot: call capture_all() "
-                               "before submitting requests (generate() does)")
+                               "before submitting requests (generate() does on an idle engine)")
 
     def buckets(self) -> list[int]:
         """The batch buckets: 1, 2, 4, ... up to max_batch (which is always one)."""
