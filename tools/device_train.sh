@@ -14,7 +14,8 @@ bash tools/device_engine.sh build || exit 1
 export PYTHONPATH=/tmp/site:$PWD/python KDTREE_LIBRARY=$PWD/build-gpu/libkdtree.so PYTHONUNBUFFERED=1
 stages=()
 for s in "$@"; do stages+=(--stage "$s"); done
-python3 tools/train_models.py --out "$PAIR" --device cuda "${stages[@]}" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" | tail -40
+# TRAIN_TIMEOUT (seconds) bounds the training alone, so that the pair still comes back
+timeout "${TRAIN_TIMEOUT:-3600}" python3 tools/train_models.py --out "$PAIR" --device cuda "${stages[@]}" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" | tail -40
 rc=${PIPESTATUS[0]}
 # Files come back from the device at most 16 MiB each: the pair travels as a split tar,
 # joined here by  cat pair.tar.part-* | tar xf - -C build-pair

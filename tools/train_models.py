@@ -21,8 +21,8 @@ device calls):
    ``--target-minutes`` run out (the schedule is sized from the first steps' speed);
 4. ``drafter``: a DFlash drafter (:mod:`kdtree.engine.dflash`, hidden size and embedding /
    LM head of the frozen target) on sequences of real held-in text of ``--context`` tokens
-   followed by the target's own greedy continuation; half the anchors anywhere in them,
-   half in the continuation; the labels of a block are the target's teacher-forced argmax
+   followed by the target's own greedy continuation (half of each batch; the other half
+   fresh windows of real text); half the anchors anywhere, half in the continuation; the labels of a block are the target's teacher-forced argmax
    at each of its positions (what greedy verification accepts); kept at its best held-out evaluation; saved in the published format;
 5. ``eval``: held-out perplexity, the drafter's per-position top-1 agreement, acceptance
    length of kdtree's batched engine at N = 16 / 64 / 256 on held-out prompts of
@@ -94,8 +94,8 @@ def sizes(args):
                 kv_heads=heads // 2 if heads % 2 == 0 else heads,
                 head_dim=64, inter=3 * args.hidden, seq=args.seq, batch=64, target_steps=args.target_steps,
                 target_minutes=args.target_minutes, eval_every=args.eval_every, lr=2e-3, eval_windows=256,
-                context=args.context, gen=128, n_seqs=8192, held_seqs=256, d_layers=args.drafter_layers,
-                block=args.block, d_batch=32, anchors=8, drafter_steps=args.drafter_steps,
+                context=args.context, gen=128, n_seqs=16384, held_seqs=256, d_layers=args.drafter_layers,
+                block=args.block, d_batch=32, anchors=16, drafter_steps=args.drafter_steps,
                 drafter_minutes=args.drafter_minutes, d_lr=1e-3, gen_batch=512, corpus_chars=args.corpus_mb * 1e6,
                 accept_prompts=64, accept_new=128, budgets=(16, 64, 256))
 
@@ -397,9 +397,16 @@ def stage_drafter(torch, args, s, out, log, rec):
         logits = drafter(feats, valid, roots, start)
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
+    train_data = torch.as_tensor(train_ids, device=seqs.device)
+
     def loss_fn(step):
-        rows = torch.randint(0, seqs.shape[0], (s["d_batch"],), generator=gen).to(seqs.device)
-        return loss_of(drafter_batch(torch, target, drafter, seqs[rows], s, gen))
+        # half the batch: sequences with the target's continuation; half: fresh windows of
+        # real text (labels are the target's argmax either way, so real text never runs out)
+        half = s["d_batch"] // 2
+        rows = torch.randint(0, seqs.shape[0], (s["d_batch"] - half,), generator=gen).to(seqs.device)
+        starts = torch.randint(0, len(train_ids) - seqs.shape[1], (half,), generator=gen).to(seqs.device)
+        fresh = train_data[starts[:, None] + torch.arange(seqs.shape[1], device=seqs.device)[None, :]]
+        return loss_of(drafter_batch(torch, target, drafter, torch.cat([seqs[rows], fresh]), s, gen))
 
     def evaluate():
         g = torch.Generator(device="cpu").manual_seed(hgen_seed)
@@ -621,7 +628,7 @@ of {s['batch']} x {s['seq']} tokens; the weights of the best held-out evaluation
 {r['drafter_target_layer_ids']}, block size {s['block']}, mask token `<|mask|>`;
 {r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
-continuation, half the anchors anywhere in them and half in the continuation, each block
+continuation (half of each batch; the other half fresh windows of real text), half the anchors anywhere in them and half in the continuation, each block
 labelled with the target's teacher-forced argmax: {r['drafter_steps_run']} steps; best held-out loss
 {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}).
 
