@@ -313,10 +313,10 @@ def test_cli_target_and_drafter_folders(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    family_model("qwen3", vocab=4096).save_pretrained(tmp_path / "target")
+    family_model("qwen3", vocab=8192).save_pretrained(tmp_path / "target")
     shutil.copy(root / "fixtures" / "models" / "stdlib-qwen3" / "tokenizer.json", tmp_path / "target")
-    target = family_model("qwen3", vocab=4096)
-    cfg = dflash.dflash_config(drafter_config(block=6, ids=(1, 2)) | {"vocab_size": 4096})
+    target = family_model("qwen3", vocab=8192)
+    cfg = dflash.dflash_config(drafter_config(block=6, ids=(1, 2)) | {"vocab_size": 8192})
     dflash.save_dflash(dflash.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings()),
                        tmp_path / "drafter")
     env = {**__import__("os").environ, "PYTHONPATH": str(root / "python")}
@@ -354,12 +354,12 @@ def test_cli_refuses_models_twice_and_reports_bad_runs(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     env = {**__import__("os").environ, "PYTHONPATH": str(root / "python")}
-    target = family_model("qwen3", vocab=4096)
+    target = family_model("qwen3", vocab=8192)
     target.save_pretrained(tmp_path / "target")
     import shutil
 
     shutil.copy(root / "fixtures" / "models" / "stdlib-qwen3" / "tokenizer.json", tmp_path / "target")
-    cfg = dflash.dflash_config(drafter_config(block=6, ids=(1, 2)) | {"vocab_size": 4096})
+    cfg = dflash.dflash_config(drafter_config(block=6, ids=(1, 2)) | {"vocab_size": 8192})
     d = dflash.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings())
     with torch.no_grad():
         d.fc.weight.fill_(float("nan"))

@@ -19,7 +19,8 @@ from pathlib import Path  # noqa: E402
 
 from kdtree.engine import autoregressive_generate  # noqa: E402
 from kdtree.engine.batched import Engine, SamplingParams  # noqa: E402
-from kdtree.engine.drafter import BlockDrafter, BlockDrafterConfig, load_drafter  # noqa: E402
+from kdtree.engine.dflash import load_dflash  # noqa: E402
+from kdtree.engine.drafter import BlockDrafter, BlockDrafterConfig  # noqa: E402
 from kdtree.engine.hf import HFTarget, load_causal_lm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,7 @@ def reference(model, prompts, new: int, stop_tokens=()) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def pair():
     target = load_causal_lm(PAIR / "target", dtype="float32")
-    drafter = load_drafter(PAIR / "drafter", dtype="float32")
+    drafter = load_dflash(PAIR / "drafter", target)
     return target, drafter
 
 
@@ -147,8 +148,9 @@ def test_bad_input(pair):
     eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64)
     with pytest.raises(ValueError, match="at least one token"):
         eng.submit([], 4)
-    with pytest.raises(ValueError, match="prompt element 1: token 4096 outside"):
-        eng.submit([1, 4096], 4)
+    v = target.config.vocab_size
+    with pytest.raises(ValueError, match=f"prompt element 1: token {v} outside"):
+        eng.submit([1, v], 4)
     with pytest.raises(ValueError, match="max_length is 64"):
         eng.submit([1] * 64, 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -161,7 +163,8 @@ def test_bad_input(pair):
         Engine(target, None)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Engine(target, drafter, max_length=10**6)
-    other = BlockDrafter(BlockDrafterConfig(vocab_size=4096, feature_size=512, target_layers=(1, 2, 3)))
+    other = BlockDrafter(BlockDrafterConfig(vocab_size=target.config.vocab_size, feature_size=512,
+                                            target_layers=(1, 2, 3)))
     with pytest.raises(ValueError, match="feature_size 512"):
         Engine(target, other)
     with pytest.raises(ValueError, match="temperature"):
@@ -216,7 +219,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CU
 @pytest.fixture(scope="module")
 def gpu_pair():
     target = load_causal_lm(PAIR / "target", device="cuda", dtype="float32")
-    drafter = load_drafter(PAIR / "drafter", device="cuda", dtype="float32")
+    drafter = load_dflash(PAIR / "drafter", target)
     return target, drafter
 
 
@@ -489,13 +492,15 @@ def test_gpu_mask_without_columns_inside_capture_is_a_kdtree_error():
             kdtree.tree_attention_mask(trees, prefix, errors="status")
 
 
-def test_drafter_context_cache_equals_the_module(pair):
+def test_drafter_context_cache_equals_the_module():
     """BlockDrafterKV (context keys/values cached per slot, appended in pieces and into
     any slots) gives the logits BlockDrafterModule.forward computes from all the features."""
     from kdtree.engine.drafter import BlockDrafterKV
 
-    _, drafter = pair
-    cfg = drafter.config
+    cfg = BlockDrafterConfig(vocab_size=300, feature_size=96, target_layers=(1, 2, 3), hidden_size=64, num_layers=2,
+                             num_heads=2, head_dim=32, intermediate_size=128, block_size=8)
+    torch.manual_seed(5)
+    drafter = BlockDrafter(cfg).eval()
     g = torch.Generator().manual_seed(4)
     feats = torch.randn(3, 20, cfg.feature_size, generator=g)
     lengths = torch.tensor([20, 7, 13])

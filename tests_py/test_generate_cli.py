@@ -35,9 +35,9 @@ def test_shipped_pair_is_complete_and_small():
     files = [p for p in MODELS.rglob("*") if p.is_file()]
     names = {p.relative_to(MODELS).as_posix() for p in files}
     for need in ("README.md", "training.json", "tokenizer.json", "target/config.json", "target/model.safetensors",
-                 "drafter/drafter_config.json", "drafter/drafter.safetensors"):
+                 "drafter/config.json", "drafter/model.safetensors"):
         assert need in names
-    assert sum(p.stat().st_size for p in files) < 40 * 2**20
+    assert sum(p.stat().st_size for p in files) < 30 * 2**20
 
 
 def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
@@ -50,7 +50,8 @@ def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
     assert "engine/rounds.py, characters 2000..2300:" in out  # --prompt-chars reaches generate
     assert "saves target forwards, not seconds" in field(out, "wall time")  # the CPU note
     assert "---- prompt (300 characters) " in out
-    assert "Qwen3ForCausalLM" in out and "kdtree block drafter (DFlash-style)" in out
+    assert "Qwen3ForCausalLM" in out and "DFlash drafter (published format)" in out
+    assert field(out, "  models").startswith(str(MODELS))  # where the pair came from
     assert "identical to greedy autoregressive decoding: YES" in out
     ar, dd = field(out, "target forwards").split(";")[0].replace("AR ", "").split(", DDTree ")
     assert int(ar) == 40 and 1 <= int(dd.split()[0]) < 40  # the drafter saves forwards
@@ -139,8 +140,9 @@ def test_broken_model_folders_are_usage_errors(tmp_path):
     assert r.returncode == 2 and "cannot load the models in" in r.stderr and "Traceback" not in r.stderr
     mismatch = tmp_path / "mismatch"
     shutil.copytree(MODELS, mismatch)
-    cfg = (mismatch / "drafter" / "drafter_config.json")
-    cfg.write_text(cfg.read_text().replace('"vocab_size": 4096', '"vocab_size": 5000'))
+    cfg = mismatch / "drafter" / "config.json"
+    assert '"vocab_size": 8192' in cfg.read_text()
+    cfg.write_text(cfg.read_text().replace('"vocab_size": 8192', '"vocab_size": 5000'))
     r = run_cli(["generate", "--models", str(mismatch)], tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "cannot load the models" in r.stderr or "does not fit the target" in r.stderr

@@ -34,14 +34,14 @@ def main() -> int:
 
     from bench_engine_gpu import PAIR, held_out_prompts
     from kdtree.engine.batched import Engine
-    from kdtree.engine.drafter import load_drafter
+    from kdtree.engine.dflash import load_dflash
     from kdtree.engine.hf import load_causal_lm
 
     if not torch.cuda.is_available():
         print("profile_engine_host: torch sees no CUDA device", file=sys.stderr)
         return 2
     target = load_causal_lm(PAIR / "target", device="cuda", dtype="bfloat16")
-    drafter = load_drafter(PAIR / "drafter", device="cuda", dtype="bfloat16")
+    drafter = load_dflash(PAIR / "drafter", target)
     budget = args.budget if args.budget == "auto" else int(args.budget)
     eng = Engine(target, drafter, max_batch=args.batch, budget=budget, mode=args.mode, max_length=512)
     eng.capture_all(prefill=True)
