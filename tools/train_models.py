@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--drafter-layers", type=int, default=2)
     p.add_argument("--block", type=int, default=16, help="drafter block size (bonus + drafted positions)")
     p.add_argument("--context", type=int, default=512, help="real-text tokens before each drafter continuation")
+    p.add_argument("--loss-decay-gamma", type=float, default=7.0,
+                   help="drafter loss weight exp(-(k-1)/gamma) at block position k (DFlash: 7 for blocks of 16, "
+                        "5 for 10, 4 for 8); 0: equal weights")
     p.add_argument("--drafter-steps", type=int, default=20000)
     p.add_argument("--drafter-minutes", type=float, default=8.0)
     p.add_argument("--compare", type=Path, help="an older pair's folder: the eval stage compares the two targets "
@@ -88,7 +91,7 @@ def sizes(args):
                     target_steps=40, target_minutes=2.0, eval_every=10, lr=3e-3, eval_windows=8, context=48, gen=24,
                     n_seqs=48, held_seqs=8, d_layers=1, block=6, d_batch=8, anchors=4, drafter_steps=30,
                     drafter_minutes=2.0, d_lr=1e-3, gen_batch=16, corpus_chars=3e6, accept_prompts=2,
-                    accept_new=24, budgets=(4, 16))
+                    accept_new=24, budgets=(4, 16), loss_decay_gamma=args.loss_decay_gamma)
     heads = max(1, args.hidden // 64)
     return dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=heads,
                 kv_heads=heads // 2 if heads % 2 == 0 else heads,
@@ -97,7 +100,7 @@ def sizes(args):
                 context=args.context, gen=128, n_seqs=16384, held_seqs=256, d_layers=args.drafter_layers,
                 block=args.block, d_batch=32, anchors=16, drafter_steps=args.drafter_steps,
                 drafter_minutes=args.drafter_minutes, d_lr=1e-3, gen_batch=512, corpus_chars=args.corpus_mb * 1e6,
-                accept_prompts=64, accept_new=128, budgets=(16, 64, 256))
+                accept_prompts=64, accept_new=128, budgets=(16, 64, 256), loss_decay_gamma=args.loss_decay_gamma)
 
 
 # ---- corpus ------------------------------------------------------------------------------
@@ -392,10 +395,19 @@ def stage_drafter(torch, args, s, out, log, rec):
     gen = torch.Generator(device="cpu").manual_seed(2)
     hgen_seed = 3
 
+    # position k of a block weighs exp(-(k - 1) / gamma) (DFlash's decay: a draft token
+    # counts only if every earlier one is accepted); gamma 0: equal weights
+    depth = s["block"] - 1
+    k = torch.arange(depth, dtype=torch.float32, device=args.device)
+    weight = torch.exp(-k / args.loss_decay_gamma) if args.loss_decay_gamma > 0 else torch.ones_like(k)
+    weight = weight / weight.sum()
+
     def loss_of(batch):
         feats, valid, roots, start, labels = batch
         logits = drafter(feats, valid, roots, start)
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               reduction="none").reshape(labels.shape)
+        return (ce.mean(0) * weight).sum()
 
     train_data = torch.as_tensor(train_ids, device=seqs.device)
 
@@ -577,6 +589,7 @@ def main(argv=None) -> int:
         else:
             stage_eval(torch, args, s, out, log, rec)
         rec.setdefault("stage_seconds", {})[stage] = time.time() - ts
+        rec.setdefault("stage_commands", {})[stage] = rec["command"]
         rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     if (out / "corpus.json").is_file() and "held_out_perplexity" in rec:
         write_card(out, rec, json.loads((out / "corpus.json").read_text()))
@@ -595,10 +608,25 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     samples = "\n\n".join(f"```\n...{x['prompt_tail']}\n>>> {x['continuation']}\n```" for x in r["samples"])
     n_files = len(corpus["files"])
     n_held = sum(f["held_out"] for f in corpus["files"])
+    runs: dict[str, list[str]] = {}
+    for stage, cmd in r.get("stage_commands", {}).items():
+        runs.setdefault(cmd, []).append(stage)
+    commands = "\n".join(f"    {cmd}    # {', '.join(st)}" for cmd, st in runs.items()) or f"    {r['command']}"
+    c = r.get("compare")
+    compare = "" if not c else (
+        f"On the {c['files']} held-out standard-library files the older pair's target ({c['older']}) scores "
+        f"{c['older_nats_per_char']:.3f} nats a character and this one {c['new_nats_per_char']:.3f}: in the older "
+        f"tokenizer's tokens, perplexity {c['new_perplexity_in_older_tokens']:.1f} against "
+        f"{c['older_perplexity']:.1f}.\n")
+    gamma = s.get("loss_decay_gamma")
+    weighting = ("equal weights at every position" if not gamma else
+                 f"block position k weighted exp(-(k-1)/{gamma:g})")
     text = f"""# The demo pair: a Qwen3 target and a DFlash drafter
 
-Trained by `tools/train_models.py` (`{r['command']}`) on {r['device_name']}, Python {r['python']},
-torch {r['torch']}, transformers {r['transformers']}.
+Trained by `tools/train_models.py` on {r['device_name']}, Python {r['python']}, torch {r['torch']},
+transformers {r['transformers']}, in stages:
+
+{commands}
 
 ## Corpus
 Python sources no one in this project wrote: the standard library and the permissively
@@ -621,16 +649,15 @@ Byte-level BPE, vocabulary {s['vocab']} with `<|endoftext|>` (0) and `<|mask|>` 
 MLP {s['inter']}, tied embeddings; {r['target_params'] / 1e6:.2f} M parameters. {r['target_steps_run']} AdamW steps
 of {s['batch']} x {s['seq']} tokens; the weights of the best held-out evaluation (step
 {r['target_best_step']}, loss {r['target_best_held_loss']:.3f}) are kept. **Held-out perplexity
-{r['held_out_perplexity']:.2f}** (saved weights, float32).
-
+{r['held_out_perplexity']:.2f}** (saved weights, float32). {compare}
 ## Drafter (`drafter/`, bfloat16, the published DFlash format)
 {s['d_layers']} DFlash layers over the target's embedding and LM head, target layers
 {r['drafter_target_layer_ids']}, block size {s['block']}, mask token `<|mask|>`;
 {r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
 continuation (half of each batch; the other half fresh windows of real text), half the anchors anywhere in them and half in the continuation, each block
-labelled with the target's teacher-forced argmax: {r['drafter_steps_run']} steps; best held-out loss
-{r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}).
+labelled with the target's teacher-forced argmax ({weighting}): {r['drafter_steps_run']} steps; best
+held-out loss {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}).
 
 Per-position top-1 agreement with the target's argmax ({r['agreement_anchors']} held-out anchors):
 
