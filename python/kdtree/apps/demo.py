@@ -2,7 +2,7 @@
 
 By default (``--model transformer``) the demo is ``python -m kdtree generate`` with the
 transformer pair shipped in ``fixtures/models/stdlib-qwen3`` (:mod:`kdtree.generate`): a
-small Qwen3-style target and a DFlash-style block drafter, greedy, checked against
+small Qwen3 target and a DFlash drafter (published format), greedy, checked against
 autoregressive decoding. ``--model ngram`` runs the byte n-gram pair described below.
 
 With ``--model ngram`` the target is an order-16 byte n-gram model with stupid backoff and the drafter an order-4
@@ -74,7 +74,7 @@ NGRAM_ONLY = {"order": ngram.DEFAULT_ORDER, "draft_order": ngram.DEFAULT_DRAFT_O
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("transformer", "ngram"), default="transformer",
-                   help="transformer: the shipped Qwen3-style target and block drafter (kdtree generate); "
+                   help="transformer: the shipped Qwen3 target and DFlash drafter (kdtree generate); "
                         "ngram: byte n-gram target and drafter estimated from the standard library")
     p.add_argument("--models", type=Path, default=None,
                    help="transformer: the folder of the pair (default: the checkout's fixtures/models/stdlib-qwen3, "

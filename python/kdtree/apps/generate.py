@@ -1,9 +1,11 @@
 """``python -m kdtree generate``: DDTree speculative decoding of a transformer target with a
-block drafter (kdtree.hf, kdtree.drafter), on CPU or GPU.
+DFlash drafter or a kdtree block drafter (kdtree.hf, kdtree.engine.dflash, kdtree.drafter),
+on CPU or GPU.
 
-The default pair is the one shipped in ``fixtures/models/stdlib-qwen3`` (a 4.2 M-parameter
-Qwen3-style target and a DFlash-style drafter trained on the Python standard library; its
-``README.md`` is the model card). Greedy decoding (``--temperature 0``, the default) also
+The default pair is the one shipped in ``fixtures/models/stdlib-qwen3`` (a 10.6 M-parameter
+Qwen3 target and a DFlash drafter in the published format, trained on the Python sources of
+the standard library and of permissively licensed packages; its ``README.md`` is the model
+card). Greedy decoding (``--temperature 0``, the default) also
 runs plain autoregressive decoding of the same target and checks that the two outputs are
 identical (exit status 1 if not); sampling (``--temperature > 0``, optionally ``--top-p``)
 is lossless by construction (the walk keeps the target's distribution) and is reported
