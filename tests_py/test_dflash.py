@@ -178,6 +178,30 @@ def test_cached_decoder_equals_the_module():
             assert torch.allclose(got, want, rtol=0, atol=1e-10), (extra, r, float((got - want).abs().max()))
 
 
+def test_blocks_over_one_context_equal_each_block_alone():
+    """forward_blocks (A blocks a sequence over one context, the training form) equals
+    forward of each block alone, at starts 0 (no context), inside and at the end."""
+    target = tiny_target()
+    m = random_drafter(target, block=8, ids=(0, 2, 5))
+    rng = np.random.default_rng(3)
+    seqs = torch.as_tensor(rng.integers(0, VOCAB, (2, 30)))
+    feats = torch.stack([features(target, seq.tolist(), m.target_layer_ids) for seq in seqs])
+    starts = torch.tensor([[0, 7, 29, 7], [12, 3, 22, 29]])
+    roots = torch.gather(seqs, 1, starts)
+    with torch.no_grad():
+        got = m.forward_blocks(feats, starts, roots, depth=5)
+        assert got.shape == (2, 4, 5, VOCAB)
+        for b in range(2):
+            for a in range(4):
+                p = starts[b, a]
+                want = m(feats[b:b + 1], (torch.arange(30) < p)[None], roots[b, a:a + 1], p[None], 5)
+                assert torch.allclose(got[b, a], want[0], rtol=0, atol=1e-10), (b, a)
+    with pytest.raises(ValueError, match="starts and roots"):
+        m.forward_blocks(feats, starts[:, :2], roots)
+    with pytest.raises(ValueError, match="depth"):
+        m.forward_blocks(feats, starts, roots, depth=8)
+
+
 def test_save_load_round_trip_and_errors(tmp_path):
     target = tiny_target()
     m = random_drafter(target)

@@ -98,7 +98,7 @@ def sizes(args):
                 head_dim=64, inter=3 * args.hidden, seq=args.seq, batch=64, target_steps=args.target_steps,
                 target_minutes=args.target_minutes, eval_every=args.eval_every, lr=2e-3, eval_windows=256,
                 context=args.context, gen=128, n_seqs=16384, held_seqs=256, d_layers=args.drafter_layers,
-                block=args.block, d_batch=32, anchors=16, drafter_steps=args.drafter_steps,
+                block=args.block, d_batch=16, anchors=64, drafter_steps=args.drafter_steps,
                 drafter_minutes=args.drafter_minutes, d_lr=1e-3, gen_batch=512, corpus_chars=args.corpus_mb * 1e6,
                 accept_prompts=64, accept_new=128, budgets=(16, 64, 256), loss_decay_gamma=args.loss_decay_gamma)
 
@@ -330,10 +330,11 @@ def drafter_sequences(torch, target, ids, n, s, seed):
 
 def drafter_batch(torch, target, drafter, seqs, s, gen):
     """Anchors in the real text (anywhere a block fits after at least 8 tokens) and, for
-    half of them, in the target's own continuation (from ``context`` on): features, valid
-    mask, roots, starts, labels. The label of the token j after an anchor is the target's
-    argmax at the token before it (teacher-forced, from the same forward as the features):
-    what verification accepts, rather than the text itself."""
+    half of them, in the target's own continuation (from ``context`` on): features
+    ``[b, T, F]``, starts and roots ``[b, A]``, labels ``[b, A, depth]`` (the inputs of
+    the drafter's ``forward_blocks``). The label of the token j after an anchor is the
+    target's argmax at the token before it (teacher-forced, from the same forward as the
+    features): what verification accepts, rather than the text itself."""
     b, t_all = seqs.shape
     depth = s["block"] - 1
     dev = seqs.device
@@ -344,11 +345,9 @@ def drafter_batch(torch, target, drafter, seqs, s, gen):
     n_real = s["anchors"] // 2
     real = torch.randint(8, t_all - depth, (b, n_real), generator=gen)
     cont = torch.randint(min(s["context"], t_all - depth - 1), t_all - depth, (b, s["anchors"] - n_real), generator=gen)
-    p = torch.cat([real, cont], dim=1).to(dev).reshape(-1)
-    item = torch.arange(b, device=dev)[:, None].expand(b, s["anchors"]).reshape(-1)
-    valid = torch.arange(t_all, device=dev)[None, :] < p[:, None]
-    labels = choice[item[:, None], p[:, None] + torch.arange(0, depth, device=dev)[None, :]]
-    return feats[item], valid, seqs[item, p], p, labels
+    p = torch.cat([real, cont], dim=1).to(dev)  # [b, A]
+    labels = torch.gather(choice, 1, (p[:, :, None] + torch.arange(depth, device=dev)).reshape(b, -1))
+    return feats, p, torch.gather(seqs, 1, p), labels.reshape(b, -1, depth)
 
 
 def feature_layer_ids(n_layers: int) -> list[int]:
@@ -403,10 +402,10 @@ def stage_drafter(torch, args, s, out, log, rec):
     weight = weight / weight.sum()
 
     def loss_of(batch):
-        feats, valid, roots, start, labels = batch
-        logits = drafter(feats, valid, roots, start)
+        feats, starts, roots, labels = batch
+        logits = drafter.forward_blocks(feats, starts, roots)
         ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                               reduction="none").reshape(labels.shape)
+                                               reduction="none").reshape(-1, depth)
         return (ce.mean(0) * weight).sum()
 
     train_data = torch.as_tensor(train_ids, device=seqs.device)
@@ -514,10 +513,10 @@ def stage_eval(torch, args, s, out, log, rec):
     hits, count = np.zeros(s["block"] - 1), 0
     with torch.no_grad():
         for b0 in range(0, held.shape[0], s["d_batch"]):
-            feats, valid, roots, start, labels = drafter_batch(torch, target, drafter, held[b0:b0 + s["d_batch"]], s, g)
-            top = drafter(feats, valid, roots, start).argmax(-1)
-            hits += (top == labels).float().sum(0).cpu().numpy()
-            count += labels.shape[0]
+            feats, starts, roots, labels = drafter_batch(torch, target, drafter, held[b0:b0 + s["d_batch"]], s, g)
+            top = drafter.forward_blocks(feats, starts, roots).argmax(-1)
+            hits += (top == labels).float().sum((0, 1)).cpu().numpy()
+            count += labels.shape[0] * labels.shape[1]
     agree = (hits / count).tolist()
     log("drafter top-1 agreement by position: " + " ".join(f"{a:.2f}" for a in agree))
     # acceptance length of kdtree's batched engine, greedy, on held-out prompts of `context` tokens

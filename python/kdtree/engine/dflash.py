@@ -299,6 +299,53 @@ def _build_classes():
                 h = layer.finish(h, out)
             return self.logits(h)
 
+        def forward_blocks(self, features, starts, roots, depth: int | None = None):
+            """Logits ``[B, A, depth, V]`` of A blocks per sequence over one shared context
+            (the training form of :meth:`forward`: the context keys and values are computed
+            once per sequence, not once per block).
+
+            features  [B, T, feature_size] as in :meth:`forward`
+            starts    [B, A] int in [0, T]: block a's root position; it sees the context
+                      positions before it and its own rows
+            roots     [B, A] int: the root tokens
+            depth     drafted positions, 1 .. block_size - 1 (default all)
+
+            Equal to :meth:`forward` of each block alone with ``context_valid`` = the
+            positions before its start. Raises ValueError as :meth:`forward` does, and for
+            ``starts`` and ``roots`` of another shape than ``[B, A]``.
+            """
+            depth = self.max_depth if depth is None else int(depth)
+            if not 1 <= depth <= self.max_depth:
+                raise ValueError(f"depth must be in [1, {self.max_depth}], got {depth}")
+            if features.shape[-1] != self.feature_size:
+                raise ValueError(f"features have width {features.shape[-1]}, this drafter takes "
+                                 f"{self.feature_size} ({len(self.target_layer_ids)} target layers)")
+            b, t = features.shape[:2]
+            if starts.dim() != 2 or starts.shape[0] != b or roots.shape != starts.shape:
+                raise ValueError(f"starts and roots must both be [B={b}, A], got {tuple(starts.shape)} and "
+                                 f"{tuple(roots.shape)}")
+            a, s, dev = starts.shape[1], depth + 1, features.device
+            h = self.block(roots.reshape(-1), depth).reshape(b, a * s, -1)
+            ctx = self.context(features.to(h.dtype))
+            steps = torch.arange(s, device=dev)
+            pos_blk = (starts.long()[:, :, None] + steps).reshape(b, a * s)
+            cb, sb = self.rotary(pos_blk, h.dtype)
+            cc, sc = self.rotary(torch.arange(t, device=dev)[None, :].expand(b, t), h.dtype)
+            row_start = starts.long().repeat_interleave(s, dim=1)  # [b, a * s]
+            ctx_ok = torch.arange(t, device=dev)[None, None, :] < row_start[:, :, None]
+            blk = torch.arange(a, device=dev).repeat_interleave(s)
+            allowed = torch.cat([ctx_ok, (blk[:, None] == blk[None, :]).expand(b, -1, -1)], dim=-1)[:, None]
+            mask = torch.zeros(allowed.shape, dtype=h.dtype, device=dev)
+            mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
+            for layer in self.layers:
+                att = layer.self_attn
+                x = layer.input_layernorm(h)
+                kc, vc = att.key_value(ctx, cc, sc)
+                kb, vb = att.key_value(x, cb, sb)
+                out = att.attend(att.query(x, cb, sb), torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+                h = layer.finish(h, out)
+            return self._target_io[1](self.norm(h.reshape(b, a, s, -1)[:, :, 1:]))
+
     return DFlashDrafter, rotate
 
 
