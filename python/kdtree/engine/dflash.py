@@ -259,6 +259,27 @@ def _build_classes():
             """Target-head logits of the block rows after the root, ``[b, depth, V]``."""
             return self._target_io[1](self.norm(h[:, 1:]))
 
+        def _checked_depth(self, features, depth):
+            depth = self.max_depth if depth is None else int(depth)
+            if not 1 <= depth <= self.max_depth:
+                raise ValueError(f"depth must be in [1, {self.max_depth}], got {depth}")
+            if features.shape[-1] != self.feature_size:
+                raise ValueError(f"features have width {features.shape[-1]}, this drafter takes "
+                                 f"{self.feature_size} ({len(self.target_layer_ids)} target layers)")
+            return depth
+
+        def _layers(self, h, ctx, rot_blk, rot_ctx, mask):
+            """The drafter layers over block rows ``h`` with context features ``ctx`` (their
+            rotary tables ``(cos, sin)``) under the additive ``mask`` [b, 1, rows, T + rows]."""
+            for layer in self.layers:
+                att = layer.self_attn
+                x = layer.input_layernorm(h)
+                kc, vc = att.key_value(ctx, *rot_ctx)
+                kb, vb = att.key_value(x, *rot_blk)
+                out = att.attend(att.query(x, *rot_blk), torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+                h = layer.finish(h, out)
+            return h
+
         def forward(self, features, context_valid, bonus, start, depth: int | None = None):
             """Logits ``[B, depth, V]`` for the positions after the bonus (the root).
 
@@ -271,12 +292,7 @@ def _build_classes():
             Raises:
                 ValueError: depth out of range, or features of the wrong width.
             """
-            depth = self.max_depth if depth is None else int(depth)
-            if not 1 <= depth <= self.max_depth:
-                raise ValueError(f"depth must be in [1, {self.max_depth}], got {depth}")
-            if features.shape[-1] != self.feature_size:
-                raise ValueError(f"features have width {features.shape[-1]}, this drafter takes "
-                                 f"{self.feature_size} ({len(self.target_layer_ids)} target layers)")
+            depth = self._checked_depth(features, depth)
             b, t = features.shape[:2]
             s = depth + 1
             dev = features.device
@@ -290,13 +306,7 @@ def _build_classes():
                                  torch.ones((b, 1, s, s), dtype=torch.bool, device=dev)], dim=-1)
             mask = torch.zeros(allowed.shape, dtype=h.dtype, device=dev)
             mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
-            for layer in self.layers:
-                att = layer.self_attn
-                x = layer.input_layernorm(h)
-                kc, vc = att.key_value(ctx, cc, sc)
-                kb, vb = att.key_value(x, cb, sb)
-                out = att.attend(att.query(x, cb, sb), torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
-                h = layer.finish(h, out)
+            h = self._layers(h, ctx, (cb, sb), (cc, sc), mask)
             return self.logits(h)
 
         def forward_blocks(self, features, starts, roots, depth: int | None = None):
@@ -314,12 +324,7 @@ def _build_classes():
             positions before its start. Raises ValueError as :meth:`forward` does, and for
             ``starts`` and ``roots`` of another shape than ``[B, A]``.
             """
-            depth = self.max_depth if depth is None else int(depth)
-            if not 1 <= depth <= self.max_depth:
-                raise ValueError(f"depth must be in [1, {self.max_depth}], got {depth}")
-            if features.shape[-1] != self.feature_size:
-                raise ValueError(f"features have width {features.shape[-1]}, this drafter takes "
-                                 f"{self.feature_size} ({len(self.target_layer_ids)} target layers)")
+            depth = self._checked_depth(features, depth)
             b, t = features.shape[:2]
             if starts.dim() != 2 or starts.shape[0] != b or roots.shape != starts.shape:
                 raise ValueError(f"starts and roots must both be [B={b}, A], got {tuple(starts.shape)} and "
@@ -337,13 +342,7 @@ def _build_classes():
             allowed = torch.cat([ctx_ok, (blk[:, None] == blk[None, :]).expand(b, -1, -1)], dim=-1)[:, None]
             mask = torch.zeros(allowed.shape, dtype=h.dtype, device=dev)
             mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
-            for layer in self.layers:
-                att = layer.self_attn
-                x = layer.input_layernorm(h)
-                kc, vc = att.key_value(ctx, cc, sc)
-                kb, vb = att.key_value(x, cb, sb)
-                out = att.attend(att.query(x, cb, sb), torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
-                h = layer.finish(h, out)
+            h = self._layers(h, ctx, (cb, sb), (cc, sc), mask)
             return self._target_io[1](self.norm(h.reshape(b, a, s, -1)[:, :, 1:]))
 
     return DFlashDrafter, rotate
