@@ -35,10 +35,11 @@ def test_train_models_smoke_run(tmp_path):
     # kdtree's engine on held-out prompts: every output equals the target's greedy decoding
     assert all(v["identical"] == v["of"] for v in record["acceptance"].values())
     corpus = json.loads((out / "corpus.json").read_text())
+    assert all(e["version"] for e in corpus["packages"].values())  # each source with its version
     assert any(f["held_out"] for f in corpus["files"]) and not any("kdtree" in f["path"].split("/site-packages/")[-1]
                                                                      .split("/")[0] for f in corpus["files"])
     card = (out / "README.md").read_text()
-    assert "Held-out perplexity" in card and "top-1 agreement" in card and "| source | licence | files |" in card
+    assert "Held-out perplexity" in card and "top-1 agreement" in card and "| source | version | licence (as the package declares it) | files |" in card
     # the drafter is in the published DFlash format and the folder decodes through kdtree generate
     dcfg = json.loads((out / "drafter" / "config.json").read_text())
     assert dcfg["block_size"] == 6 and dcfg["dflash_config"]["mask_token_id"] == 1

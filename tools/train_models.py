@@ -119,8 +119,7 @@ def collect_corpus(max_chars: float) -> dict:
     from kdtree.engine.ngram import stdlib_dir, stdlib_sources
 
     kdtree_dir = (ROOT / "python" / "kdtree").resolve()
-    sources = [("python-stdlib", f"PSF-2.0 (Python {platform.python_version()})",
-                [str(f) for f in stdlib_sources()])]
+    sources = [("python-stdlib", "PSF-2.0", [str(f) for f in stdlib_sources()], platform.python_version())]
     skipped = []
     for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata.get("Name") or "").lower()):
         name = dist.metadata.get("Name") or "?"
@@ -140,9 +139,10 @@ def collect_corpus(max_chars: float) -> dict:
             if full.is_file() and kdtree_dir not in full.parents:
                 paths.append(str(full))
         if paths:
-            sources.append((name, lic, sorted(paths)))
+            sources.append((name, lic, sorted(paths), dist.version))
     files, total = [], 0
-    for name, lic, paths in sources:
+    version_of = {name: version for name, _, _, version in sources}
+    for name, lic, paths, _ in sources:
         for p in paths:
             try:
                 n = Path(p).stat().st_size
@@ -160,7 +160,7 @@ def collect_corpus(max_chars: float) -> dict:
         f["held_out"] = i % 20 == 7
     packages = {}
     for f in files:
-        e = packages.setdefault(f["source"], {"licence": f["licence"], "files": 0})
+        e = packages.setdefault(f["source"], {"licence": f["licence"], "version": version_of[f["source"]], "files": 0})
         e["files"] += 1
     return {"files": files, "packages": packages, "skipped": skipped, "stdlib": str(stdlib_dir())}
 
@@ -589,6 +589,7 @@ def main(argv=None) -> int:
             stage_eval(torch, args, s, out, log, rec)
         rec.setdefault("stage_seconds", {})[stage] = time.time() - ts
         rec.setdefault("stage_commands", {})[stage] = rec["command"]
+        rec.setdefault("stage_sizes", {})[stage] = rec["sizes"]  # "sizes" is the latest run's
         rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     if (out / "corpus.json").is_file() and "held_out_perplexity" in rec:
         write_card(out, rec, json.loads((out / "corpus.json").read_text()))
@@ -603,8 +604,10 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     heads = " | ".join(str(i + 1) for i in range(len(r["drafter_agreement"])))
     acc = "\n".join(f"| {n} | {v['acceptance_length']:.2f} | {v['identical']}/{v['of']} |"
                     for n, v in r["acceptance"].items())
-    pk = "\n".join(f"| {name} | {e['licence']} | {e['files']} |" for name, e in sorted(corpus["packages"].items()))
-    samples = "\n\n".join(f"```\n...{x['prompt_tail']}\n>>> {x['continuation']}\n```" for x in r["samples"])
+    pk = "\n".join(f"| {name} | {e.get('version', 'not recorded')} | {e['licence']} | {e['files']} |"
+                   for name, e in sorted(corpus["packages"].items()))
+    samples = "\n\n".join(f"Prompt (its last 40 tokens):\n\n```\n{x['prompt_tail']}\n```\n\nContinuation:\n\n"
+                           f"```\n{x['continuation']}\n```" for x in r["samples"])
     n_files = len(corpus["files"])
     n_held = sum(f["held_out"] for f in corpus["files"])
     runs: dict[str, list[str]] = {}
@@ -613,9 +616,9 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     commands = "\n".join(f"    {cmd}    # {', '.join(st)}" for cmd, st in runs.items()) or f"    {r['command']}"
     c = r.get("compare")
     compare = "" if not c else (
-        f"On the {c['files']} held-out standard-library files the older pair's target ({c['older']}) scores "
-        f"{c['older_nats_per_char']:.3f} nats a character and this one {c['new_nats_per_char']:.3f}: in the older "
-        f"tokenizer's tokens, perplexity {c['new_perplexity_in_older_tokens']:.1f} against "
+        f"On the {c['files']} held-out standard-library files this target scores {c['new_nats_per_char']:.3f} "
+        f"nats a character against {c['older_nats_per_char']:.3f} for the older pair's target ({c['older']}): "
+        f"in the older tokenizer's tokens, perplexity {c['new_perplexity_in_older_tokens']:.1f} against "
         f"{c['older_perplexity']:.1f}.\n")
     gamma = s.get("loss_decay_gamma")
     weighting = ("equal weights at every position" if not gamma else
@@ -634,8 +637,8 @@ path) held out whole ({n_held} files); {r.get('train_tokens', 0):,} training tok
 {r.get('held_tokens', 0):,} held out. Test suites and vendored code are excluded; files are
 separated by `<|endoftext|>` (token 0). Sources and licences:
 
-| source | licence | files |
-|---|---|---|
+| source | version | licence (as the package declares it) | files |
+|---|---|---|---|
 {pk}
 
 Skipped for their licence (not clearly permissive): {', '.join(x['package'] for x in corpus['skipped']) or 'none'}.
@@ -647,16 +650,21 @@ Byte-level BPE, vocabulary {s['vocab']} with `<|endoftext|>` (0) and `<|mask|>` 
 {s['layers']} layers, hidden {s['hidden']}, {s['heads']} query / {s['kv_heads']} KV heads of {s['head_dim']},
 MLP {s['inter']}, tied embeddings; {r['target_params'] / 1e6:.2f} M parameters. {r['target_steps_run']} AdamW steps
 of {s['batch']} x {s['seq']} tokens; the weights of the best held-out evaluation (step
-{r['target_best_step']}, loss {r['target_best_held_loss']:.3f}) are kept. **Held-out perplexity
-{r['held_out_perplexity']:.2f}** (saved weights, float32). {compare}
+{r['target_best_step']}, mean token cross-entropy {r['target_best_held_loss']:.3f} nats on a sample of held-out
+{s['seq']}-token windows, in bfloat16 autocast) are kept. **Held-out perplexity
+{r['held_out_perplexity']:.2f}** (exp of the mean cross-entropy over every held-out token, in 512-token windows,
+the saved weights in float32). {compare}
 ## Drafter (`drafter/`, bfloat16, the published DFlash format)
 {s['d_layers']} DFlash layers over the target's embedding and LM head, target layers
-{r['drafter_target_layer_ids']}, block size {s['block']}, mask token `<|mask|>`;
+{r['drafter_target_layer_ids']} (0-based layer indices: transformers' `hidden_states`
+{[i + 1 for i in r['drafter_target_layer_ids']]}), block size {s['block']} (the root and
+{s['block'] - 1} drafted positions, L = {s['block'] - 1}), mask token `<|mask|>`;
 {r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
 continuation (half of each batch; the other half fresh windows of real text), half the anchors anywhere in them and half in the continuation, each block
 labelled with the target's teacher-forced argmax ({weighting}): {r['drafter_steps_run']} steps; best
-held-out loss {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}).
+held-out loss {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}; the cross-entropy in nats
+against the target's argmax, averaged over the block's positions with those weights).
 
 Per-position top-1 agreement with the target's argmax ({r['agreement_anchors']} held-out anchors):
 

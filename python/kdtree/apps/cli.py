@@ -110,10 +110,10 @@ def timed_pair(runs: dict, repeats: int, total: int, disable_bars: bool, unit: s
 
 
 def wall_text(walls: list[float]) -> str:
-    """'1.23 s' for one run, '1.23 s (1.20-1.31)' for the median of several."""
+    """'1.23 s' for one run, '1.23 s (min 1.20, max 1.31)' for the median of several."""
     walls = sorted(walls)
     median = walls[len(walls) // 2] if len(walls) % 2 else 0.5 * (walls[len(walls) // 2 - 1] + walls[len(walls) // 2])
-    return f"{median:.2f} s" if len(walls) == 1 else f"{median:.2f} s ({walls[0]:.2f}-{walls[-1]:.2f})"
+    return f"{median:.2f} s" if len(walls) == 1 else f"{median:.2f} s (min {walls[0]:.2f}, max {walls[-1]:.2f})"
 
 
 def tree_ops_text(device: str = "cpu") -> str:

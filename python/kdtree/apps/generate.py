@@ -417,11 +417,17 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print(f"{header}: DDTree speculative decoding (Ringel & Romano, arXiv 2604.12989)", file=out)
     print(f"  models   : {pair_source(args)} (loaded in {t_load:.2f} s, {args.device}, "
           f"{next(target_model.parameters()).dtype})", file=out)
+    card = None if getattr(args, "target", None) is not None else (args.models or DEFAULT_MODELS) / "README.md"
+    if card is not None and card.is_file():
+        print(f"  card     : {card} (how the pair was trained, its corpus and measurements)", file=out)
     print(f"  target   : {type(target_model).__name__}, {n_params / 1e6:.2f} M parameters, "
           + ("greedy (argmax, ties to the lower id)" if greedy else
              f"sampling, temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"), file=out)
-    print(f"  drafter  : {drafter_kind(drafter_model)}, {d_params / 1e6:.2f} M parameters, target hidden states "
-          f"{list(layers)}, L={depth} positions per call", file=out)
+    ids = getattr(drafter_model, "target_layer_ids", None)  # DFlash: 0-based layers; hidden_states index = id + 1
+    reads = (f"target layers {list(ids)} (hidden_states {list(layers)})" if ids is not None
+             else f"target hidden states {list(layers)}")
+    print(f"  drafter  : {drafter_kind(drafter_model)}, {d_params / 1e6:.2f} M parameters, {reads}, "
+          f"L={depth} positions per call (block size {drafter_model.max_depth + 1}: the root and {drafter_model.max_depth} drafted)", file=out)
     print(f"  prompt   : {prompt_desc}: {len(prompt)} tokens", file=out)
     print(f"  tree ops : {tree_ops_text(args.device)}", file=out)
     print(f"  settings : budget N={args.budget}, depth L={depth}, max_new_tokens={args.max_new_tokens}, "
