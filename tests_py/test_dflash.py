@@ -202,6 +202,37 @@ def test_blocks_over_one_context_equal_each_block_alone():
         m.forward_blocks(feats, starts, roots, depth=8)
 
 
+def test_bad_config_types_and_missing_target_weights(tmp_path):
+    """Config fields of the wrong type are one ValueError naming the field; a target
+    checkpoint missing a weight is refused (transformers would initialise it at random)."""
+    from safetensors.torch import load_file, save_file
+
+    from kdtree.engine.hf import load_causal_lm
+
+    base = drafter_config(block=6, ids=(1, 2))
+    for field, value in (("num_target_layers", [6]), ("num_target_layers", "abc"), ("layer_types", 5)):
+        with pytest.raises(ValueError, match=field):
+            dflash.dflash_config(base | {field: value})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        (tmp_path / "bin.json").write_bytes(b"\xff\xfe{")
+        dflash.dflash_config(tmp_path / "bin.json")
+    family_model("qwen3").save_pretrained(tmp_path / "target")
+    load_causal_lm(tmp_path / "target")  # complete: loads
+    w = load_file(tmp_path / "target" / "model.safetensors")
+    del w["model.norm.weight"]
+    save_file(w, tmp_path / "target" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['model.norm.weight'\]"):
+        load_causal_lm(tmp_path / "target")
+    # a NaN logit (a broken model) is an error, greedy or sampled, not an arbitrary token
+    from kdtree.engine.hf import HFTarget, NonFiniteLogitsError
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, float("nan"), 1.0]])
+    for temperature in (0.0, 1.0):
+        with pytest.raises(NonFiniteLogitsError, match="NaN in row 1 of 2"):
+            HFTarget(family_model("qwen3"), temperature=temperature).choose(logits)
+    assert HFTarget(family_model("qwen3")).choose(logits[:1]).tolist() == [2]
+
+
 def test_save_load_round_trip_and_errors(tmp_path):
     target = tiny_target()
     m = random_drafter(target)

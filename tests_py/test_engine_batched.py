@@ -171,6 +171,21 @@ def test_bad_input(pair):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    # values the engine's float32 / int32 device arrays cannot hold are refused up front
+    for bad in (dict(temperature=1e300), dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_k=2**31)):
+        with pytest.raises(ValueError, match="float32|2\\*\\*31"):
+            SamplingParams(**bad)
+    SamplingParams(temperature=3.4e38, top_p=1.2e-38, top_k=2**31 - 1)  # the largest that fit
+    with pytest.raises(ValueError, match="stop_tokens"):
+        Engine(target, drafter, stop_tokens=5)
+    with pytest.raises(ValueError, match="auto_budgets"):
+        Engine(target, drafter, budget="auto", auto_budgets=[1.7, 8])
+    import copy
+
+    with pytest.raises(ValueError, match="float64, the target torch.float32"):
+        Engine(target, copy.deepcopy(drafter).double())
+    with pytest.raises(TypeError, match="loaded target model"):
+        load_dflash(PAIR / "drafter", None)
 
 
 def tiny(family: str, seed: int = 0):

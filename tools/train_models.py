@@ -82,7 +82,37 @@ def parse_args(argv=None):
     p.add_argument("--drafter-minutes", type=float, default=8.0)
     p.add_argument("--compare", type=Path, help="an older pair's folder: the eval stage compares the two targets "
                    "on held-out standard-library text, per character")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, lo, hi in (("vocab", 260, 1 << 20), ("hidden", 64, 1 << 14), ("layers", 3, 256), ("seq", 32, 1 << 16),
+                         ("target_steps", 1, 1 << 30), ("eval_every", 1, 1 << 30), ("drafter_layers", 1, 64),
+                         ("block", 2, 1024), ("context", 16, 1 << 16), ("drafter_steps", 1, 1 << 30)):
+        v = getattr(args, name)
+        if not lo <= v <= hi:
+            p.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    for name in ("corpus_mb", "target_minutes", "drafter_minutes"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if not 0 <= args.loss_decay_gamma < float("inf"):
+        p.error(f"--loss-decay-gamma must be >= 0 (0: equal weights), got {args.loss_decay_gamma}")
+    if args.smoke and any(getattr(args, k) != p.get_default(k) for k in ("vocab", "hidden", "layers", "seq", "block",
+                                                                      "context", "target_minutes", "drafter_minutes")):
+        p.error("--smoke fixes the sizes and times: leave --vocab, --hidden, --layers, --seq, --block, --context "
+                "and the minutes out")
+    # each stage reads what the earlier ones wrote: those files exist or an earlier stage runs
+    stages = args.stage or list(STAGES)
+    needs = {"tokenizer": ("corpus", "corpus.json"), "target": ("tokenizer", "tokenizer.json"),
+             "drafter": ("target", "target/config.json"), "eval": ("drafter", "drafter/config.json")}
+    for st in stages:
+        if st in needs:
+            before, path = needs[st]
+            if before not in stages and not (args.out / path).is_file():
+                p.error(f"--stage {st} reads {args.out / path}, which is not there: run --stage {before} first "
+                        f"(or point --out at a pair that has it)")
+    if args.compare is not None and "eval" in stages:
+        tok = [q for q in (args.compare / "tokenizer.json", args.compare / "target" / "tokenizer.json") if q.is_file()]
+        if not tok or not (args.compare / "target" / "config.json").is_file():
+            p.error(f"--compare {args.compare}: needs target/config.json and tokenizer.json (an older pair's folder)")
+    return args
 
 
 def sizes(args):

@@ -209,12 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_command = args.command not in tokens[:first]
         (parser if before_command else args._parser).error(f"unrecognized arguments: {shlex.join(extra)}")
     from .._native import KdtreeError
+    from ..engine.hf import NonFiniteLogitsError
 
     try:
         return int(args._run(args) or 0)
     except UsageError as exc:
         args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
-    except KdtreeError as exc:  # a run that fails on its data (e.g. NaN logits from a broken model)
+    except (KdtreeError, NonFiniteLogitsError) as exc:  # a run that fails on its data (NaN logits of a broken model)
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         print(f"{args._parser.prog}: failed: {first}", file=sys.stderr)
         return 1

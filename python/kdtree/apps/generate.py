@@ -180,6 +180,13 @@ def _check_plot_path(path: Path) -> None:
         raise UsageError("--plot needs matplotlib (pip install matplotlib; nox -s demo installs it)") from None
 
 
+def one_line(exc: BaseException, limit: int = 600) -> str:
+    """An exception's message on one line (multi-line messages joined), at most ``limit``
+    characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def pair_source(args: argparse.Namespace) -> str:
     """Where the models come from, for the run's header."""
     if getattr(args, "target", None) is not None:
@@ -258,7 +265,7 @@ def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dt
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - any broken file: one line naming the folder
-            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            first = one_line(exc)
             raise UsageError(f"cannot load {flag} {folder}: {type(exc).__name__}: {first}") from None
 
     tok = loaded("--target", target_dir, lambda: Tokenizer.from_file(str(target_dir / "tokenizer.json")))
@@ -308,12 +315,12 @@ def load_pair(models: Path, device: str, dtype: str | None):
     try:
         tok = Tokenizer.from_file(str(models / "tokenizer.json"))
         target = load_causal_lm(models / "target", device=device, dtype=dtype)
-        if dflash.is_dflash_folder(models / "drafter"):  # the published DFlash format
+        if (models / "drafter" / dflash.CONFIG_NAME).is_file():  # the published DFlash format (errors say why)
             drafter = dflash.load_dflash(models / "drafter", target, device=device, dtype=dtype)
         else:
             drafter = load_drafter(models / "drafter", device=device, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - any broken file: one line naming the folder
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        first = one_line(exc)
         raise UsageError(f"cannot load the models in {models}: {type(exc).__name__}: {first}") from None
     cfg = target.config
     problems = []

@@ -43,7 +43,6 @@ prompt never stalls decoding for more than one chunk) and runs one round;
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -79,6 +78,10 @@ def _torch():
     return torch
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling: ``temperature`` 0 is greedy (argmax, ties to the lower id);
@@ -94,13 +97,17 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # the engine keeps these in float32 / int32 device arrays: values that do not fit
+        # are refused here, not when a round runs
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or 1e-6 <= t < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= 1e-6, got {t!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {self.top_k!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or 1e-6 <= t <= FLOAT32_MAX):
+            raise ValueError(f"temperature must be 0 (greedy) or a number in [1e-6, {FLOAT32_MAX:.4g}] (float32), "
+                             f"got {t!r}")
+        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                or not FLOAT32_TINY <= self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] and at least {FLOAT32_TINY:.4g} (float32), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0: no top-k), got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
@@ -247,6 +254,8 @@ class Engine:
         if self.auto:
             if mode != "ddtree":
                 raise ValueError(f"budget='auto' chooses among DDTree budgets; mode {mode!r} has a fixed tree")
+            if any(isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) for n in auto_budgets):
+                raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
             budgets = sorted({int(n) for n in auto_budgets})
             if not budgets or any(n < 1 for n in budgets):
                 raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
@@ -258,7 +267,10 @@ class Engine:
                 raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{also}, got {v!r}")
         cfg = target.config
         self.vocab_size = int(cfg.vocab_size)
-        stop_list = list(stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
+        try:
+            stop_list = list(stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
+        except TypeError:
+            stop_list = None
         if stop_list is None or any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
                                     or not 0 <= int(t) < self.vocab_size for t in stop_list):
             raise ValueError(f"stop_tokens must be token ids in [0, {self.vocab_size}), got {stop_tokens!r}")
@@ -316,6 +328,9 @@ class Engine:
         if drafter is not None:
             if next(drafter.parameters()).device != self.device:
                 raise ValueError(f"the drafter is on {next(drafter.parameters()).device}, the target on {self.device}")
+            if next(drafter.parameters()).dtype != self.dtype:
+                raise ValueError(f"the drafter is {next(drafter.parameters()).dtype}, the target {self.dtype}: "
+                                 f"load both in one dtype")
             self.drafter_kv = drafter.kv_cache(self.max_batch, self.capacity)
         else:
             self.drafter_kv = None

@@ -79,8 +79,8 @@ def dflash_config(data: dict | str | Path) -> Any:
             where = "the DFlash config"
             if isinstance(data, str):
                 data = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: not valid JSON text ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{where}: a DFlash config must be a JSON object, got {type(data).__name__}")
     data = dict(data)
@@ -110,6 +110,8 @@ def dflash_config(data: dict | str | Path) -> Any:
     if head_dim is not None and (not is_int(head_dim) or head_dim < 2 or head_dim % 2):
         raise ValueError(f"{where}: head_dim must be an even integer >= 2 (rotary embeddings), got {head_dim!r}")
     n_target = data.get("num_target_layers")
+    if n_target is not None and (not is_int(n_target) or n_target < 1):
+        raise ValueError(f"{where}: num_target_layers must be an integer >= 1, got {n_target!r}")
     ids = sub.get("target_layer_ids")
     if ids is None:
         if not is_int(n_target) or n_target < 4:
@@ -126,14 +128,19 @@ def dflash_config(data: dict | str | Path) -> Any:
     if not is_int(mask) or not 0 <= mask < (vocab if is_int(vocab) else 2**31):
         raise ValueError(f"{where}: dflash_config.mask_token_id must be a token id in [0, vocab_size={vocab}), "
                          f"got {mask!r}")
-    if data.get("use_sliding_window") or "sliding_attention" in (data.get("layer_types") or ()):
+    layer_types = data.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise ValueError(f"{where}: layer_types must be a list of strings, got {layer_types!r}")
+    if data.get("use_sliding_window") or "sliding_attention" in (layer_types or ()):
         raise ValueError(f"{where}: sliding-window drafter layers are not supported")
     data["dflash_config"] = {**sub, "target_layer_ids": list(ids), "mask_token_id": mask}
     data.pop("auto_map", None)
     try:
         return Qwen3Config(**{k: v for k, v in data.items() if k not in ("model_type", "transformers_version")})
     except Exception as exc:  # noqa: BLE001 - transformers' own validation (its errors are not ValueErrors)
-        raise ValueError(f"{where}: not a valid Qwen3 config for a DFlash drafter: {exc}") from exc
+        reason = " ".join(str(exc).split())  # transformers' messages span lines
+        raise ValueError(f"{where}: not a valid Qwen3 config for a DFlash drafter: {reason}") from exc
 
 
 def _build_classes():
@@ -442,7 +449,12 @@ def load_dflash(folder: str | Path, target: Any, *, device: Any = None, dtype: A
         FileNotFoundError: config or weights missing. ValueError: a bad config, a drafter
         that does not fit the target (:func:`check_pair`), or weights whose names or shapes
         do not match the config (checked on the files' headers before any weight is read).
+        TypeError: ``target`` is not a loaded causal LM.
     """
+    if not (callable(getattr(target, "get_input_embeddings", None))
+            and callable(getattr(target, "get_output_embeddings", None))):
+        raise TypeError(f"load_dflash needs the loaded target model (a transformers causal LM: its embedding and "
+                        f"LM head are the drafter's), got {type(target).__name__}")
     torch = _torch()
     from safetensors import safe_open
 

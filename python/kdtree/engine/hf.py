@@ -86,6 +86,11 @@ def _torch():
     return torch
 
 
+class NonFiniteLogitsError(ValueError):
+    """The target's logits hold a NaN: a broken model (weights or inputs), reported instead
+    of decoding an arbitrary token."""
+
+
 def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
     """Load a causal LM from a local folder (config + safetensors), in eval mode.
 
@@ -97,6 +102,8 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
 
     Raises:
         FileNotFoundError: ``path`` is not a folder with a ``config.json``.
+        ValueError: weights the model needs are missing from the checkpoint or have
+            another shape (transformers would initialise them at random).
         ImportError: torch or transformers is missing.
     """
     torch = _torch()
@@ -110,7 +117,15 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
         raise FileNotFoundError(f"{folder}: no config.json (expected a folder written by save_pretrained)")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype,
+                                                       output_loading_info=True)
+    # transformers initialises missing weights randomly and only reports it: refuse instead
+    # (a tied LM head is not a missing weight: transformers leaves it out of the report)
+    problems = [f"{what} {sorted(info.get(key) or [])[:5]}" for key, what in
+                (("missing_keys", "weights missing from the checkpoint:"),
+                 ("mismatched_keys", "weights of another shape:")) if info.get(key)]
+    if problems:
+        raise ValueError(f"{folder}: " + "; ".join(problems) + " (they would be initialised at random)")
     return model.to(device).eval()
 
 
@@ -366,8 +381,13 @@ class HFTarget:
     def choose(self, logits: Any) -> np.ndarray:
         """The model's choice for each row of ``logits`` [n, V]: argmax (ties to the lower
         id) at temperature 0, else one draw per row from the tempered top-p distribution.
-        Returns int32 [n]."""
+        Returns int32 [n]. Raises NonFiniteLogitsError (a ValueError) for a row holding a
+        NaN logit (a broken model: argmax would pick an arbitrary token)."""
         torch = _torch()
+        nan_rows = torch.isnan(logits).any(dim=-1).nonzero()
+        if len(nan_rows):
+            raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(nan_rows[0, 0])} of {logits.shape[0]} "
+                             f"(its weights or inputs are broken)")
         if self.temperature == 0.0:
             return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
         probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
