@@ -188,6 +188,18 @@ def test_bad_input(pair):
         load_dflash(PAIR / "drafter", None)
 
 
+def test_cache_larger_than_free_memory_is_refused(pair, monkeypatch):
+    """A K/V cache that cannot fit the device's free memory is refused before allocating,
+    naming the size: 6 layers x 2 x 5 KV heads x 64 x 4 bytes = 15,360 bytes a row."""
+    from kdtree.engine import batched
+
+    target, drafter = pair
+    monkeypatch.setattr(batched, "_free_bytes", lambda torch, device: 15_360 * 100)
+    Engine(target, drafter, max_batch=1, budget=4, max_length=95)  # 100 rows: fits exactly
+    with pytest.raises(ValueError, match=r"needs 0.00 GiB \(max_batch 2 x 100 rows"):
+        Engine(target, drafter, max_batch=2, budget=4, max_length=95)
+
+
 def tiny(family: str, seed: int = 0):
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)

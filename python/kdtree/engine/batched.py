@@ -78,6 +78,27 @@ def _torch():
     return torch
 
 
+def _cache_bytes(cfg: Any, slots: int, rows: int, elem: int) -> int:
+    """Bytes of the target's static K/V cache: keys and values of every layer."""
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+    return 2 * int(cfg.num_hidden_layers) * slots * kv_heads * rows * head_dim * elem
+
+
+def _free_bytes(torch: Any, device: Any) -> int | None:
+    """Free memory on ``device`` (CUDA: the driver's free bytes; CPU: available physical
+    memory), or None where it cannot be read."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
+
+
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
@@ -232,7 +253,8 @@ class Engine:
     Raises:
         ValueError: bad sizes, an unknown mode, a drafter whose vocabulary, feature size
             or layers do not match the target, max_length beyond the target's positions,
-            stop tokens outside the vocabulary, models of another dtype on CUDA.
+            stop tokens outside the vocabulary, models of another dtype on CUDA, a K/V
+            cache larger than the device's free memory (checked before allocating).
         TypeError: a target that is not a transformers model, a drafter that is not a
             BlockDrafter.
     """
@@ -323,6 +345,12 @@ class Engine:
         self.use_graphs = self.on_cuda if use_graphs is None else bool(use_graphs)
         if self.use_graphs and not self.on_cuda:
             raise ValueError("use_graphs needs the models on a CUDA device")
+        need = _cache_bytes(cfg, self.max_batch, self.capacity, param.element_size())
+        free = _free_bytes(torch, self.device)
+        if free is not None and need > free:
+            raise ValueError(f"the target's K/V cache needs {need / 2**30:.2f} GiB (max_batch {self.max_batch} x "
+                             f"{self.capacity} rows = max_length + N + 1), more than the {free / 2**30:.2f} GiB free "
+                             f"on {self.device}: lower max_length or max_batch")
         self.kv = attention.attach(target, self.max_batch, self.capacity)
         self.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         if drafter is not None:
