@@ -276,11 +276,10 @@ class Engine:
         if self.auto:
             if mode != "ddtree":
                 raise ValueError(f"budget='auto' chooses among DDTree budgets; mode {mode!r} has a fixed tree")
-            if any(isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) for n in auto_budgets):
+            if not auto_budgets or any(isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer))
+                                       or n < 1 for n in auto_budgets):
                 raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
             budgets = sorted({int(n) for n in auto_budgets})
-            if not budgets or any(n < 1 for n in budgets):
-                raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
             budget = budgets[-1]
         for name, v, lo, hi in (("max_batch", max_batch, 1, 1 << 16), ("budget", budget, 0, MAX_BUDGET),
                                 ("max_length", max_length, 2, 1 << 31), ("prefill_chunk", prefill_chunk, 1, 1 << 31)):
@@ -345,6 +344,12 @@ class Engine:
         self.use_graphs = self.on_cuda if use_graphs is None else bool(use_graphs)
         if self.use_graphs and not self.on_cuda:
             raise ValueError("use_graphs needs the models on a CUDA device")
+        if drafter is not None:  # checked before anything is allocated
+            dparam = next(drafter.parameters())
+            if dparam.device != self.device:
+                raise ValueError(f"the drafter is on {dparam.device}, the target on {self.device}")
+            if dparam.dtype != self.dtype:
+                raise ValueError(f"the drafter is {dparam.dtype}, the target {self.dtype}: load both in one dtype")
         need = _cache_bytes(cfg, self.max_batch, self.capacity, param.element_size())
         free = _free_bytes(torch, self.device)
         if free is not None and need > free:
@@ -354,11 +359,6 @@ class Engine:
         self.kv = attention.attach(target, self.max_batch, self.capacity)
         self.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         if drafter is not None:
-            if next(drafter.parameters()).device != self.device:
-                raise ValueError(f"the drafter is on {next(drafter.parameters()).device}, the target on {self.device}")
-            if next(drafter.parameters()).dtype != self.dtype:
-                raise ValueError(f"the drafter is {next(drafter.parameters()).dtype}, the target {self.dtype}: "
-                                 f"load both in one dtype")
             self.drafter_kv = drafter.kv_cache(self.max_batch, self.capacity)
         else:
             self.drafter_kv = None
