@@ -128,7 +128,7 @@ def sizes(args):
                 head_dim=64, inter=3 * args.hidden, seq=args.seq, batch=64, target_steps=args.target_steps,
                 target_minutes=args.target_minutes, eval_every=args.eval_every, lr=2e-3, eval_windows=256,
                 context=args.context, gen=128, n_seqs=16384, held_seqs=256, d_layers=args.drafter_layers,
-                block=args.block, d_batch=16, anchors=64, drafter_steps=args.drafter_steps,
+                block=args.block, d_batch=16, anchors=128, drafter_steps=args.drafter_steps,
                 drafter_minutes=args.drafter_minutes, d_lr=1e-3, gen_batch=512, corpus_chars=args.corpus_mb * 1e6,
                 accept_prompts=64, accept_new=128, budgets=(16, 64, 256), loss_decay_gamma=args.loss_decay_gamma)
 
