@@ -109,6 +109,13 @@ def timed_pair(runs: dict, repeats: int, total: int, disable_bars: bool, unit: s
     return first, walls, note
 
 
+def one_line(exc: BaseException, limit: int = 600) -> str:
+    """An exception's message on one line (multi-line messages joined), at most ``limit``
+    characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def wall_text(walls: list[float]) -> str:
     """'1.23 s' for one run, '1.23 s (min 1.20, max 1.31)' for the median of several."""
     walls = sorted(walls)
@@ -216,8 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
     except (KdtreeError, NonFiniteLogitsError) as exc:  # a run that fails on its data (NaN logits of a broken model)
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        print(f"{args._parser.prog}: failed: {first}", file=sys.stderr)
+        print(f"{args._parser.prog}: failed: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -29,8 +29,8 @@ from ..engine import rounds as engine
 from . import text
 from .cli import float_in as _float_in
 from .cli import int_in as _int_in
+from .cli import one_line, timed_pair, tree_ops_text, wall_text
 from .cli import plural as _plural
-from .cli import timed_pair, tree_ops_text, wall_text
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "").replace("\n", " ")
 SHIPPED_PAIR = Path("fixtures") / "models" / "stdlib-qwen3"
@@ -178,13 +178,6 @@ def _check_plot_path(path: Path) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--plot needs matplotlib (pip install matplotlib; nox -s demo installs it)") from None
-
-
-def one_line(exc: BaseException, limit: int = 600) -> str:
-    """An exception's message on one line (multi-line messages joined), at most ``limit``
-    characters."""
-    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def pair_source(args: argparse.Namespace) -> str:

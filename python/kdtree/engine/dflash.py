@@ -275,9 +275,12 @@ def _build_classes():
                                  f"{self.feature_size} ({len(self.target_layer_ids)} target layers)")
             return depth
 
-        def _layers(self, h, ctx, rot_blk, rot_ctx, mask):
+        def _layers(self, h, ctx, rot_blk, rot_ctx, allowed):
             """The drafter layers over block rows ``h`` with context features ``ctx`` (their
-            rotary tables ``(cos, sin)``) under the additive ``mask`` [b, 1, rows, T + rows]."""
+            rotary tables ``(cos, sin)``); ``allowed`` [b, 1, rows, T + rows] bool: which
+            keys each row sees."""
+            mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device)
+            mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
             for layer in self.layers:
                 att = layer.self_attn
                 x = layer.input_layernorm(h)
@@ -311,9 +314,7 @@ def _build_classes():
             cc, sc = self.rotary(pos_ctx, h.dtype)
             allowed = torch.cat([context_valid[:, None, None, :].expand(b, 1, s, t),
                                  torch.ones((b, 1, s, s), dtype=torch.bool, device=dev)], dim=-1)
-            mask = torch.zeros(allowed.shape, dtype=h.dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
-            h = self._layers(h, ctx, (cb, sb), (cc, sc), mask)
+            h = self._layers(h, ctx, (cb, sb), (cc, sc), allowed)
             return self.logits(h)
 
         def forward_blocks(self, features, starts, roots, depth: int | None = None):
@@ -347,9 +348,7 @@ def _build_classes():
             ctx_ok = torch.arange(t, device=dev)[None, None, :] < row_start[:, :, None]
             blk = torch.arange(a, device=dev).repeat_interleave(s)
             allowed = torch.cat([ctx_ok, (blk[:, None] == blk[None, :]).expand(b, -1, -1)], dim=-1)[:, None]
-            mask = torch.zeros(allowed.shape, dtype=h.dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
-            h = self._layers(h, ctx, (cb, sb), (cc, sc), mask)
+            h = self._layers(h, ctx, (cb, sb), (cc, sc), allowed)
             return self._target_io[1](self.norm(h.reshape(b, a, s, -1)[:, :, 1:]))
 
     return DFlashDrafter, rotate
