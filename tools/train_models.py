@@ -239,11 +239,14 @@ def lr_at(step, total, peak, warmup):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn, evaluate, eval_every, name, log):
+def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn, evaluate, eval_every, name, log,
+               on_best=None):
     """AdamW (betas 0.9/0.95), warmup then cosine to 10%, gradient clipping at 1, bfloat16
     autocast on CUDA. The schedule's length is ``max_steps``, or fewer when steps 10-40's
     speed says ``minutes`` would run out. ``evaluate()`` (held-out loss) runs every
     ``eval_every`` steps and at the end; the best evaluation's weights are restored.
+    ``on_best(step, held_loss, seconds, schedule_steps)``, if given, runs at each new best (to save a
+    checkpoint that survives the process being stopped).
     Returns (steps run, best held-out loss, its step, seconds)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -276,6 +279,8 @@ def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn,
             if held < best:
                 best, best_step = held, step
                 best_state = copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
+                if on_best is not None:
+                    on_best(step, held, time.time() - t0, total)
             log(f"{name} step {step:6d}  loss {np.mean(losses[-50:]):.3f}  held-out {held:.3f}"
                 f"{'  (best)' if best_step == step else ''}  ({time.time() - t0:.0f} s)")
     model.load_state_dict(best_state)
@@ -458,12 +463,25 @@ def stage_drafter(torch, args, s, out, log, rec):
             n += 1
         return tot / n
 
+    def record(steps, best, best_step, secs, schedule):
+        rec.update(drafter_steps_run=steps, drafter_best_step=best_step, drafter_best_held_loss=best,
+                   drafter_seconds=secs, drafter_schedule_steps=schedule,
+                   drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+                   drafter_target_layer_ids=list(drafter.target_layer_ids))
+
+    def checkpoint(step, held, secs, schedule):
+        # the best weights so far, in the published format, and a record that says so: a run
+        # stopped from outside (a time limit) still leaves a drafter the eval stage can read
+        dflash.save_dflash(copy.deepcopy(drafter).to(torch.bfloat16), out / "drafter")
+        record(step, held, step, secs, schedule)
+        rec.setdefault("stage_commands", {})["drafter"] = rec["command"]
+        rec.setdefault("stage_sizes", {})["drafter"] = rec["sizes"]
+        (out / "training.json").write_text(json.dumps(rec, indent=2) + "\n")
+
     steps, best, best_step, secs = train_loop(torch, drafter, s["drafter_steps"], s["drafter_minutes"], s["d_lr"], 0.0,
-                                              loss_fn, evaluate, s["eval_every"], "drafter", log)
+                                              loss_fn, evaluate, s["eval_every"], "drafter", log, on_best=checkpoint)
     dflash.save_dflash(drafter.to(torch.bfloat16), out / "drafter")
-    rec.update(drafter_steps_run=steps, drafter_best_step=best_step, drafter_best_held_loss=best,
-               drafter_seconds=secs, drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-               drafter_target_layer_ids=list(drafter.target_layer_ids))
+    record(steps, best, best_step, secs, steps)
     log(f"drafter: {rec['drafter_params'] / 1e6:.2f} M parameters (DFlash, published format), best held-out loss "
         f"{best:.3f} at step {best_step} of {steps} ({secs:.0f} s)")
 
@@ -651,6 +669,10 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
         f"in the older tokenizer's tokens, perplexity {c['new_perplexity_in_older_tokens']:.1f} against "
         f"{c['older_perplexity']:.1f}.\n")
     gamma = s.get("loss_decay_gamma")
+    sched = r.get("drafter_schedule_steps", r["drafter_steps_run"])
+    stopped = ("" if sched <= r["drafter_steps_run"] else
+               f" (stopped from outside at step {r['drafter_steps_run']} of the {sched}-step schedule; the saved"
+               " checkpoint is the best evaluation up to there)")
     weighting = ("equal weights at every position" if not gamma else
                  f"block position k weighted exp(-(k-1)/{gamma:g})")
     text = f"""# The demo pair: a Qwen3 target and a DFlash drafter
@@ -692,7 +714,8 @@ the saved weights in float32). {compare}
 {r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
 continuation (half of each batch; the other half fresh windows of real text), half the anchors anywhere in them and half in the continuation, each block
-labelled with the target's teacher-forced argmax ({weighting}): {r['drafter_steps_run']} steps; best
+labelled with the target's teacher-forced argmax ({weighting}): {r['drafter_steps_run']} steps of
+{s['d_batch']} sequences x {s['anchors']} blocks{stopped}; best
 held-out loss {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}; the cross-entropy in nats
 against the target's argmax, averaged over the block's positions with those weights).
 
