@@ -116,6 +116,9 @@ def test_demo_prompt_inside_corpus_is_held_out(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["demo", "--budget", "0"], "--budget: must be >= 1, got 0"),
+    (["demo", "--model", "ngram", "--temperature", "0.5", "--seed", "1"],
+     "--temperature, --seed only apply to --model transformer (the n-gram demo is greedy)"),
+    (["demo", "--temperature", "0", "--top-p", "0.9"], "--top-p 0.9 applies to sampling only"),
     (["demo", "--budget", "abc"], "--budget: expected an integer"),
     (["demo", "--depth", "-1"], "--depth"),
     (["demo", "--max-new-tokens", "-3"], "--max-new-tokens"),

@@ -229,8 +229,8 @@ def test_bad_config_types_and_missing_target_weights(tmp_path):
     logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, float("nan"), 1.0]])
     for temperature in (0.0, 1.0):
         with pytest.raises(NonFiniteLogitsError, match="NaN in row 1 of 2"):
-            HFTarget(family_model("qwen3"), temperature=temperature).choose(logits)
-    assert HFTarget(family_model("qwen3")).choose(logits[:1]).tolist() == [2]
+            HFTarget(family_model("qwen3"), temperature=temperature).choose(logits, [3, 4])
+    assert HFTarget(family_model("qwen3")).choose(logits[:1], [3]).tolist() == [2]
 
 
 def test_save_load_round_trip_and_errors(tmp_path):

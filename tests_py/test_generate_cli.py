@@ -52,7 +52,10 @@ def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
     assert "---- prompt (300 characters) " in out
     assert "Qwen3ForCausalLM" in out and "DFlash drafter (published format)" in out
     assert field(out, "  models").startswith(str(MODELS))  # where the pair came from
-    assert "identical to greedy autoregressive decoding: YES" in out
+    # sampled by default, checked token for token against AR sampling with the same seed
+    assert "sampling, temperature 0.7, top-p 0.95, seed 0" in field(out, "  target")
+    assert "identical to autoregressive sampling with the same seed (0; " in out and ": YES" in out
+    assert field(out, "repeated text").endswith("(prompt included)")
     ar, dd = field(out, "target forwards").split(";")[0].replace("AR ", "").split(", DDTree ")
     assert int(ar) == 40 and 1 <= int(dd.split()[0]) < 40  # the drafter saves forwards
     hist = field(out, "histogram").split("   ")[0]
@@ -63,6 +66,18 @@ def test_demo_default_is_the_transformer_pair_and_lossless(tmp_path):
         assert f"\n  {stage} " in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Traceback" not in r.stderr and "Loading weights" not in r.stderr
+
+
+def test_demo_greedy_and_sampled_equal_their_autoregressive_runs(tmp_path):
+    r = run_cli(["demo", "--temperature", "0", "--max-new-tokens", "24", "--budget", "16", "--repeats", "1"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "greedy (argmax, ties to the lower id)" in r.stdout
+    assert "identical to greedy autoregressive decoding: YES" in r.stdout
+    r = run_cli(["generate", "--temperature", "1.3", "--seed", "5", "--max-new-tokens", "24", "--budget", "16",
+                 "--repeats", "1"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "identical to autoregressive sampling with the same seed (5; " in r.stdout
+    assert "seed and position): YES" in r.stdout
 
 
 def test_generate_prompt_text_and_sampling_is_reproducible(tmp_path):

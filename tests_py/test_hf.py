@@ -10,7 +10,10 @@ float64 rounding, so an argmax cannot flip by rounding:
   budgets 1, 4, 16, 64, 256), with fewer target forwards when the drafter is good;
 - sampling is lossless: with temperature 1 (and 1.5 with top-p 0.9) the first two generated
   tokens follow the target's exact joint distribution (chi-square over 2,000 seeds), as
-  autoregressive sampling's do, and the same statistic rejects a wrong distribution.
+  autoregressive sampling's do, and the same statistic rejects a wrong distribution;
+- sampled draws are keyed by (seed, position): DDTree's sampled text equals autoregressive
+  sampling's with the same seed token for token, and the keyed uniforms equal a plain
+  Python Philox4x32-10 of the documented counter and key.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import kdtree  # noqa: E402
 from kdtree.engine import autoregressive_generate, speculative_generate  # noqa: E402
+from kdtree.engine.hf import keyed_uniforms  # noqa: E402
 from kdtree.hf import HFTarget, top_p_filter  # noqa: E402
 
 
@@ -258,6 +262,66 @@ def test_sampling_is_lossless_chi_square(temperature, top_p):
     assert float((((counts.reshape(-1)[cells] - wrong) ** 2) / wrong).sum()) > limit
 
 
+def test_sampled_ddtree_equals_sampled_ar_with_the_same_seed():
+    model = tiny_qwen3(seed=3)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.2)  # flatter than the fixture: seeds give different texts
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 97, int(rng.integers(1, 10))).tolist() for _ in range(6)]
+    accepted, texts = 0, set()
+    for temperature, top_p in ((0.3, 1.0), (1.0, 0.9), (1.5, 1.0)):
+        for p_i, prompt in enumerate(prompts):
+            for seed in (0, 2**40 + 3):
+                ar = autoregressive_generate(HFTarget(model, temperature=temperature, top_p=top_p, seed=seed),
+                                             prompt, 16)
+                texts.add((temperature, p_i, tuple(ar.tokens)))
+                for budget, drafter in ((4, RandomDrafter(97, p_i)), (64, NoisyOracleDrafter(model, 0.9, p_i))):
+                    target = HFTarget(model, temperature=temperature, top_p=top_p, seed=seed)
+                    res = speculative_generate(target, drafter, prompt, 16, budget=budget, depth=5)
+                    assert res.tokens == ar.tokens, f"T {temperature}, prompt {p_i}, seed {seed}, budget {budget}"
+                    accepted += sum(res.accepted)
+    assert accepted > 150  # multi-token rounds happen (at low temperature the greedy oracle is often right)
+    assert len(texts) > 3 * 6  # the seed matters: two seeds give two texts (almost always)
+
+
+def _philox_py(counter, key):
+    """Philox4x32-10 in plain Python ints (Salmon et al., SC 2011)."""
+    c, (k0, k1) = list(counter), key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k1, p0 & 0xFFFFFFFF]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c
+
+
+def test_keyed_uniforms_are_the_documented_philox_words():
+    for seed, pos in ((0, 0), (1, 5), (2**40 + 7, 2**33 + 9), (2**63 - 1, 123456)):
+        w = _philox_py([pos & 0xFFFFFFFF, pos >> 32, 0, 0], (seed & 0xFFFFFFFF, seed >> 32))
+        want = ((w[0] >> 5) * 2**26 + (w[1] >> 6) + 0.5) / 2**53
+        assert keyed_uniforms(seed, [pos])[0] == want
+    u = keyed_uniforms(3, np.arange(20000))
+    assert ((u > 0) & (u < 1)).all() and abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).mean() - 0.1) < 0.01
+    assert not np.array_equal(u[:100], keyed_uniforms(4, np.arange(100)))
+    with pytest.raises(ValueError, match="non-negative"):
+        keyed_uniforms(0, [-1])
+
+
+def test_a_draw_is_the_inverse_cdf_at_its_keyed_uniform(model):
+    target = HFTarget(model, temperature=1.0, seed=11)
+    u = keyed_uniforms(11, [5, 6, 7, 8])
+    # probabilities 0.2, 0, 0.5, 0.3 (token 1 never drawn): the draw is the first id whose
+    # cumulative probability exceeds u
+    logits = torch.log(torch.tensor([[0.2, 0.0, 0.5, 0.3]] * 4, dtype=torch.float64))
+    want = [0 if x < 0.2 else 2 if x < 0.7 else 3 for x in u]
+    assert target.choose(logits, [5, 6, 7, 8]).tolist() == want
+    assert target.choose(logits, [5, 6, 7, 8]).tolist() == want  # keyed: the same again
+    # one likely token: always drawn; a lone token of nonzero probability at the end too
+    assert target.choose(torch.tensor([[0.0, -math.inf, -math.inf]] * 4, dtype=torch.float64),
+                         [1, 2, 3, 4]).tolist() == [0] * 4
+    assert target.choose(torch.tensor([[-math.inf, -math.inf, 3.0]] * 4, dtype=torch.float64),
+                         [1, 2, 3, 4]).tolist() == [2] * 4
+
+
 def test_top_p_filter_keeps_the_smallest_nucleus():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     out = top_p_filter(p, 0.75)
@@ -265,6 +329,22 @@ def test_top_p_filter_keeps_the_smallest_nucleus():
     # ties: lower ids first, the smallest set reaching 0.75 is 3 tokens
     assert torch.allclose(out[1], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0], dtype=torch.float64))
     assert torch.allclose(top_p_filter(p, 0.1)[0], torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))
+
+
+def test_top_p_filter_from_candidates_equals_the_full_sort():
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.softmax(torch.randn(300, generator=gen, dtype=torch.float64) * scale, -1) for scale in (0.5, 3, 12)]
+    flat = torch.full((300,), 1 / 300, dtype=torch.float64)  # all tied: the nucleus spans the candidates
+    tied = torch.softmax(torch.randn(300, generator=gen, dtype=torch.float64) * 3, -1)
+    tied[[7, 200, 250]] = tied.max()  # ties at the top, across ids far apart
+    probs = torch.stack(rows + [flat, tied / tied.sum()])
+    for top_p in (0.1, 0.5, 0.9, 0.95, 1.0):
+        for candidates in (1, 8, 64):
+            got = top_p_filter(probs, top_p, candidates=candidates)
+            assert torch.equal(got, top_p_filter(probs, top_p, candidates=0)), (top_p, candidates)
+    # by hand: a tie across the candidates' edge goes to the lower id (full sort fallback)
+    p = torch.tensor([[0.4, 0.2, 0.2, 0.2]], dtype=torch.float64)
+    assert torch.allclose(top_p_filter(p, 0.5, candidates=2), torch.tensor([[2 / 3, 1 / 3, 0, 0]], dtype=torch.float64))
 
 
 def test_bad_arguments(model):

@@ -2,8 +2,13 @@
 
 By default (``--model transformer``) the demo is ``python -m kdtree generate`` with the
 transformer pair shipped in ``fixtures/models/stdlib-qwen3`` (:mod:`kdtree.generate`): a
-small Qwen3 target and a DFlash drafter (published format), greedy, checked against
-autoregressive decoding. ``--model ngram`` runs the byte n-gram pair described below.
+small Qwen3 target and a DFlash drafter (published format), sampling at temperature 0.7
+with top-p 0.95 and seed 0 (``--temperature 0``: greedy), checked token for token against
+autoregressive decoding with the same settings (a draw is keyed by the seed and the
+position, so both make the same draws). Sampling because this small target's greedy
+continuations loop (28% of the default prompt's continuation repeats an earlier 8-token
+window; 1% at temperature 0.7). ``--model ngram`` runs the byte n-gram pair described below
+(greedy).
 
 With ``--model ngram`` the target is an order-16 byte n-gram model with stupid backoff and the drafter an order-4
 one unrolled along its own greedy chain (:mod:`kdtree.ngram`), both estimated from this
@@ -32,15 +37,19 @@ from pathlib import Path
 from ..engine import ngram
 from ..engine import rounds as engine
 from . import text
+from .cli import float_in as _float_in
 from .cli import int_in as _int_in
 from .cli import plural as _plural
 from .cli import timed_pair, wall_text
-from .generate import PROMPT_CHARS, TREE_NODES
+from .generate import PROMPT_CHARS, TREE_NODES, temperature_arg
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") + (
-    " Decodes a continuation twice, greedy autoregressive and DDTree, with the shipped transformer pair "
-    "(default) or a byte n-gram pair (--model ngram), and checks the outputs are identical. Flags marked "
-    "(ngram) apply to --model ngram only.")
+    " Decodes a continuation twice, autoregressive and DDTree, with the shipped transformer pair "
+    "(default; sampled, temperature 0.7, top-p 0.95, seed 0) or a byte n-gram pair (--model ngram, greedy), and "
+    "checks the outputs are identical. Flags marked (ngram) apply to --model ngram only.")
+# The transformer demo's sampling (a 10 M-parameter target loops when greedy)
+DEFAULT_TEMPERATURE = 0.7
+DEFAULT_TOP_P = 0.95
 DEFAULT_PROMPT = "heapq.py"
 DEFAULT_OFFSET = 14500
 DEFAULT_PROMPT_BYTES = 300
@@ -110,6 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(ngram) target n-gram order (context = order - 1 bytes)")
     p.add_argument("--draft-order", type=_int_in(1, ngram.MAX_ORDER),
                    default=ngram.DEFAULT_DRAFT_ORDER, help="(ngram) drafter n-gram order (<= --order)")
+    p.add_argument("--temperature", type=temperature_arg, default=None,
+                   help=f"(transformer) sampling temperature, 0 for greedy (default: {DEFAULT_TEMPERATURE})")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                   help=f"(transformer) nucleus for sampling (default: {DEFAULT_TOP_P}; 1 with --temperature 0)")
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=None,
+                   help="(transformer) sampling seed (default: 0)")
     p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,
                    help="most draft-tree nodes drawn (the best by score)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), default="auto",
@@ -232,6 +247,9 @@ def _run_transformer(args: argparse.Namespace) -> int:
     gargs.prompt_offset = args.prompt_offset
     if args.prompt_chars is not None:
         gargs.prompt_chars = args.prompt_chars
+    gargs.temperature = DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+    gargs.top_p = (args.top_p if args.top_p is not None else DEFAULT_TOP_P if gargs.temperature > 0 else 1.0)
+    gargs.seed = 0 if args.seed is None else args.seed
     gargs.plot = args.plot
     gargs.tree_nodes = args.tree_nodes
     gargs.repeats = args.repeats
@@ -248,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--plot only applies to --model transformer")
     if args.models is not None:
         raise UsageError("--models only applies to --model transformer")
+    sampling = [f"--{k.replace('_', '-')}" for k in ("temperature", "top_p", "seed") if getattr(args, k) is not None]
+    if sampling:
+        raise UsageError(f"{', '.join(sampling)} only appl{'y' if len(sampling) > 1 else 'ies'} to --model transformer "
+                         f"(the n-gram demo is greedy)")
     if args.prompt_chars is not None:
         raise UsageError("--prompt-chars only applies to --model transformer (--prompt-bytes sets the "
                          "n-gram prompt's length)")

@@ -5,11 +5,11 @@ on CPU or GPU.
 The default pair is the one shipped in ``fixtures/models/stdlib-qwen3`` (a 10.6 M-parameter
 Qwen3 target and a DFlash drafter in the published format, trained on the Python sources of
 the standard library and of permissively licensed packages; its ``README.md`` is the model
-card). Greedy decoding (``--temperature 0``, the default) also
-runs plain autoregressive decoding of the same target and checks that the two outputs are
-identical (exit status 1 if not); sampling (``--temperature > 0``, optionally ``--top-p``)
-is lossless by construction (the walk keeps the target's distribution) and is reported
-without that check. Printed: the continuation, target forwards (AR vs DDTree), the mean
+card). It also runs plain autoregressive decoding of the same target and checks that the
+two outputs are identical (exit status 1 if not): for greedy decoding (``--temperature 0``,
+the default) and for sampling (``--temperature > 0``, optionally ``--top-p``) alike, since
+a draw is keyed by ``--seed`` and the position of the token it chooses, so the tree's row
+and the autoregressive step for one position make the same draw (:class:`kdtree.hf.HFTarget`). Printed: the continuation, target forwards (AR vs DDTree), the mean
 acceptance length and its histogram, time per stage, and one round's draft tree;
 ``--plot`` also writes them as a picture (matplotlib).
 
@@ -48,7 +48,7 @@ EOS = "<|endoftext|>"
 MAX_BUDGET = 4096
 
 
-def _temperature(text: str) -> float:
+def temperature_arg(text: str) -> float:
     v = _float_in(0.0, 100.0)(text)
     if 0.0 < v < 1e-6:
         raise argparse.ArgumentTypeError(f"must be 0 (greedy) or >= 1e-6, got {v}")
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=_int_in(1), default=None,
                    help="draft positions per round L (default and maximum: the drafter's block size - 1)")
     p.add_argument("--max-new-tokens", type=_int_in(1), default=96, help="tokens to generate (exact cap)")
-    p.add_argument("--temperature", type=_temperature, default=0.0,
+    p.add_argument("--temperature", type=temperature_arg, default=0.0,
                    help="0: greedy; >= 1e-6: sample from softmax(logits / T)")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus for sampling")
     p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0, help="sampling seed")
@@ -474,23 +474,20 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     rep = repeated_share(sp.tokens, prompt)
     status = 0
     if ar is not None:
-        if greedy:
-            same = ar.tokens == sp.tokens
-            low = next(target_model.parameters()).dtype in (torch.float16, torch.bfloat16)
-            if same:
-                print("identical to greedy autoregressive decoding: YES", file=out)
-            else:
-                first = next((i for i, (x, y) in enumerate(zip(ar.tokens, sp.tokens, strict=False)) if x != y),
-                             min(len(ar.tokens), len(sp.tokens)))
-                why = (" (expected now and then in 16-bit floats: the tree forward and the one-token forward "
-                       "round differently, so a near-tie can flip; float32 and float64 runs are checked exactly)"
-                       if low else "")
-                print(f"identical to greedy autoregressive decoding: NO, first difference at new token {first}"
-                      f"{why}", file=out)
-            status = 0 if same or low else 1
+        same = ar.tokens == sp.tokens
+        low = next(target_model.parameters()).dtype in (torch.float16, torch.bfloat16)
+        what = ("greedy autoregressive decoding" if greedy else
+                f"autoregressive sampling with the same seed ({args.seed}; draws are keyed by seed and position)")
+        if same:
+            print(f"identical to {what}: YES", file=out)
         else:
-            print("sampling: the walk keeps the target's distribution (tests_py/test_hf.py checks it); "
-                  "the AR run is an independent sample", file=out)
+            first = next((i for i, (x, y) in enumerate(zip(ar.tokens, sp.tokens, strict=False)) if x != y),
+                         min(len(ar.tokens), len(sp.tokens)))
+            why = (" (expected now and then in 16-bit floats: the tree forward and the one-token forward "
+                   "round differently, so a near-tie can flip; float32 and float64 runs are checked exactly)"
+                   if low else "")
+            print(f"identical to {what}: NO, first difference at new token {first}{why}", file=out)
+        status = 0 if same or low else 1
         ratio = ar.target_calls / max(1, sp.target_calls)
         print(f"target forwards    : AR {ar.target_calls}, DDTree {sp.target_calls} ({ratio:.2f}x fewer); "
               f"drafter calls {sp.drafter_calls}", file=out)
@@ -512,10 +509,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
               f"({timing_note})", file=out)
     print(f"acceptance length  : {sp.mean_acceptance_length:.2f} tokens per round (accepted draft tokens + "
           f"bonus) over {_plural(sp.rounds, 'round')}", file=out)
-    if rep > REPEAT_NOTE:
-        print(f"note               : {100 * rep:.0f}% of the new tokens repeat an earlier {REPEAT_WINDOW}-token "
-              f"window (this small target loops); acceptance on repeated text is easy, so the ratio is "
-              f"optimistic", file=out)
+    loops = (" (this small target loops; acceptance on repeated text is easy, so the ratio is optimistic)"
+             if rep > REPEAT_NOTE else "")
+    print(f"repeated text      : {100 * rep:.0f}% of the new tokens end an {REPEAT_WINDOW}-token window seen "
+          f"earlier (prompt included){loops}", file=out)
     hist = Counter(sp.committed)
     print("histogram          : " + ", ".join(f"{k}: {hist[k]}" for k in sorted(hist))
           + "   (tokens committed per round: rounds)", file=out)

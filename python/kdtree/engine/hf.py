@@ -19,8 +19,10 @@ project spec ``ddtree-tree-build.md``, "Verification"):
   ``trees.positions`` (root position + depth) and a 4-D additive mask: every cached token
   visible, inside the tree each node sees itself and its ancestors
   (``trees.visibility``); padding rows are not forwarded. The model's choice at each node is
-  the argmax of its logits (greedy, ties to the lower id) or one independent draw from
-  ``softmax(logits / temperature)`` restricted to the top-p nucleus; the walk
+  the argmax of its logits (greedy, ties to the lower id) or one draw from
+  ``softmax(logits / temperature)`` restricted to the top-p nucleus, keyed by the seed and
+  the drawn token's position (the autoregressive step at that position makes the same
+  draw, so sampled text is identical with and without speculation); the walk
   (``verify_greedy``) then keeps the target's output distribution exactly.
 - :meth:`HFTarget.commit`: the accepted nodes' K and V rows move to the rows right after
   the prefix (:func:`kdtree.compact_kv`: one launch on the GPU, row copies on the host) and
@@ -138,7 +140,10 @@ class HFTarget:
             samples each choice from ``softmax(logits / temperature)``.
         top_p: nucleus size for sampling, in (0, 1]: the smallest set of most likely tokens
             whose probability reaches ``top_p`` (at least one token) is renormalised.
-        seed: seed of the torch generator used for sampling (reproducible runs).
+        seed: sampling seed, in [0, 2**63). A draw is keyed by the seed and the position of
+            the token it chooses (:func:`keyed_uniforms`), not by the order of calls: the
+            same seed gives the same text with and without speculation (a tree row and the
+            autoregressive step for one position use the same draw), run after run.
         feature_layers: indices into the model's hidden states (0 = embeddings, i = output
             of layer i) returned by :meth:`drafter_features`, concatenated; empty: none.
 
@@ -148,7 +153,6 @@ class HFTarget:
 
     def __init__(self, model: Any, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  feature_layers: Sequence[int] = ()):
-        torch = _torch()
         if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature < float("inf")):
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {temperature}")
         if not 0.0 < top_p <= 1.0:
@@ -173,7 +177,7 @@ class HFTarget:
         if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)  # 0: unknown
-        self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        self.seed = int(seed)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cache = None
@@ -209,7 +213,7 @@ class HFTarget:
         pos = len(self._committed) - 1
         logits, hidden = self._forward([self._committed[-1]], [pos], None)
         self._pending = ("ar", hidden)
-        return int(self.choose(logits)[0])
+        return int(self.choose(logits, [pos + 1])[0])
 
     def tree_logits(self, trees: Any) -> Any:
         """The tree forward alone: logits ``[n+1, V]`` (torch, the model's dtype) of the
@@ -256,7 +260,8 @@ class HFTarget:
         reads them)."""
         logits = self.tree_logits(trees)
         out = np.zeros((1, int(trees.budget) + 1), dtype=np.int32)
-        out[0, : logits.shape[0]] = self.choose(logits)
+        rows = logits.shape[0]
+        out[0, :rows] = self.choose(logits, np.asarray(trees.positions[0], dtype=np.int64)[:rows] + 1)
         return out
 
     def commit(self, tokens: Sequence[int], trees: Any = None, acceptance: Any = None) -> None:
@@ -378,9 +383,13 @@ class HFTarget:
         """The model's KV cache (a ``DynamicCache``), for inspection."""
         return self._cache
 
-    def choose(self, logits: Any) -> np.ndarray:
+    def choose(self, logits: Any, positions: Any) -> np.ndarray:
         """The model's choice for each row of ``logits`` [n, V]: argmax (ties to the lower
-        id) at temperature 0, else one draw per row from the tempered top-p distribution.
+        id) at temperature 0, else one draw per row from the tempered top-p distribution
+        by inversion: the first token id whose cumulative probability (float64, in id
+        order) exceeds the uniform :func:`keyed_uniforms` gives for (``seed``,
+        ``positions[i]``), so row i's draw depends on its logits and on the position of the
+        token it chooses (ints [n]: the row's position + 1) alone.
         Returns int32 [n]. Raises NonFiniteLogitsError (a ValueError) for a row holding a
         NaN logit (a broken model: argmax would pick an arbitrary token)."""
         torch = _torch()
@@ -393,7 +402,14 @@ class HFTarget:
         probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
         if self.top_p < 1.0:
             probs = top_p_filter(probs, self.top_p)
-        draws = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+        u = torch.as_tensor(keyed_uniforms(self.seed, positions), device=probs.device)
+        cdf = torch.cumsum(probs, dim=-1)
+        # the first id whose cumulative probability exceeds u * total: a token of probability
+        # 0 never is (its cdf equals its left neighbour's); rounding at the top end falls
+        # back to the last token of nonzero probability
+        draws = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+        draws = torch.minimum(draws, last)
         return draws.to(torch.int32).cpu().numpy()
 
     def _forward(self, tokens: list[int], positions: list[int], mask: Any):
@@ -456,15 +472,57 @@ class HFTarget:
         return max(0, self.max_positions - len(self._committed))
 
 
-def top_p_filter(probs: Any, top_p: float) -> Any:
+def keyed_uniforms(seed: int, positions: Any) -> np.ndarray:
+    """One uniform in (0, 1) per position, float64 ``[n]``, that depends on ``seed`` (an
+    int in [0, 2**64)) and the position alone: the first two words w0, w1 of
+    Philox4x32-10(counter = (position mod 2**32, position >> 32, 0, 0), key = (seed mod
+    2**32, seed >> 32)) (the generator of the library's sampled verification) give
+    u = ((w0 >> 5) * 2**26 + (w1 >> 6) + 0.5) * 2**-53. positions: ints in [0, 2**63)."""
+    from ..core.sampling import philox4x32_10
+
+    pos = np.asarray(positions)
+    if pos.ndim != 1 or (pos.size and (pos.dtype.kind not in "iu" or int(pos.min()) < 0)):
+        raise ValueError(f"positions must be a 1-D array of non-negative ints, got {positions!r}")
+    pos = pos.astype(np.uint64)
+    zero = np.zeros_like(pos)
+    w = philox4x32_10((pos & np.uint64(0xFFFFFFFF), pos >> np.uint64(32), zero, zero),
+                      (int(seed) & 0xFFFFFFFF, int(seed) >> 32))
+    hi = (w[0] >> np.uint32(5)).astype(np.float64)
+    lo = (w[1] >> np.uint32(6)).astype(np.float64)
+    return (hi * 2.0**26 + lo + 0.5) * 2.0**-53
+
+
+def top_p_filter(probs: Any, top_p: float, candidates: int = 256) -> Any:
     """Nucleus filtering of each row of ``probs`` [n, V]: keep the smallest set of most
     likely tokens whose total reaches ``top_p`` (ties in probability by lower id; at least
-    one token), renormalise. Returns a new tensor (Holtzman et al., 2020)."""
+    one token), renormalise. Returns a new tensor (Holtzman et al., 2020).
+
+    Rows whose nucleus lies inside their ``candidates`` most likely tokens, strictly above
+    every token outside them, are cut from those alone (a top-k, not a sort of the whole
+    vocabulary); other rows (and ``candidates`` 0) sort the whole row. Both give the same
+    set."""
     torch = _torch()
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-    keep_sorted = before < top_p
-    keep_sorted[:, 0] = True
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    n, vocab = probs.shape
+    keep = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device)
+    full = torch.ones(n, dtype=torch.bool, device=probs.device)
+    if 0 < candidates < vocab:
+        vals, idx = torch.topk(probs, candidates, dim=-1)  # tie order unspecified: re-sort below
+        idx, perm = torch.sort(idx, dim=-1)
+        vals, order = torch.sort(torch.gather(vals, -1, perm), dim=-1, descending=True, stable=True)
+        ids = torch.gather(idx, -1, order)  # by probability, ties by lower id
+        k_sorted = (torch.cumsum(vals, dim=-1) - vals) < top_p  # mass strictly above each token
+        k_sorted[:, 0] = True
+        n_keep = k_sorted.sum(dim=-1)
+        smallest = torch.gather(vals, -1, (n_keep - 1)[:, None])[:, 0]
+        # exact when the cut falls inside the candidates and no token outside them ties
+        # with the kept ones (every outside token is <= the last candidate)
+        ok = (n_keep < candidates) & (vals[:, -1] < smallest)
+        keep[ok] = torch.zeros_like(keep[ok]).scatter(-1, ids[ok], k_sorted[ok])
+        full = ~ok
+    if bool(full.any()):
+        sorted_p, order = torch.sort(probs[full], dim=-1, descending=True, stable=True)
+        k_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+        k_sorted[:, 0] = True
+        keep[full] = torch.zeros_like(k_sorted).scatter(-1, order, k_sorted)
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     return kept / kept.sum(dim=-1, keepdim=True)
