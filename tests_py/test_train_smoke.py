@@ -49,3 +49,17 @@ def test_train_models_smoke_run(tmp_path):
     assert g.returncode == 0, g.stderr
     assert "DFlash drafter (published format)" in g.stdout
     assert "identical to greedy autoregressive decoding: YES" in g.stdout
+    # the repeats stage alone (a later run) records its own machine and keeps the training's
+    # header fields; the drafter stage left checkpoints while it ran (its final save, here)
+    sr = record["sampled_repeats"]
+    assert sr["temperature"] == 0.7 and sr["top_p"] == 0.95 and 0.0 <= sr["mean"] <= sr["max"] <= 1.0
+    assert set(record["stage_envs"]) == {"corpus", "tokenizer", "target", "drafter", "eval", "repeats"}
+    assert record["drafter_schedule_steps"] == record["drafter_steps_run"]
+    r2 = subprocess.run([sys.executable, str(ROOT / "tools" / "train_models.py"), "--out", str(out), "--smoke",
+                         "--stage", "repeats", "--sample-temperature", "1.5"], capture_output=True, text=True, env=env,
+                        timeout=300)
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    again = json.loads((out / "training.json").read_text())
+    assert again["sampled_repeats"]["temperature"] == 1.5
+    assert again["command"] == record["command"] and "--stage repeats" in again["stage_commands"]["repeats"]
+    assert "Sampled at temperature 1.5 with top-p 0.95" in (out / "README.md").read_text()

@@ -28,7 +28,16 @@ device calls):
    length of kdtree's batched engine at N = 16 / 64 / 256 on held-out prompts of
    ``--context`` tokens (greedy, outputs checked equal to the target's own), the repeated
    8-token-window share of the continuations, samples; ``training.json`` and the model
-   card ``README.md``.
+   card ``README.md``;
+6. ``repeats``: the repeated-window share of the target's sampled continuations of the
+   same held-out prompts (``--sample-temperature``, ``--sample-top-p``; kdtree's
+   :class:`kdtree.hf.HFTarget` autoregressive sampling, seed i for prompt i: what
+   ``kdtree generate --seed i`` would print), alongside the greedy share of ``eval``.
+   Light enough for a CPU.
+
+Every stage records its command, sizes and machine (``stage_commands``, ``stage_sizes``,
+``stage_envs``); the top-level ``command``, ``sizes`` and machine fields are those of the
+latest run that trained something (the card's header).
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
-STAGES = ("corpus", "tokenizer", "target", "drafter", "eval")
+STAGES = ("corpus", "tokenizer", "target", "drafter", "eval", "repeats")
+TRAINING = ("corpus", "tokenizer", "target", "drafter")  # stages whose run describes the pair's training
 PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|PSF|Python Software Foundation|ISC|Zlib|Unlicense|0BSD|HPND)\b", re.I)
 COPYLEFT = re.compile(r"\b(GPL|LGPL|AGPL|MPL|EPL|CDDL|copyleft)\b", re.I)
 MAX_FILE_CHARS = 400_000  # larger .py files are mostly generated tables
@@ -80,6 +90,8 @@ def parse_args(argv=None):
                         "5 for 10, 4 for 8); 0: equal weights")
     p.add_argument("--drafter-steps", type=int, default=20000)
     p.add_argument("--drafter-minutes", type=float, default=8.0)
+    p.add_argument("--sample-temperature", type=float, default=0.7, help="repeats stage: sampling temperature")
+    p.add_argument("--sample-top-p", type=float, default=0.95, help="repeats stage: sampling nucleus")
     p.add_argument("--compare", type=Path, help="an older pair's folder: the eval stage compares the two targets "
                    "on held-out standard-library text, per character")
     args = p.parse_args(argv)
@@ -92,6 +104,9 @@ def parse_args(argv=None):
     for name in ("corpus_mb", "target_minutes", "drafter_minutes"):
         if not 0 < getattr(args, name) < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if not 1e-6 <= args.sample_temperature <= 100 or not 0 < args.sample_top_p <= 1:
+        p.error(f"--sample-temperature must be in [1e-6, 100] and --sample-top-p in (0, 1], got "
+                f"{args.sample_temperature} and {args.sample_top_p}")
     if not 0 <= args.loss_decay_gamma < float("inf"):
         p.error(f"--loss-decay-gamma must be >= 0 (0: equal weights), got {args.loss_decay_gamma}")
     if args.smoke and any(getattr(args, k) != p.get_default(k) for k in ("vocab", "hidden", "layers", "seq", "block",
@@ -101,7 +116,8 @@ def parse_args(argv=None):
     # each stage reads what the earlier ones wrote: those files exist or an earlier stage runs
     stages = args.stage or list(STAGES)
     needs = {"tokenizer": ("corpus", "corpus.json"), "target": ("tokenizer", "tokenizer.json"),
-             "drafter": ("target", "target/config.json"), "eval": ("drafter", "drafter/config.json")}
+             "drafter": ("target", "target/config.json"), "eval": ("drafter", "drafter/config.json"),
+             "repeats": ("target", "target/config.json")}
     for st in stages:
         if st in needs:
             before, path = needs[st]
@@ -474,7 +490,7 @@ def stage_drafter(torch, args, s, out, log, rec):
         # stopped from outside (a time limit) still leaves a drafter the eval stage can read
         dflash.save_dflash(copy.deepcopy(drafter).to(torch.bfloat16), out / "drafter")
         record(step, held, step, secs, schedule)
-        rec.setdefault("stage_commands", {})["drafter"] = rec["command"]
+        rec.setdefault("stage_commands", {})["drafter"] = rec["command"]  # the drafter stage set these
         rec.setdefault("stage_sizes", {})["drafter"] = rec["sizes"]
         (out / "training.json").write_text(json.dumps(rec, indent=2) + "\n")
 
@@ -568,9 +584,7 @@ def stage_eval(torch, args, s, out, log, rec):
     agree = (hits / count).tolist()
     log("drafter top-1 agreement by position: " + " ".join(f"{a:.2f}" for a in agree))
     # acceptance length of kdtree's batched engine, greedy, on held-out prompts of `context` tokens
-    rng = np.random.default_rng(12)
-    starts = rng.integers(0, len(held_ids) - s["context"], s["accept_prompts"])
-    prompts = [held_ids[a:a + s["context"]].tolist() for a in starts]
+    prompts = held_prompts(held_ids, s)
     ar = Engine(target, None, mode="ar", budget=0, max_batch=8, max_length=s["context"] + s["accept_new"] + 8)
     want = [o.tokens for o in ar.generate(prompts, s["accept_new"])]
     accept = {}
@@ -590,6 +604,40 @@ def stage_eval(torch, args, s, out, log, rec):
     log(f"repeated 8-token windows in the greedy continuations: mean {np.mean(shares):.1%}, max {np.max(shares):.1%}")
 
 
+def held_prompts(held_ids, s):
+    """The held-out prompts of the eval and repeats stages: ``accept_prompts`` windows of
+    ``context`` tokens (the same for both)."""
+    rng = np.random.default_rng(12)
+    starts = rng.integers(0, len(held_ids) - s["context"], s["accept_prompts"])
+    return [held_ids[a:a + s["context"]].tolist() for a in starts]
+
+
+def stage_repeats(torch, args, s, out, log, rec):
+    from tokenizers import Tokenizer
+
+    from kdtree.apps.generate import repeated_share
+    from kdtree.engine import autoregressive_generate
+    from kdtree.hf import HFTarget
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    corpus = json.loads((out / "corpus.json").read_text())
+    _, held_texts = read_texts(corpus)
+    prompts = held_prompts(encode(tok, held_texts), s)
+    target = load_target(out, args.device)
+    shares, samples = [], []
+    for i, prompt in enumerate(prompts):
+        res = autoregressive_generate(HFTarget(target, temperature=args.sample_temperature, top_p=args.sample_top_p,
+                                               seed=i), prompt, s["accept_new"])
+        shares.append(repeated_share(res.tokens, prompt))
+        if i < 3:
+            samples.append({"prompt_tail": tok.decode(prompt[-40:]), "continuation": tok.decode(res.tokens[:60])})
+    rec.update(sampled_repeats={"temperature": args.sample_temperature, "top_p": args.sample_top_p,
+                                "mean": float(np.mean(shares)), "max": float(np.max(shares)),
+                                "prompts": len(prompts), "new_tokens": s["accept_new"], "samples": samples})
+    log(f"repeated 8-token windows in the sampled continuations (temperature {args.sample_temperature}, top-p "
+        f"{args.sample_top_p}, seed i for prompt i): mean {np.mean(shares):.1%}, max {np.max(shares):.1%}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -607,11 +655,13 @@ def main(argv=None) -> int:
         lines.append(msg)
 
     torch.manual_seed(args.seed)
-    rec.update(command=" ".join(sys.argv), python=platform.python_version(), torch=torch.__version__,
+    env = dict(command=" ".join(sys.argv), python=platform.python_version(), torch=torch.__version__,
                transformers=__import__("transformers").__version__,
                device_name=(torch.cuda.get_device_name() if args.device.startswith("cuda")
                             else platform.processor() or platform.machine() or "a CPU"),
                sizes={k: list(v) if isinstance(v, tuple) else v for k, v in s.items()})
+    if any(st in TRAINING for st in stages) or "sizes" not in rec:
+        rec.update(env)
     t0 = time.time()
     for stage in STAGES:
         if stage not in stages:
@@ -633,11 +683,15 @@ def main(argv=None) -> int:
             stage_target(torch, args, s, out, log, rec)
         elif stage == "drafter":
             stage_drafter(torch, args, s, out, log, rec)
-        else:
+        elif stage == "eval":
             stage_eval(torch, args, s, out, log, rec)
+        else:
+            stage_repeats(torch, args, s, out, log, rec)
         rec.setdefault("stage_seconds", {})[stage] = time.time() - ts
-        rec.setdefault("stage_commands", {})[stage] = rec["command"]
-        rec.setdefault("stage_sizes", {})[stage] = rec["sizes"]  # "sizes" is the latest run's
+        rec.setdefault("stage_commands", {})[stage] = env["command"]
+        rec.setdefault("stage_sizes", {})[stage] = env["sizes"]
+        rec.setdefault("stage_envs", {})[stage] = {k: env[k] for k in ("python", "torch", "transformers",
+                                                                      "device_name")}
         rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     if (out / "corpus.json").is_file() and "held_out_perplexity" in rec:
         write_card(out, rec, json.loads((out / "corpus.json").read_text()))
@@ -661,7 +715,20 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     runs: dict[str, list[str]] = {}
     for stage, cmd in r.get("stage_commands", {}).items():
         runs.setdefault(cmd, []).append(stage)
-    commands = "\n".join(f"    {cmd}    # {', '.join(st)}" for cmd, st in runs.items()) or f"    {r['command']}"
+    envs = r.get("stage_envs", {})
+
+    def where(stages):  # the machine, where a stage ran elsewhere than the training
+        other = {envs[st]["device_name"] for st in stages if st in envs} - {r["device_name"]}
+        return f" (on {', '.join(sorted(other))})" if other else ""
+
+    commands = "\n".join(f"    {cmd}    # {', '.join(st)}{where(st)}" for cmd, st in runs.items()) or f"    {r['command']}"
+    sr = r.get("sampled_repeats")
+    sampled = "" if not sr else (
+        f" Sampled at temperature {sr['temperature']:g} with top-p {sr['top_p']:g} (kdtree's `HFTarget`, seed i for "
+        f"prompt i; the `repeats` stage): mean {sr['mean']:.1%}, max {sr['max']:.1%}.")
+    sampled_samples = "" if not sr else "\n\n## Samples (the same prompts, sampled as above)\n\n" + "\n\n".join(
+        f"Prompt (its last 40 tokens):\n\n```\n{x['prompt_tail']}\n```\n\nContinuation:\n\n"
+        f"```\n{x['continuation']}\n```" for x in sr["samples"])
     c = r.get("compare")
     compare = "" if not c else (
         f"On the {c['files']} held-out standard-library files this target scores {c['new_nats_per_char']:.3f} "
@@ -732,12 +799,12 @@ Acceptance length of kdtree's batched engine (greedy, held-out prompts of {s['co
 |---|---|---|
 {acc}
 
-Repeated 8-token windows in the target's greedy continuations: mean
-{r['repeated_share_mean']:.1%}, max {r['repeated_share_max']:.1%}.
+Repeated 8-token windows in the target's greedy continuations of those prompts: mean
+{r['repeated_share_mean']:.1%}, max {r['repeated_share_max']:.1%}.{sampled}
 
 ## Samples (held-out prompts, the target's greedy continuation)
 
-{samples}
+{samples}{sampled_samples}
 """
     (out / "README.md").write_text(text)
 
