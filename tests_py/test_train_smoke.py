@@ -63,3 +63,11 @@ def test_train_models_smoke_run(tmp_path):
     assert again["sampled_repeats"]["temperature"] == 1.5
     assert again["command"] == record["command"] and "--stage repeats" in again["stage_commands"]["repeats"]
     assert "Sampled at temperature 1.5 with top-p 0.95" in (out / "README.md").read_text()
+    # training continues from the pair's own drafter: its steps are counted, other data drawn
+    r3 = subprocess.run([sys.executable, str(ROOT / "tools" / "train_models.py"), "--out", str(out), "--smoke",
+                         "--stage", "drafter", "--stage", "eval", "--drafter-init", str(out / "drafter"), "--seed", "1"],
+                        capture_output=True, text=True, env=env, timeout=600)
+    assert r3.returncode == 0, r3.stderr[-2000:]
+    cont = json.loads((out / "training.json").read_text())
+    assert cont["drafter_init"] == {"from": str(out / "drafter"), "steps": record["drafter_steps_run"]}
+    assert f"after {record['drafter_steps_run']} earlier steps" in (out / "README.md").read_text()

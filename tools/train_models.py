@@ -90,6 +90,9 @@ def parse_args(argv=None):
                         "5 for 10, 4 for 8); 0: equal weights")
     p.add_argument("--drafter-steps", type=int, default=20000)
     p.add_argument("--drafter-minutes", type=float, default=8.0)
+    p.add_argument("--drafter-init", type=Path, default=None,
+                   help="drafter stage: start from this DFlash drafter folder (same shape) instead of random weights, "
+                        "e.g. the pair's own drafter/ to continue training it")
     p.add_argument("--sample-temperature", type=float, default=0.7, help="repeats stage: sampling temperature")
     p.add_argument("--sample-top-p", type=float, default=0.95, help="repeats stage: sampling nucleus")
     p.add_argument("--compare", type=Path, help="an older pair's folder: the eval stage compares the two targets "
@@ -124,6 +127,8 @@ def parse_args(argv=None):
             if before not in stages and not (args.out / path).is_file():
                 p.error(f"--stage {st} reads {args.out / path}, which is not there: run --stage {before} first "
                         f"(or point --out at a pair that has it)")
+    if args.drafter_init is not None and not (args.drafter_init / "config.json").is_file():
+        p.error(f"--drafter-init {args.drafter_init}: no config.json there (a DFlash drafter folder)")
     if args.compare is not None and "eval" in stages:
         tok = [q for q in (args.compare / "tokenizer.json", args.compare / "target" / "tokenizer.json") if q.is_file()]
         if not tok or not (args.compare / "target" / "config.json").is_file():
@@ -437,12 +442,30 @@ def stage_drafter(torch, args, s, out, log, rec):
                        "target_layer_ids": feature_layer_ids(tc.num_hidden_layers)}))
     torch.manual_seed(args.seed + 1)
     drafter = dflash.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings()).to(args.device)
+    before = {}
+    if args.drafter_init is not None:
+        # continue from an earlier drafter of the same shape (e.g. this pair's own, over
+        # several device calls); with --seed k > 0 the continuation sees other data
+        init = dflash.load_dflash(args.drafter_init, target, dtype="float32")
+        mine, theirs = drafter.state_dict(), init.state_dict()
+        bad = sorted(k for k in set(mine) | set(theirs) if k not in mine or k not in theirs
+                     or mine[k].shape != theirs[k].shape)
+        if bad:
+            raise SystemExit(f"--drafter-init {args.drafter_init}: not this drafter's shape (--drafter-layers, "
+                             f"--block, the target): {bad[:4]}")
+        drafter.load_state_dict(theirs)
+        same = Path(args.drafter_init).resolve() == (out / "drafter").resolve()
+        before = {"from": str(args.drafter_init),
+                  "steps": (rec.get("drafter_steps_run", 0) + ((rec.get("drafter_init") or {}).get("steps") or 0)
+                            if same else None)}
+        log(f"drafter: continuing from {args.drafter_init}"
+            + (f" ({before['steps']} steps so far)" if before["steps"] is not None else ""))
     t0 = time.time()
-    seqs = drafter_sequences(torch, target, train_ids, s["n_seqs"], s, seed=10)
+    seqs = drafter_sequences(torch, target, train_ids, s["n_seqs"], s, seed=10 + 1000 * args.seed)
     held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)
     log(f"drafter data: {len(seqs)} training and {len(held)} held-out sequences of {s['context']} real tokens + "
         f"{s['gen']} of the target's greedy continuation ({time.time() - t0:.0f} s)")
-    gen = torch.Generator(device="cpu").manual_seed(2)
+    gen = torch.Generator(device="cpu").manual_seed(2 + args.seed)
     hgen_seed = 3
 
     # position k of a block weighs exp(-(k - 1) / gamma) (DFlash's decay: a draft token
@@ -480,6 +503,10 @@ def stage_drafter(torch, args, s, out, log, rec):
         return tot / n
 
     def record(steps, best, best_step, secs, schedule):
+        if before:
+            rec["drafter_init"] = before
+        else:
+            rec.pop("drafter_init", None)
         rec.update(drafter_steps_run=steps, drafter_best_step=best_step, drafter_best_held_loss=best,
                    drafter_seconds=secs, drafter_schedule_steps=schedule,
                    drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
@@ -740,6 +767,9 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     stopped = ("" if sched <= r["drafter_steps_run"] else
                f" (stopped from outside at step {r['drafter_steps_run']} of the {sched}-step schedule; the saved"
                " checkpoint is the best evaluation up to there)")
+    init = r.get("drafter_init")
+    cont = "" if not init else (
+        f", continued from {init['from']}" + (f" after {init['steps']} earlier steps" if init.get("steps") else ""))
     weighting = ("equal weights at every position" if not gamma else
                  f"block position k weighted exp(-(k-1)/{gamma:g})")
     text = f"""# The demo pair: a Qwen3 target and a DFlash drafter
@@ -782,7 +812,7 @@ the saved weights in float32). {compare}
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
 continuation (half of each batch; the other half fresh windows of real text), half the anchors anywhere in them and half in the continuation, each block
 labelled with the target's teacher-forced argmax ({weighting}): {r['drafter_steps_run']} steps of
-{s['d_batch']} sequences x {s['anchors']} blocks{stopped}; best
+{s['d_batch']} sequences x {s['anchors']} blocks{cont}{stopped}; best
 held-out loss {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}; the cross-entropy in nats
 against the target's argmax, averaged over the block's positions with those weights).
 
