@@ -20,8 +20,8 @@ from collections.abc import Sequence
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kdtree.apps.demo", "DDTree speculative decoding of the shipped transformer pair (or, with "
-                            "--model ngram, a byte n-gram model) on CPU, checked against greedy "
-                            "autoregressive decoding"),
+                            "--model ngram, a byte n-gram model) on CPU, checked token for token against "
+                            "autoregressive decoding (sampled with the same seed, or greedy)"),
     "generate": ("kdtree.apps.generate", "DDTree decoding with a transformer target and block drafter "
                                     "(greedy or sampled, CPU or GPU)"),
 }
@@ -104,8 +104,9 @@ def timed_pair(runs: dict, repeats: int, total: int, disable_bars: bool, unit: s
     if done == repeats:
         note = "one run each" if repeats == 1 else f"median of {done} runs each, after a warm-up"
     else:
-        note = (f"{plural(done, 'run')} each, not the {repeats} asked: the runs took {spent:.0f} s, past the "
-                f"{REPEAT_SECONDS:.0f} s a demo spends timing")
+        how = "one run each" if done == 1 else f"median of {done} runs each"
+        note = (f"{how}, not the {repeats} asked: the runs took {spent:.0f} s, past the "
+                f"{REPEAT_SECONDS:.0f} s spent timing at most")
     return first, walls, note
 
 

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="first character of the prompt within --prompt-file (default 0; 2000 for the default prompt)")
     p.add_argument("--prompt-chars", type=_int_in(1), default=PROMPT_CHARS,
                    help="characters of the file used as the prompt (the shipped drafter was trained on "
-                        "256-token sequences: keep prompt + new tokens within that)")
+                        "640-token sequences: 512 of text and 128 of the target's continuation)")
     p.add_argument("--models", type=Path, default=None,
                    help=f"folder with tokenizer.json, target/ and drafter/ (tools/train_models.py; default: "
                         f"{SHIPPED_PAIR} of the checkout, or under the current folder)")
