@@ -107,11 +107,11 @@ def old_engine(target, drafter, prompt, new, budget):
     from kdtree.engine.drafter import BlockDrafterRunner
     from kdtree.engine.hf import HFTarget
 
-    t = HFTarget(target, feature_layers=drafter.config.target_layers)
+    t = HFTarget(target, feature_layers=drafter.feature_layers)
     r = BlockDrafterRunner(drafter)
-    speculative_generate(t, r, prompt, 8, budget=budget, depth=drafter.config.max_depth)
+    speculative_generate(t, r, prompt, 8, budget=budget, depth=drafter.max_depth)
     t0 = time.perf_counter()
-    res = speculative_generate(t, r, prompt, new, budget=budget, depth=drafter.config.max_depth)
+    res = speculative_generate(t, r, prompt, new, budget=budget, depth=drafter.max_depth)
     wall = time.perf_counter() - t0
     return {"tokens_per_s": len(res.tokens) / wall, "acceptance": res.mean_acceptance_length}
 

@@ -21,8 +21,9 @@ device calls):
    ``--target-minutes`` run out (the schedule is sized from the first steps' speed);
 4. ``drafter``: a DFlash drafter (:mod:`kdtree.engine.dflash`, hidden size and embedding /
    LM head of the frozen target) on sequences of real held-in text of ``--context`` tokens
-   followed by the target's own greedy continuation (half of each batch; the other half
-   fresh windows of real text); half the anchors anywhere, half in the continuation; the labels of a block are the target's teacher-forced argmax
+   followed by the target's own greedy continuation (the share ``--self-rows`` of each
+   batch; the rest fresh windows of real text), the share ``--self-anchors`` of their
+   anchors in the continuation and the rest anywhere; the labels of a block are the target's teacher-forced argmax
    at each of its positions (what greedy verification accepts); kept at its best held-out evaluation; saved in the published format;
 5. ``eval``: held-out perplexity, the drafter's per-position top-1 agreement, acceptance
    length of kdtree's batched engine at N = 16 / 64 / 256 on held-out prompts of
@@ -88,8 +89,14 @@ def parse_args(argv=None):
     p.add_argument("--loss-decay-gamma", type=float, default=7.0,
                    help="drafter loss weight exp(-(k-1)/gamma) at block position k (DFlash: 7 for blocks of 16, "
                         "5 for 10, 4 for 8); 0: equal weights")
+    p.add_argument("--self-rows", type=float, default=0.5,
+                   help="share of each drafter batch's sequences that end in the target's own greedy continuation "
+                        "(the rest: fresh windows of real text)")
+    p.add_argument("--self-anchors", type=float, default=0.5,
+                   help="share of the anchors of those sequences placed in the continuation (the rest anywhere)")
     p.add_argument("--drafter-steps", type=int, default=20000)
     p.add_argument("--drafter-minutes", type=float, default=8.0)
+    p.add_argument("--drafter-lr", type=float, default=1e-3, help="the drafter's peak learning rate (AdamW)")
     p.add_argument("--drafter-init", type=Path, default=None,
                    help="drafter stage: start from this DFlash drafter folder (same shape) instead of random weights, "
                         "e.g. the pair's own drafter/ to continue training it")
@@ -104,12 +111,15 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if not lo <= v <= hi:
             p.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
-    for name in ("corpus_mb", "target_minutes", "drafter_minutes"):
+    for name in ("corpus_mb", "target_minutes", "drafter_minutes", "drafter_lr"):
         if not 0 < getattr(args, name) < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 1e-6 <= args.sample_temperature <= 100 or not 0 < args.sample_top_p <= 1:
         p.error(f"--sample-temperature must be in [1e-6, 100] and --sample-top-p in (0, 1], got "
                 f"{args.sample_temperature} and {args.sample_top_p}")
+    for name in ("self_rows", "self_anchors"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if not 0 <= args.loss_decay_gamma < float("inf"):
         p.error(f"--loss-decay-gamma must be >= 0 (0: equal weights), got {args.loss_decay_gamma}")
     if args.smoke and any(getattr(args, k) != p.get_default(k) for k in ("vocab", "hidden", "layers", "seq", "block",
@@ -142,7 +152,8 @@ def sizes(args):
                     target_steps=40, target_minutes=2.0, eval_every=10, lr=3e-3, eval_windows=8, context=48, gen=24,
                     n_seqs=48, held_seqs=8, d_layers=1, block=6, d_batch=8, anchors=4, drafter_steps=30,
                     drafter_minutes=2.0, d_lr=1e-3, gen_batch=16, corpus_chars=3e6, accept_prompts=2,
-                    accept_new=24, budgets=(4, 16), loss_decay_gamma=args.loss_decay_gamma)
+                    accept_new=24, budgets=(4, 16), loss_decay_gamma=args.loss_decay_gamma,
+                    self_rows=args.self_rows, self_anchors=args.self_anchors)
     heads = max(1, args.hidden // 64)
     return dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=heads,
                 kv_heads=heads // 2 if heads % 2 == 0 else heads,
@@ -150,8 +161,10 @@ def sizes(args):
                 target_minutes=args.target_minutes, eval_every=args.eval_every, lr=2e-3, eval_windows=256,
                 context=args.context, gen=128, n_seqs=16384, held_seqs=256, d_layers=args.drafter_layers,
                 block=args.block, d_batch=16, anchors=128, drafter_steps=args.drafter_steps,
-                drafter_minutes=args.drafter_minutes, d_lr=1e-3, gen_batch=512, corpus_chars=args.corpus_mb * 1e6,
-                accept_prompts=64, accept_new=128, budgets=(16, 64, 256), loss_decay_gamma=args.loss_decay_gamma)
+                drafter_minutes=args.drafter_minutes, d_lr=args.drafter_lr, gen_batch=512,
+                corpus_chars=args.corpus_mb * 1e6,
+                accept_prompts=64, accept_new=128, budgets=(16, 64, 256), loss_decay_gamma=args.loss_decay_gamma,
+                self_rows=args.self_rows, self_anchors=args.self_anchors)
 
 
 # ---- corpus ------------------------------------------------------------------------------
@@ -264,7 +277,7 @@ def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn,
                on_best=None):
     """AdamW (betas 0.9/0.95), warmup then cosine to 10%, gradient clipping at 1, bfloat16
     autocast on CUDA. The schedule's length is ``max_steps``, or fewer when steps 10-40's
-    speed says ``minutes`` would run out. ``evaluate()`` (held-out loss) runs every
+    speed and one evaluation's time (at step 40) say ``minutes`` would run out. ``evaluate()`` (held-out loss) runs every
     ``eval_every`` steps and at the end; the best evaluation's weights are restored.
     ``on_best(step, held_loss, seconds, schedule_steps)``, if given, runs at each new best (to save a
     checkpoint that survives the process being stopped).
@@ -289,14 +302,19 @@ def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn,
         step += 1
         if step == 10:
             t10 = time.time()
-        if step == 40:  # size the schedule to the time budget, timed after the first steps' warm-up
+        if step == 40:
             per = (time.time() - t10) / 30
-            total = max(40, min(max_steps, int((minutes * 60 - (time.time() - t0)) / per) + 40))
-            log(f"{name}: {per * 1e3:.0f} ms a step: {total} steps")
-        if step % eval_every == 0 or step == total:
+        if step % eval_every == 0 or step == total or step == 40:
             model.eval()
+            te = time.time()
             with torch.no_grad():
                 held = evaluate()
+            te = time.time() - te
+            if step == 40:  # size the schedule to the time budget: steps timed after the first
+                # steps' warm-up, and an evaluation every eval_every steps
+                total = max(40, min(max_steps, int((minutes * 60 - (time.time() - t0)) / (per + te / eval_every))
+                                    + 40))
+                log(f"{name}: {per * 1e3:.0f} ms a step, {te:.1f} s an evaluation: {total} steps")
             if held < best:
                 best, best_step = held, step
                 best_state = copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
@@ -384,13 +402,15 @@ def drafter_sequences(torch, target, ids, n, s, seed):
     return greedy_continuations(torch, target, prompts, s["gen"], s["gen_batch"])
 
 
-def drafter_batch(torch, target, drafter, seqs, s, gen):
-    """Anchors in the real text (anywhere a block fits after at least 8 tokens) and, for
-    half of them, in the target's own continuation (from ``context`` on): features
-    ``[b, T, F]``, starts and roots ``[b, A]``, labels ``[b, A, depth]`` (the inputs of
-    the drafter's ``forward_blocks``). The label of the token j after an anchor is the
-    target's argmax at the token before it (teacher-forced, from the same forward as the
-    features): what verification accepts, rather than the text itself."""
+def drafter_batch(torch, target, drafter, seqs, s, gen, n_self_rows=None):
+    """Anchors in the real text (anywhere a block fits after at least 8 tokens) and in the
+    target's own continuation (from ``context`` on): the first ``n_self_rows`` rows (all by
+    default) are sequences ending in the continuation and place the share ``self_anchors``
+    of their anchors there; the other rows are real text, anchored anywhere. Returns
+    features ``[b, T, F]``, starts and roots ``[b, A]``, labels ``[b, A, depth]`` (the
+    inputs of the drafter's ``forward_blocks``). The label of the token j after an anchor
+    is the target's argmax at the token before it (teacher-forced, from the same forward
+    as the features): what verification accepts, rather than the text itself."""
     b, t_all = seqs.shape
     depth = s["block"] - 1
     dev = seqs.device
@@ -398,10 +418,13 @@ def drafter_batch(torch, target, drafter, seqs, s, gen):
         res = target(input_ids=seqs, output_hidden_states=True)
         feats = torch.cat([res.hidden_states[i] for i in drafter.feature_layers], dim=-1)
         choice = res.logits.argmax(-1)  # [b, t_all]: the target's next token after each position
-    n_real = s["anchors"] // 2
-    real = torch.randint(8, t_all - depth, (b, n_real), generator=gen)
-    cont = torch.randint(min(s["context"], t_all - depth - 1), t_all - depth, (b, s["anchors"] - n_real), generator=gen)
-    p = torch.cat([real, cont], dim=1).to(dev)  # [b, A]
+    n_self_rows = b if n_self_rows is None else n_self_rows
+    a = s["anchors"]
+    n_self = int(round(a * s.get("self_anchors", 0.5)))
+    anywhere = torch.randint(8, t_all - depth, (b, a), generator=gen)
+    cont = torch.randint(min(s["context"], t_all - depth - 1), t_all - depth, (b, a), generator=gen)
+    in_cont = (torch.arange(a)[None, :] < n_self) & (torch.arange(b)[:, None] < n_self_rows)
+    p = torch.where(in_cont, cont, anywhere).to(dev)  # [b, A]
     labels = torch.gather(choice, 1, (p[:, :, None] + torch.arange(depth, device=dev)).reshape(b, -1))
     return feats, p, torch.gather(seqs, 1, p), labels.reshape(b, -1, depth)
 
@@ -455,9 +478,12 @@ def stage_drafter(torch, args, s, out, log, rec):
                              f"--block, the target): {bad[:4]}")
         drafter.load_state_dict(theirs)
         same = Path(args.drafter_init).resolve() == (out / "drafter").resolve()
+        earlier = rec.get("drafter_init") or {}
         before = {"from": str(args.drafter_init),
-                  "steps": (rec.get("drafter_steps_run", 0) + ((rec.get("drafter_init") or {}).get("steps") or 0)
-                            if same else None)}
+                  "steps": (rec.get("drafter_steps_run", 0) + (earlier.get("steps") or 0) if same else None),
+                  # the earlier runs of this folder's drafter, oldest first: how to redo the chain
+                  "runs": (earlier.get("runs", []) + [{"command": rec.get("stage_commands", {}).get("drafter"),
+                                                       "steps": rec.get("drafter_steps_run")}]) if same else []}
         log(f"drafter: continuing from {args.drafter_init}"
             + (f" ({before['steps']} steps so far)" if before["steps"] is not None else ""))
     t0 = time.time()
@@ -485,13 +511,15 @@ def stage_drafter(torch, args, s, out, log, rec):
     train_data = torch.as_tensor(train_ids, device=seqs.device)
 
     def loss_fn(step):
-        # half the batch: sequences with the target's continuation; half: fresh windows of
-        # real text (labels are the target's argmax either way, so real text never runs out)
-        half = s["d_batch"] // 2
-        rows = torch.randint(0, seqs.shape[0], (s["d_batch"] - half,), generator=gen).to(seqs.device)
-        starts = torch.randint(0, len(train_ids) - seqs.shape[1], (half,), generator=gen).to(seqs.device)
+        # the share self_rows of the batch: sequences ending in the target's continuation;
+        # the rest: fresh windows of real text (labels are the target's argmax either way,
+        # so real text never runs out)
+        n_self = int(round(s["d_batch"] * s.get("self_rows", 0.5)))
+        rows = torch.randint(0, seqs.shape[0], (n_self,), generator=gen).to(seqs.device)
+        starts = torch.randint(0, len(train_ids) - seqs.shape[1], (s["d_batch"] - n_self,), generator=gen)
+        starts = starts.to(seqs.device)
         fresh = train_data[starts[:, None] + torch.arange(seqs.shape[1], device=seqs.device)[None, :]]
-        return loss_of(drafter_batch(torch, target, drafter, torch.cat([seqs[rows], fresh]), s, gen))
+        return loss_of(drafter_batch(torch, target, drafter, torch.cat([seqs[rows], fresh]), s, gen, n_self))
 
     def evaluate():
         g = torch.Generator(device="cpu").manual_seed(hgen_seed)
@@ -748,7 +776,18 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
         other = {envs[st]["device_name"] for st in stages if st in envs} - {r["device_name"]}
         return f" (on {', '.join(sorted(other))})" if other else ""
 
-    commands = "\n".join(f"    {cmd}    # {', '.join(st)}{where(st)}" for cmd, st in runs.items()) or f"    {r['command']}"
+    chain = (r.get("drafter_init") or {}).get("runs") or []
+    earlier = "".join(f"    {x['command']}    # drafter, run {i + 1} of {len(chain) + 1} ({x['steps']} steps)\n"
+                      for i, x in enumerate(chain) if x.get("command"))
+    if earlier and "drafter" in runs.get(r.get("stage_commands", {}).get("drafter"), []):
+        runs[r["stage_commands"]["drafter"]] = [st if st != "drafter" else f"drafter, run {len(chain) + 1} of "
+                                                f"{len(chain) + 1}" for st in runs[r["stage_commands"]["drafter"]]]
+    commands = ("\n".join(f"    {cmd}    # {', '.join(st)}{where(st)}" for cmd, st in runs.items())
+                or f"    {r['command']}")
+    if earlier:  # the earlier drafter runs go before the last one
+        lines = commands.split("\n")
+        k = next((i for i, ln in enumerate(lines) if "drafter, run" in ln), len(lines))
+        commands = ("\n".join(lines[:k]) + ("\n" if k else "") + earlier + "\n".join(lines[k:])).rstrip("\n")
     sr = r.get("sampled_repeats")
     sampled = "" if not sr else (
         f" Sampled at temperature {sr['temperature']:g} with top-p {sr['top_p']:g} (kdtree's `HFTarget`, seed i for "
@@ -770,6 +809,8 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     init = r.get("drafter_init")
     cont = "" if not init else (
         f", continued from {init['from']}" + (f" after {init['steps']} earlier steps" if init.get("steps") else ""))
+    mix = (f"{s.get('self_rows', 0.5):.0%} of each batch; the rest fresh windows of real text), "
+           f"{s.get('self_anchors', 0.5):.0%} of their anchors in the continuation and the rest anywhere")
     weighting = ("equal weights at every position" if not gamma else
                  f"block position k weighted exp(-(k-1)/{gamma:g})")
     text = f"""# The demo pair: a Qwen3 target and a DFlash drafter
@@ -810,7 +851,7 @@ the saved weights in float32). {compare}
 {s['block'] - 1} drafted positions, L = {s['block'] - 1}), mask token `<|mask|>`;
 {r['drafter_params'] / 1e6:.2f} M parameters of its own. Trained against the frozen target on
 sequences of {s['context']} real tokens followed by {s['gen']} tokens of the target's greedy
-continuation (half of each batch; the other half fresh windows of real text), half the anchors anywhere in them and half in the continuation, each block
+continuation ({mix}, each block
 labelled with the target's teacher-forced argmax ({weighting}): {r['drafter_steps_run']} steps of
 {s['d_batch']} sequences x {s['anchors']} blocks{cont}{stopped}; best
 held-out loss {r['drafter_best_held_loss']:.3f} (step {r['drafter_best_step']}; the cross-entropy in nats
