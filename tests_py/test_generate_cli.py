@@ -216,3 +216,51 @@ def test_batched_budget_auto(tmp_path):
     assert "identical  : 2 of 2 outputs equal greedy autoregressive decoding" in r.stdout
     r = run_cli(["generate", "--budget", "auto"], tmp_path)
     assert r.returncode == 2 and "add --batch-size" in r.stderr
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_difference_is_rounding_only_if_the_wider_float_run_agrees(monkeypatch, temperature):
+    """generate's check when DDTree's text differs from AR's (in-process): redone in the
+    next wider float, equal there means rounding (status 0); unequal there, or a float64
+    run, means a real difference (status 1)."""
+    import argparse
+    import io
+
+    import torch
+
+    sys.path.insert(0, str(PYTHON_DIR))
+    from kdtree.apps import generate
+    from kdtree.engine import rounds
+    from kdtree.engine.hf import HFTarget
+
+    tok, target, drafter = generate.load_pair(MODELS, "cpu", "float32")
+    prompt = tok.encode("def parse(text):\n    ").ids
+    args = argparse.Namespace(temperature=temperature, top_p=1.0, seed=3, max_new_tokens=6, budget=8)
+    layers = list(drafter.feature_layers)
+
+    ar = rounds.autoregressive_generate(HFTarget(target, temperature=temperature, seed=3, feature_layers=layers),
+                                        prompt, 6)
+    # a float32 "difference" at token 2 that the float64 rerun does not reproduce
+    fake = ar.tokens[:2] + [(ar.tokens[2] + 1) % target.config.vocab_size] + ar.tokens[3:]
+    out = io.StringIO()
+    assert generate.mismatch_report(args, target, drafter, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 0
+    text = out.getvalue()
+    assert "NO in float32, first difference at new token 2" in text and "rerun in float64  : identical: YES" in text
+    # already float64: nothing wider, a real difference
+    out = io.StringIO()
+    t64, d64 = target.to(torch.float64), drafter.to(torch.float64)
+    assert generate.mismatch_report(args, t64, d64, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 1
+    assert "rerun" not in out.getvalue()
+    t32, d32 = t64.to(torch.float32), d64.to(torch.float32)
+    # the wider run differs too: not rounding
+    real = rounds.speculative_generate
+
+    def broken(*a, **kw):
+        res = real(*a, **kw)
+        res.tokens[1] = (res.tokens[1] + 1) % target.config.vocab_size
+        return res
+
+    monkeypatch.setattr(rounds, "speculative_generate", broken)
+    out = io.StringIO()
+    assert generate.mismatch_report(args, t32, d32, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 1
+    assert "identical: NO, first difference at new token 1 (not rounding)" in out.getvalue()

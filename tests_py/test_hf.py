@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import kdtree  # noqa: E402
 from kdtree.engine import autoregressive_generate, speculative_generate  # noqa: E402
-from kdtree.engine.hf import keyed_uniforms  # noqa: E402
+from kdtree.engine.hf import NonFiniteLogitsError, keyed_uniforms  # noqa: E402
 from kdtree.hf import HFTarget, top_p_filter  # noqa: E402
 
 
@@ -302,8 +302,29 @@ def test_keyed_uniforms_are_the_documented_philox_words():
     u = keyed_uniforms(3, np.arange(20000))
     assert ((u > 0) & (u < 1)).all() and abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).mean() - 0.1) < 0.01
     assert not np.array_equal(u[:100], keyed_uniforms(4, np.arange(100)))
-    with pytest.raises(ValueError, match="non-negative"):
-        keyed_uniforms(0, [-1])
+    for bad_pos in ([-1], [2**63], [1.5]):
+        with pytest.raises(ValueError, match=r"ints in \[0, 2\*\*63\)"):
+            keyed_uniforms(0, bad_pos)
+    for bad_seed in (-1, 2**64, 1.0, True):
+        with pytest.raises(ValueError, match="seed must be"):
+            keyed_uniforms(bad_seed, [0])
+    assert keyed_uniforms(2**64 - 1, [2**63 - 1]).shape == (1,)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_choose_refuses_rows_without_a_defined_distribution(model, temperature):
+    target = HFTarget(model, temperature=temperature, seed=0)
+    ok = torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64)
+    for row, what in ((torch.tensor([0.0, math.nan, 1.0]), "NaN"), (torch.tensor([0.0, math.inf, 1.0]), r"\+inf"),
+                      (torch.full((3,), -math.inf), "no finite")):
+        with pytest.raises(NonFiniteLogitsError, match=what):
+            target.choose(torch.stack([ok, row.to(torch.float64)]), [1, 2])
+    p0 = 1 / (1 + math.e)  # softmax of (0, 1, -inf): token 0's probability
+    want = [1, 1] if temperature == 0 else [0 if u < p0 else 1 for u in keyed_uniforms(0, [1, 2])]
+    assert target.choose(torch.stack([ok, ok]), [1, 2]).tolist() == want
+    if temperature:
+        with pytest.raises(ValueError, match="one per row"):
+            target.choose(torch.stack([ok, ok]), [1])
 
 
 def test_a_draw_is_the_inverse_cdf_at_its_keyed_uniform(model):

@@ -4,6 +4,7 @@ minute, and what it writes loads and decodes losslessly through kdtree generate.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -69,5 +70,51 @@ def test_train_models_smoke_run(tmp_path):
                         capture_output=True, text=True, env=env, timeout=600)
     assert r3.returncode == 0, r3.stderr[-2000:]
     cont = json.loads((out / "training.json").read_text())
-    assert cont["drafter_init"] == {"from": str(out / "drafter"), "steps": record["drafter_steps_run"]}
-    assert f"after {record['drafter_steps_run']} earlier steps" in (out / "README.md").read_text()
+    first = {"command": record["stage_commands"]["drafter"], "steps": record["drafter_steps_run"]}
+    assert cont["drafter_init"] == {"from": str(out / "drafter"), "steps": record["drafter_steps_run"], "runs": [first]}
+    card = (out / "README.md").read_text()
+    assert f"after {record['drafter_steps_run']} earlier steps" in card
+    # the card lists both drafter runs, the earlier first
+    assert f"{first['command']}    # drafter, run 1 of 2 ({first['steps']} steps)" in card
+    assert card.index("run 1 of 2") < card.index("run 2 of 2")
+
+
+def _train_models():
+    spec = importlib.util.spec_from_file_location("train_models", ROOT / "tools" / "train_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_new_target_or_drafter_forgets_what_belonged_to_the_old_one(tmp_path):
+    tm = _train_models()
+
+    def pair():
+        out = tmp_path / "pair"
+        (out / "drafter").mkdir(parents=True, exist_ok=True)
+        (out / "drafter" / "config.json").write_text("{}")
+        (out / "README.md").write_text("card")
+        rec = {"held_out_perplexity": 5.0, "acceptance": {"64": {}}, "drafter_agreement": [0.5], "sizes": {},
+               "drafter_steps_run": 10, "drafter_init": {"steps": 3}, "target_steps_run": 7,
+               "stage_commands": {"target": "t", "drafter": "d", "eval": "e", "repeats": "r"}}
+        return out, rec
+
+    out, rec = pair()
+    gone = tm.forget_downstream(out, rec, "drafter")
+    assert set(gone) == {"held_out_perplexity", "acceptance", "drafter_agreement", "README.md"}
+    assert (out / "drafter" / "config.json").is_file() and not (out / "README.md").exists()
+    assert rec["drafter_steps_run"] == 10 and rec["stage_commands"] == {"target": "t", "drafter": "d"}
+    out, rec = pair()
+    tm.forget_downstream(out, rec, "target")
+    assert not (out / "drafter").exists() and not (out / "README.md").exists()
+    assert rec == {"sizes": {}, "target_steps_run": 7, "stage_commands": {"target": "t"}}
+    # continuing the folder's own drafter across a new target is refused before anything runs
+    (out / "drafter").mkdir()
+    (out / "drafter" / "config.json").write_text("{}")
+    (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        tm.parse_args(["--out", str(out), "--stage", "target", "--stage", "drafter",
+                       "--drafter-init", str(out / "drafter")])
+    # training.json is replaced whole
+    tm.write_record(out / "training.json", {"a": 1})
+    assert json.loads((out / "training.json").read_text()) == {"a": 1} and not (out / "training.json.tmp").exists()

@@ -48,8 +48,10 @@ import copy
 import importlib.metadata as metadata
 import json
 import math
+import os
 import platform
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -139,6 +141,10 @@ def parse_args(argv=None):
                         f"(or point --out at a pair that has it)")
     if args.drafter_init is not None and not (args.drafter_init / "config.json").is_file():
         p.error(f"--drafter-init {args.drafter_init}: no config.json there (a DFlash drafter folder)")
+    if (args.drafter_init is not None and "target" in stages
+            and (args.out / "drafter").resolve() in [args.drafter_init.resolve(), *args.drafter_init.resolve().parents]):
+        p.error(f"--drafter-init {args.drafter_init}: a new target (--stage target) replaces this folder's drafter; "
+                f"continue from a copy, or train the drafter anew")
     if args.compare is not None and "eval" in stages:
         tok = [q for q in (args.compare / "tokenizer.json", args.compare / "target" / "tokenizer.json") if q.is_file()]
         if not tok or not (args.compare / "target" / "config.json").is_file():
@@ -318,10 +324,10 @@ def train_loop(torch, model, max_steps, minutes, peak_lr, weight_decay, loss_fn,
             if held < best:
                 best, best_step = held, step
                 best_state = copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
-                if on_best is not None:
-                    on_best(step, held, time.time() - t0, total)
             log(f"{name} step {step:6d}  loss {np.mean(losses[-50:]):.3f}  held-out {held:.3f}"
                 f"{'  (best)' if best_step == step else ''}  ({time.time() - t0:.0f} s)")
+            if best_step == step and on_best is not None:  # after the log line, which the record then holds
+                on_best(step, held, time.time() - t0, total)
     model.load_state_dict(best_state)
     model.eval()
     return step, best, best_step, time.time() - t0
@@ -333,10 +339,49 @@ def windows(data, starts, seq):
     return torch.stack([data[i:i + seq + 1] for i in starts])
 
 
+def write_record(path: Path, rec: dict) -> None:
+    """training.json, replaced whole (a run stopped mid-write leaves the old record)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rec, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+EVAL_FIELDS = ("held_out_perplexity", "perplexity_tokens", "drafter_agreement", "agreement_anchors", "acceptance",
+               "repeated_share_mean", "repeated_share_max", "samples", "sampled_repeats", "compare")
+DRAFTER_FIELDS = ("drafter_steps_run", "drafter_best_step", "drafter_best_held_loss", "drafter_seconds",
+                  "drafter_schedule_steps", "drafter_params", "drafter_target_layer_ids", "drafter_init")
+
+
+def forget_downstream(out: Path, rec: dict, stage: str) -> list[str]:
+    """Before ``stage`` (target or drafter) trains anew, remove what was measured on (and,
+    for a new target, trained against) the weights it replaces: the evaluation's fields, the
+    model card and, for a new target, the drafter folder and its fields, so that a run
+    stopped midway never leaves a new model beside an old one's numbers or partner.
+    Returns what was removed (for the log)."""
+    gone = [k for k in EVAL_FIELDS if rec.pop(k, None) is not None]
+    stages = ["eval", "repeats"]
+    if stage == "target":
+        gone += [k for k in DRAFTER_FIELDS if rec.pop(k, None) is not None]
+        stages.append("drafter")
+        if (out / "drafter").is_dir():
+            shutil.rmtree(out / "drafter")
+            gone.append("drafter/")
+    for key in ("stage_seconds", "stage_commands", "stage_sizes", "stage_envs"):
+        for st in stages:
+            (rec.get(key) or {}).pop(st, None)
+    if (out / "README.md").is_file():
+        (out / "README.md").unlink()
+        gone.append("README.md")
+    return gone
+
+
 def stage_target(torch, args, s, out, log, rec):
     from tokenizers import Tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    gone = forget_downstream(out, rec, "target")
+    if gone:
+        log(f"target: a new target; removed what belonged to the old one: {', '.join(gone)}")
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     corpus = json.loads((out / "corpus.json").read_text())
     train_texts, held_texts = read_texts(corpus)
@@ -486,6 +531,9 @@ def stage_drafter(torch, args, s, out, log, rec):
                                                        "steps": rec.get("drafter_steps_run")}]) if same else []}
         log(f"drafter: continuing from {args.drafter_init}"
             + (f" ({before['steps']} steps so far)" if before["steps"] is not None else ""))
+    gone = forget_downstream(out, rec, "drafter")
+    if gone:
+        log(f"drafter: a new drafter; removed the old one's evaluation: {', '.join(gone)}")
     t0 = time.time()
     seqs = drafter_sequences(torch, target, train_ids, s["n_seqs"], s, seed=10 + 1000 * args.seed)
     held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)
@@ -547,7 +595,7 @@ def stage_drafter(torch, args, s, out, log, rec):
         record(step, held, step, secs, schedule)
         rec.setdefault("stage_commands", {})["drafter"] = rec["command"]  # the drafter stage set these
         rec.setdefault("stage_sizes", {})["drafter"] = rec["sizes"]
-        (out / "training.json").write_text(json.dumps(rec, indent=2) + "\n")
+        write_record(out / "training.json", rec)
 
     steps, best, best_step, secs = train_loop(torch, drafter, s["drafter_steps"], s["drafter_minutes"], s["d_lr"], 0.0,
                                               loss_fn, evaluate, s["eval_every"], "drafter", log, on_best=checkpoint)
@@ -747,11 +795,11 @@ def main(argv=None) -> int:
         rec.setdefault("stage_sizes", {})[stage] = env["sizes"]
         rec.setdefault("stage_envs", {})[stage] = {k: env[k] for k in ("python", "torch", "transformers",
                                                                       "device_name")}
-        rec_path.write_text(json.dumps(rec, indent=2) + "\n")
+        write_record(rec_path, rec)
     if (out / "corpus.json").is_file() and "held_out_perplexity" in rec:
         write_card(out, rec, json.loads((out / "corpus.json").read_text()))
     log(f"done in {time.time() - t0:.0f} s: {out}")
-    rec_path.write_text(json.dumps(rec, indent=2) + "\n")
+    write_record(rec_path, rec)
     return 0
 
 
@@ -804,8 +852,8 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     gamma = s.get("loss_decay_gamma")
     sched = r.get("drafter_schedule_steps", r["drafter_steps_run"])
     stopped = ("" if sched <= r["drafter_steps_run"] else
-               f" (stopped from outside at step {r['drafter_steps_run']} of the {sched}-step schedule; the saved"
-               " checkpoint is the best evaluation up to there)")
+               f" (stopped from outside before the end of its {sched}-step schedule; the saved checkpoint, step "
+               f"{r['drafter_steps_run']}, is the best evaluation up to the stop)")
     init = r.get("drafter_init")
     cont = "" if not init else (
         f", continued from {init['from']}" + (f" after {init['steps']} earlier steps" if init.get("steps") else ""))

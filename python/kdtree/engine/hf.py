@@ -391,12 +391,20 @@ class HFTarget:
         ``positions[i]``), so row i's draw depends on its logits and on the position of the
         token it chooses (ints [n]: the row's position + 1) alone.
         Returns int32 [n]. Raises NonFiniteLogitsError (a ValueError) for a row holding a
-        NaN logit (a broken model: argmax would pick an arbitrary token)."""
+        NaN or +inf logit or no finite one (a broken model: argmax would pick an arbitrary
+        token and the sampled distribution is undefined), and ValueError when ``positions``
+        does not hold one position per row."""
         torch = _torch()
         nan_rows = torch.isnan(logits).any(dim=-1).nonzero()
         if len(nan_rows):
             raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(nan_rows[0, 0])} of {logits.shape[0]} "
                              f"(its weights or inputs are broken)")
+        bad = (torch.isposinf(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)).nonzero()
+        if len(bad):
+            raise NonFiniteLogitsError(f"the target's logits in row {int(bad[0, 0])} of {logits.shape[0]} hold +inf or "
+                                       f"no finite value (its weights or inputs are broken)")
+        if self.temperature != 0.0 and np.shape(positions) != (logits.shape[0],):
+            raise ValueError(f"positions: one per row of logits ({logits.shape[0]}), got shape {np.shape(positions)}")
         if self.temperature == 0.0:
             return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
         probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
@@ -473,16 +481,21 @@ class HFTarget:
 
 
 def keyed_uniforms(seed: int, positions: Any) -> np.ndarray:
-    """One uniform in (0, 1) per position, float64 ``[n]``, that depends on ``seed`` (an
+    """One uniform in (0, 1] per position, float64 ``[n]``, that depends on ``seed`` (an
     int in [0, 2**64)) and the position alone: the first two words w0, w1 of
     Philox4x32-10(counter = (position mod 2**32, position >> 32, 0, 0), key = (seed mod
     2**32, seed >> 32)) (the generator of the library's sampled verification) give
-    u = ((w0 >> 5) * 2**26 + (w1 >> 6) + 0.5) * 2**-53. positions: ints in [0, 2**63)."""
+    u = ((w0 >> 5) * 2**26 + (w1 >> 6) + 0.5) * 2**-53 (1.0 exactly only when both words
+    are all ones: the sum rounds up to 2**53). positions: ints in [0, 2**63).
+    Raises ValueError for a seed or position outside those ranges."""
     from ..core.sampling import philox4x32_10
 
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     pos = np.asarray(positions)
-    if pos.ndim != 1 or (pos.size and (pos.dtype.kind not in "iu" or int(pos.min()) < 0)):
-        raise ValueError(f"positions must be a 1-D array of non-negative ints, got {positions!r}")
+    if pos.ndim != 1 or (pos.size and (pos.dtype.kind not in "iu" or int(pos.min()) < 0
+                                       or int(pos.max()) >= 2**63)):
+        raise ValueError(f"positions must be a 1-D array of ints in [0, 2**63), got {positions!r}")
     pos = pos.astype(np.uint64)
     zero = np.zeros_like(pos)
     w = philox4x32_10((pos & np.uint64(0xFFFFFFFF), pos >> np.uint64(32), zero, zero),
