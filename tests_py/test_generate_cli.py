@@ -202,6 +202,11 @@ def test_batched_refuses_options_it_does_not_use(tmp_path):
                         (["--prompt-offset", "3"], "--prompt-offset: not used")):
         r = run_cli(base + extra, tmp_path)
         assert r.returncode == 2 and said in r.stderr, (extra, r.stderr[-300:])
+    # a JSON line's own nucleus for a greedy request: refused, naming the line
+    g = tmp_path / "greedy.jsonl"
+    g.write_text('{"prompt": "def f(", "temperature": 0, "top_p": 0.5}\n')
+    r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(g)], tmp_path)
+    assert r.returncode == 2 and "prompt 0 (line 1): top_p set for a greedy request" in r.stderr, r.stderr[-300:]
 
 
 def test_batched_budget_auto(tmp_path):

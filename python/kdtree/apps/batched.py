@@ -122,6 +122,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                                          seed=_setting(e, "seed", args.seed + i, "int", where)))
         except ValueError as exc:
             raise UsageError(f"{where}: {exc}") from None
+        own = [k for k in ("top_p", "top_k") if k in e]
+        if params[-1].temperature == 0 and own and (params[-1].top_p < 1.0 or params[-1].top_k):
+            raise UsageError(f"{where}: {', '.join(own)} set for a greedy request (temperature 0): they apply to "
+                             f"sampling only")
         if max_pos and len(e["prompt"]) > 64 * max_pos:  # no need to tokenize a text that cannot fit
             raise UsageError(f"{where}: {len(e['prompt']):,} characters cannot fit the target's {max_pos} positions")
         ids = tok.encode(e["prompt"]).ids

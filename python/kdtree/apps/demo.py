@@ -266,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--plot only applies to --model transformer")
     if args.models is not None:
         raise UsageError("--models only applies to --model transformer")
-    sampling = [f"--{k.replace('_', '-')}" for k in ("temperature", "top_p", "seed") if getattr(args, k) is not None]
+    # --temperature 0 asks for what the n-gram demo does (greedy): accepted
+    sampling = [f"--{k.replace('_', '-')}" for k in ("temperature", "top_p", "seed")
+                if getattr(args, k) is not None and not (k == "temperature" and args.temperature == 0)]
     if sampling:
         raise UsageError(f"{', '.join(sampling)} only appl{'y' if len(sampling) > 1 else 'ies'} to --model transformer "
                          f"(the n-gram demo is greedy)")
