@@ -14,7 +14,8 @@ Where they differ, both runs are redone in the next wider float (float32 -> floa
 16-bit -> float32): equal there, the difference was rounding (a near-tie or a draw at a
 boundary of the cumulative distribution, computed in a different order by the tree forward)
 and the exit status stays 0; unequal there, or in a float64 run, the status is 1.
-Printed: the continuation, target forwards (AR vs DDTree), the mean acceptance length and its histogram, time per stage, and one round's draft tree;
+Printed: the continuation, target forwards (AR vs DDTree), the mean acceptance length and
+its histogram, time per stage, and one round's draft tree;
 ``--plot`` also writes them as a picture (matplotlib).
 
 Source: Ringel & Romano, arXiv 2604.12989; verification semantics: ``ddtree-tree-build.md``.
@@ -380,8 +381,10 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     from ..engine.drafter import BlockDrafterRunner
     from ..engine.hf import HFTarget
 
-    first = next((i for i, (x, y) in enumerate(zip(ar_tokens, dd_tokens, strict=False)) if x != y),
-                 min(len(ar_tokens), len(dd_tokens)))
+    def first_difference(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    first = first_difference(ar_tokens, dd_tokens)
     dtype = next(target_model.parameters()).dtype
     wider = {torch.float32: torch.float64, torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(dtype)
     name = str(dtype).removeprefix("torch.")
@@ -405,9 +408,8 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
               f"{'draw this close to a boundary of the cumulative distribution' if args.temperature else 'near-tie'}"
               f" flips; later tokens follow from it)", file=out)
         return 0
-    first2 = next((i for i, (x, y) in enumerate(zip(a.tokens, d.tokens, strict=False)) if x != y),
-                  min(len(a.tokens), len(d.tokens)))
-    print(f"  rerun in {wname}  : identical: NO, first difference at new token {first2} (not rounding)", file=out)
+    print(f"  rerun in {wname}  : identical: NO, first difference at new token {first_difference(a.tokens, d.tokens)} "
+          f"(not rounding)", file=out)
     return 1
 
 
