@@ -828,8 +828,11 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     earlier = "".join(f"    {x['command']}    # drafter, run {i + 1} of {len(chain) + 1} ({x['steps']} steps)\n"
                       for i, x in enumerate(chain) if x.get("command"))
     if earlier and "drafter" in runs.get(r.get("stage_commands", {}).get("drafter"), []):
-        runs[r["stage_commands"]["drafter"]] = [st if st != "drafter" else f"drafter, run {len(chain) + 1} of "
-                                                f"{len(chain) + 1}" for st in runs[r["stage_commands"]["drafter"]]]
+        runs[r["stage_commands"]["drafter"]] = [
+            st if st != "drafter" else f"drafter, run {len(chain) + 1} of {len(chain) + 1} ({r['drafter_steps_run']} "
+            f"steps)" for st in runs[r["stage_commands"]["drafter"]]]
+        earlier = ("    # each drafter run continues from the drafter the one before it saved, copied into its "
+                   "--out folder\n" + earlier)
     commands = ("\n".join(f"    {cmd}    # {', '.join(st)}{where(st)}" for cmd, st in runs.items())
                 or f"    {r['command']}")
     if earlier:  # the earlier drafter runs go before the last one
@@ -873,7 +876,9 @@ Python sources no one in this project wrote: the standard library and the permis
 licensed packages installed on that machine; {n_files} files, every 20th (by source and
 path) held out whole ({n_held} files); {r.get('train_tokens', 0):,} training tokens,
 {r.get('held_tokens', 0):,} held out. Test suites and vendored code are excluded; files are
-separated by `<|endoftext|>` (token 0). Sources and licences:
+separated by `<|endoftext|>` (token 0). Sources and licences (versions as that machine's
+installed packages declare them: the corpus is their source text, whatever the training
+itself imported):
 
 | source | version | licence (as the package declares it) | files |
 |---|---|---|---|
