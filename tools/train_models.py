@@ -157,7 +157,7 @@ def sizes(args):
         return dict(vocab=384, hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, inter=128, seq=96, batch=8,
                     target_steps=40, target_minutes=2.0, eval_every=10, lr=3e-3, eval_windows=8, context=48, gen=24,
                     n_seqs=48, held_seqs=8, d_layers=1, block=6, d_batch=8, anchors=4, drafter_steps=30,
-                    drafter_minutes=2.0, d_lr=1e-3, gen_batch=16, corpus_chars=3e6, accept_prompts=2,
+                    drafter_minutes=2.0, d_lr=args.drafter_lr, gen_batch=16, corpus_chars=3e6, accept_prompts=2,
                     accept_new=24, budgets=(4, 16), loss_decay_gamma=args.loss_decay_gamma,
                     self_rows=args.self_rows, self_anchors=args.self_anchors)
     heads = max(1, args.hidden // 64)
@@ -382,6 +382,7 @@ def stage_target(torch, args, s, out, log, rec):
     gone = forget_downstream(out, rec, "target")
     if gone:
         log(f"target: a new target; removed what belonged to the old one: {', '.join(gone)}")
+        write_record(out / "training.json", rec)  # at once: a run stopped from here on leaves a true record
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     corpus = json.loads((out / "corpus.json").read_text())
     train_texts, held_texts = read_texts(corpus)
@@ -534,6 +535,7 @@ def stage_drafter(torch, args, s, out, log, rec):
     gone = forget_downstream(out, rec, "drafter")
     if gone:
         log(f"drafter: a new drafter; removed the old one's evaluation: {', '.join(gone)}")
+        write_record(out / "training.json", rec)
     t0 = time.time()
     seqs = drafter_sequences(torch, target, train_ids, s["n_seqs"], s, seed=10 + 1000 * args.seed)
     held = drafter_sequences(torch, target, held_ids, s["held_seqs"], s, seed=11)

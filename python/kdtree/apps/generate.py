@@ -372,8 +372,10 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     cumulative distribution (or an argmax that close to a tie) can flip. Both runs are
     redone once in the next wider float (float32 -> float64, 16-bit -> float32), where
     such a near-tie is ~1e9 (resp. ~1e4) times less likely: equal there, the difference
-    is reported as rounding and the exit status is 0; unequal there (or already in
-    float64), it is a real difference and the status is 1."""
+    is taken for rounding and the exit status is 0; unequal there (or already in
+    float64), it is a real difference and the status is 1. The margin at the differing
+    token is not measured, so an error that shows in the narrower float alone would also
+    pass as rounding."""
     import copy
 
     import torch
@@ -403,10 +405,10 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
                                     depth=depth, stop_tokens=stops)
     wname = str(wider).removeprefix("torch.")
     if a.tokens == d.tokens:
-        print(f"  rerun in {wname}  : identical: YES, so the {name} difference is rounding (the tree forward and "
-              f"the one-token forward round the same logits differently, and a "
-              f"{'draw this close to a boundary of the cumulative distribution' if args.temperature else 'near-tie'}"
-              f" flips; later tokens follow from it)", file=out)
+        print(f"  rerun in {wname}  : identical: YES; the {name} difference is taken for rounding (the tree "
+              f"forward and the one-token forward round the same logits differently, which flips a "
+              f"{'draw near a boundary of the cumulative distribution' if args.temperature else 'near-tie'}; "
+              f"the margin at that token is not measured)", file=out)
         return 0
     print(f"  rerun in {wname}  : identical: NO, first difference at new token {first_difference(a.tokens, d.tokens)} "
           f"(not rounding)", file=out)
