@@ -95,6 +95,7 @@ def test_a_new_target_or_drafter_forgets_what_belonged_to_the_old_one(tmp_path):
         (out / "drafter" / "config.json").write_text("{}")
         (out / "README.md").write_text("card")
         rec = {"held_out_perplexity": 5.0, "acceptance": {"64": {}}, "drafter_agreement": [0.5], "sizes": {},
+               "compare": {"files": 20},
                "drafter_steps_run": 10, "drafter_init": {"steps": 3}, "target_steps_run": 7,
                "stage_commands": {"target": "t", "drafter": "d", "eval": "e", "repeats": "r"}}
         return out, rec
@@ -104,6 +105,7 @@ def test_a_new_target_or_drafter_forgets_what_belonged_to_the_old_one(tmp_path):
     assert set(gone) == {"held_out_perplexity", "acceptance", "drafter_agreement", "README.md"}
     assert (out / "drafter" / "config.json").is_file() and not (out / "README.md").exists()
     assert rec["drafter_steps_run"] == 10 and rec["stage_commands"] == {"target": "t", "drafter": "d"}
+    assert rec["compare"] == {"files": 20}  # measured on the target, which a new drafter keeps
     out, rec = pair()
     tm.forget_downstream(out, rec, "target")
     assert not (out / "drafter").exists() and not (out / "README.md").exists()

@@ -347,7 +347,9 @@ def write_record(path: Path, rec: dict) -> None:
 
 
 EVAL_FIELDS = ("held_out_perplexity", "perplexity_tokens", "drafter_agreement", "agreement_anchors", "acceptance",
-               "repeated_share_mean", "repeated_share_max", "samples", "sampled_repeats", "compare")
+               "repeated_share_mean", "repeated_share_max", "samples", "sampled_repeats")
+# measured on the target alone, by an eval stage given --compare: a new drafter keeps it
+TARGET_EVAL_FIELDS = ("compare",)
 DRAFTER_FIELDS = ("drafter_steps_run", "drafter_best_step", "drafter_best_held_loss", "drafter_seconds",
                   "drafter_schedule_steps", "drafter_params", "drafter_target_layer_ids", "drafter_init")
 
@@ -355,13 +357,14 @@ DRAFTER_FIELDS = ("drafter_steps_run", "drafter_best_step", "drafter_best_held_l
 def forget_downstream(out: Path, rec: dict, stage: str) -> list[str]:
     """Before ``stage`` (target or drafter) trains anew, remove what was measured on (and,
     for a new target, trained against) the weights it replaces: the evaluation's fields, the
-    model card and, for a new target, the drafter folder and its fields, so that a run
+    model card and, for a new target, the comparison with an older target, the drafter
+    folder and its fields, so that a run
     stopped midway never leaves a new model beside an old one's numbers or partner.
     Returns what was removed (for the log)."""
     gone = [k for k in EVAL_FIELDS if rec.pop(k, None) is not None]
     stages = ["eval", "repeats"]
     if stage == "target":
-        gone += [k for k in DRAFTER_FIELDS if rec.pop(k, None) is not None]
+        gone += [k for k in TARGET_EVAL_FIELDS + DRAFTER_FIELDS if rec.pop(k, None) is not None]
         stages.append("drafter")
         if (out / "drafter").is_dir():
             shutil.rmtree(out / "drafter")
@@ -853,7 +856,7 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
         f"On the {c['files']} held-out standard-library files this target scores {c['new_nats_per_char']:.3f} "
         f"nats a character against {c['older_nats_per_char']:.3f} for the older pair's target ({c['older']}): "
         f"in the older tokenizer's tokens, perplexity {c['new_perplexity_in_older_tokens']:.1f} against "
-        f"{c['older_perplexity']:.1f}.\n")
+        f"{c['older_perplexity']:.1f}.")
     gamma = s.get("loss_decay_gamma")
     sched = r.get("drafter_schedule_steps", r["drafter_steps_run"])
     stopped = ("" if sched <= r["drafter_steps_run"] else
@@ -862,8 +865,11 @@ def write_card(out: Path, r: dict, corpus: dict) -> None:
     init = r.get("drafter_init")
     cont = "" if not init else (
         f", continued from {init['from']}" + (f" after {init['steps']} earlier steps" if init.get("steps") else ""))
-    mix = (f"{s.get('self_rows', 0.5):.0%} of each batch; the rest fresh windows of real text), "
-           f"{s.get('self_anchors', 0.5):.0%} of their anchors in the continuation and the rest anywhere")
+    rows, anchors = s.get("self_rows", 0.5), s.get("self_anchors", 0.5)
+    mix = ("every sequence of each batch), " if rows >= 1 else
+           f"{rows:.0%} of each batch; the rest fresh windows of real text), ") + (
+           "every anchor in the continuation" if anchors >= 1 else
+           f"{anchors:.0%} of their anchors in the continuation and the rest anywhere")
     weighting = ("equal weights at every position" if not gamma else
                  f"block position k weighted exp(-(k-1)/{gamma:g})")
     text = f"""# The demo pair: a Qwen3 target and a DFlash drafter
@@ -898,7 +904,8 @@ of {s['batch']} x {s['seq']} tokens; the weights of the best held-out evaluation
 {r['target_best_step']}, mean token cross-entropy {r['target_best_held_loss']:.3f} nats on a sample of held-out
 {s['seq']}-token windows, in bfloat16 autocast) are kept. **Held-out perplexity
 {r['held_out_perplexity']:.2f}** (exp of the mean cross-entropy over every held-out token, in 512-token windows,
-the saved weights in float32). {compare}
+the saved weights in float32).{' ' + compare if compare else ''}
+
 ## Drafter (`drafter/`, bfloat16, the published DFlash format)
 {s['d_layers']} DFlash layers over the target's embedding and LM head, target layers
 {r['drafter_target_layer_ids']} (0-based layer indices: transformers' `hidden_states`
