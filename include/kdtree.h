@@ -664,6 +664,95 @@ KDT_API kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t*
                                        const int32_t* accepted_nodes, const int32_t* accept_length,
                                        int64_t path_capacity, int32_t* request_status, void* stream);
 
+/* ---- Tree attention (the verify forward's attention) -------------------------------- */
+
+/* Rows of queries or outputs for kdt_tree_attention_cuda: logical shape [B, R, H, D]
+ * (request, tree row, head, head_dim) with element strides; head_dim is contiguous. Every
+ * stride must be a multiple of 8 elements and `data` 16-byte aligned (16-byte vectors). */
+typedef struct kdt_attention_rows {
+    void* data;           /* device; read for queries, written for outputs                 */
+    int64_t batch_stride; /* elements between requests                                     */
+    int64_t row_stride;   /* elements between tree rows                                    */
+    int64_t head_stride;  /* elements between heads                                        */
+} kdt_attention_rows;
+
+/* The K and V caches kdt_tree_attention_cuda reads: the same layout for both, head_dim
+ * contiguous, element strides multiples of 8, pointers 16-byte aligned.
+ *
+ * Contiguous (block_table NULL): token t of request b, KV head h starts at element
+ *   b * outer_stride + h * head_stride + t * token_stride,
+ * e.g. [B, H, S, D]: (H*S*D, S*D, D); [B, S, H, D]: (S*H*D, D, H*D); capacity = S.
+ * Paged (block_table given): token t lives in page block_table[b * block_table_stride +
+ * t / page_size], slot t % page_size, starting at element
+ *   page * outer_stride + h * head_stride + slot * token_stride,
+ * e.g. vLLM's [pages, page_size, H, D]: (page_size*H*D, D, H*D); FlashInfer's HND
+ * [pages, H, page_size, D]: (H*page_size*D, page_size*D, D); capacity = pages in the pool. */
+typedef struct kdt_attention_cache {
+    const void* k;              /* device K                                                  */
+    const void* v;              /* device V                                                  */
+    int64_t kv_heads;           /* KV heads (>= 1); q_heads is a multiple of it (GQA)        */
+    int64_t outer_stride;       /* elements between requests (contiguous) or pages (paged)   */
+    int64_t head_stride;        /* elements between KV heads                                 */
+    int64_t token_stride;       /* elements between tokens (slots of a page)                 */
+    int64_t capacity;           /* contiguous: token rows a request; paged: pages in the pool */
+    const int32_t* block_table; /* NULL (contiguous) or device int32 [B, block_table_stride] */
+    int64_t block_table_stride; /* paged: entries a request (>= 1); contiguous: 0            */
+    int64_t page_size;          /* paged: tokens a page, 1 .. 256; contiguous: 0             */
+} kdt_attention_cache;
+
+/* Workspace bytes of kdt_tree_attention_cuda for these sizes (0 when the keys are not
+ * split: enough CTAs without splitting, or short contexts). The split plan depends only on
+ * these arguments. Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (as below),
+ * KDT_ERR_UNSUPPORTED (no CUDA). */
+KDT_API kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads,
+                                                           int64_t kv_heads, int64_t head_dim,
+                                                           int64_t max_prefix, size_t* bytes);
+
+/*
+ * Tree attention of the verify forward, for B requests at once: request b's R = N + 1 tree
+ * rows (root first) attend to its p = prefix_lengths[b] cached tokens and to the tree's
+ * own rows, which the verify forward has written to the cache as tokens p .. p + N (row i
+ * at token p + i, before this call). A real row i <= num_nodes[b] sees every prefix token
+ * and tree token p + j for j == i or j an ancestor of i (bit j of visibility_bits[b][i]);
+ * tokens past p + num_nodes[b] are never read.
+ *
+ *   out[b, i, h, :] = softmax_j(scale * q[b, i, h, :] . k[j, :]) v[j, :] over visible j,
+ *   lse[b, i, h]    = log sum_j exp(scale * q . k[j])   (natural log)
+ *
+ * with k, v the request's KV head h / (q_heads / kv_heads). float16 or bfloat16 in and out,
+ * float32 products, softmax and accumulation (mma.sync m16n8k16); the weights are rounded
+ * to the input dtype before the product with V, as FlashAttention does.
+ *
+ * trees:          device arrays: batch B, budget N, num_nodes and visibility_bits
+ *                 (required; the builder's [B, N+1, ceil((N+1)/32)] words).
+ * prefix_lengths: device int64 [B], each in [0, max_prefix].
+ * max_prefix:     host bound on every prefix length; with B, N and the head counts it
+ *                 fixes how the keys are split (and the workspace).
+ * q:              [B, N+1, q_heads, head_dim] of `dtype`.
+ * cache:          K and V (kdt_attention_cache), of `dtype`.
+ * dtype:          KDT_DTYPE_FLOAT16 or KDT_DTYPE_BFLOAT16.
+ * head_dim:       64, 128 or 256.
+ * softmax_scale:  > 0, finite (usually 1 / sqrt(head_dim)).
+ * out:            [B, N+1, q_heads, head_dim] of `dtype`, every element written: padding
+ *                 rows (i > num_nodes[b]) and failed requests are zeros.
+ * lse:            device float32 [B, N+1, q_heads] or NULL; -inf where out is zeros.
+ * request_status: device int32 [B]: KDT_OK; KDT_ERR_VALUE (num_nodes outside [0, N]);
+ *                 KDT_ERR_OUT_OF_RANGE (prefix outside [0, max_prefix]; contiguous: p +
+ *                 num_nodes + 1 > capacity; paged: a page index past block_table_stride or
+ *                 a page id outside [0, capacity)).
+ * workspace:      device, kdt_tree_attention_cuda_workspace_bytes (may be NULL when 0).
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (dtype, sizes,
+ * head counts, strides, page size, alignment, scale), KDT_ERR_BUFFER_TOO_SMALL
+ * (workspace), KDT_ERR_OVERFLOW, KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED. No allocation, no
+ * synchronisation; capturable in a CUDA graph.
+ */
+KDT_API kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+                                           int64_t max_prefix, const kdt_attention_rows* q,
+                                           const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
+                                           int64_t head_dim, float softmax_scale, kdt_attention_rows* out,
+                                           float* lse, int32_t* request_status, void* workspace,
+                                           size_t workspace_bytes, void* stream);
+
 /* ---- KDTR: the container of named arrays (docs/kdtr-format.md) --------------------- */
 
 /* Bytes per element of a dtype. KDT_ERR_UNSUPPORTED for an unknown code. */

@@ -96,3 +96,16 @@ kdt_status kdt_testing_set_tree_paths(uint32_t paths) { return no_cuda("kdt_test
 kdt_status kdt_testing_set_topk_chunked(int32_t on) { return no_cuda("kdt_testing_set_topk_chunked"); }
 
 kdt_status kdt_testing_set_verify_cluster(int32_t blocks) { return no_cuda("kdt_testing_set_verify_cluster"); }
+
+kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads, int64_t kv_heads,
+                                                   int64_t head_dim, int64_t max_prefix, size_t* bytes) {
+    return no_cuda("kdt_tree_attention_cuda_workspace_bytes");
+}
+
+kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix_lengths, int64_t max_prefix,
+                                   const kdt_attention_rows* q, const kdt_attention_cache* cache, int32_t dtype,
+                                   int64_t q_heads, int64_t head_dim, float softmax_scale, kdt_attention_rows* out,
+                                   float* lse, int32_t* request_status, void* workspace, size_t workspace_bytes,
+                                   void* stream) {
+    return no_cuda("kdt_tree_attention_cuda");
+}

@@ -209,6 +209,34 @@ class KdtKvCache(ctypes.Structure):
     ]
 
 
+class KdtAttentionRows(ctypes.Structure):
+    """struct kdt_attention_rows."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("batch_stride", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+    ]
+
+
+class KdtAttentionCache(ctypes.Structure):
+    """struct kdt_attention_cache."""
+
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("kv_heads", ctypes.c_int64),
+        ("outer_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+        ("block_table", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+    ]
+
+
 class KdtKdtrArray(ctypes.Structure):
     """struct kdt_kdtr_array."""
 
@@ -329,6 +357,17 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
     #     int32_t* request_status, void* stream)
     "kdt_compact_kv_cuda": ("status", [ctypes.POINTER(KdtKvCache), _vp, _vp, _vp, _i64, _vp, _vp]),
+    # kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget,
+    #     int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_prefix, size_t* bytes)
+    "kdt_tree_attention_cuda_workspace_bytes": ("status", [_i64, _i64, _i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+    #     int64_t max_prefix, const kdt_attention_rows* q, const kdt_attention_cache* cache,
+    #     int32_t dtype, int64_t q_heads, int64_t head_dim, float softmax_scale,
+    #     kdt_attention_rows* out, float* lse, int32_t* request_status, void* workspace,
+    #     size_t workspace_bytes, void* stream)
+    "kdt_tree_attention_cuda": (
+        "status", [_trees_p, _vp, _i64, ctypes.POINTER(KdtAttentionRows), ctypes.POINTER(KdtAttentionCache), _i32,
+                   _i64, _i64, _f32, ctypes.POINTER(KdtAttentionRows), _vp, _vp, _vp, _sz, _vp]),
     # kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes)
     "kdt_dtype_size": ("status", [_i32, ctypes.POINTER(_sz)]),
     # kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out)

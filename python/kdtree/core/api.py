@@ -543,6 +543,79 @@ def _check_scalar_settings(temperature, top_p, top_k) -> np.float32:
     return t32
 
 
+def tree_attention(
+    q,
+    k_cache,
+    v_cache,
+    trees: TreeBatch,
+    prefix_lengths,
+    *,
+    layout: str | None = None,
+    block_table=None,
+    max_prefix: int | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    errors: str = "raise",
+    stream=None,
+    out=None,
+    lse=None,
+    workspace=None,
+):
+    """The verify forward's attention on the GPU (``kdt_tree_attention_cuda``): each request's
+    ``N + 1`` tree rows attend to its ``p = prefix_lengths[b]`` cached tokens and, inside
+    the tree, to themselves and their ancestors (``trees.visibility_bits``), in one launch
+    (plus a merge when long contexts are split).
+
+    The verify forward must already have written the tree rows' keys and values to the
+    cache as tokens ``p .. p + N`` (row ``i`` at token ``p + i``), as the engine does.
+
+    Args:
+        q: CUDA float16 / bfloat16 ``[B, N+1, q_heads, head_dim]`` (head_dim 64, 128 or
+            256, contiguous; other strides multiples of 8 elements).
+        k_cache, v_cache: the same dtype, shape and strides. ``layout``: ``"bhsd"``
+            ``[B, kv_heads, S, D]`` (default without ``block_table``; Hugging Face's),
+            ``"bshd"`` ``[B, S, kv_heads, D]``; paged: ``"pshd"`` ``[pages, page_size,
+            kv_heads, D]`` (default with ``block_table``; vLLM's and SGLang's) or ``"phsd"``
+            ``[pages, kv_heads, page_size, D]`` (FlashInfer's HND). ``q_heads`` must be a
+            multiple of ``kv_heads`` (GQA).
+        trees: a GPU :class:`TreeBatch` (``num_nodes`` and ``visibility_bits`` are read).
+        prefix_lengths: ``[B]`` ints in ``[0, max_prefix]`` (a host array is copied).
+        block_table: paged caches: CUDA int32 ``[B, pages a request]``: request b's token
+            ``t`` is in page ``block_table[b, t // page_size]``, slot ``t % page_size``
+            (page_size 1 to 256).
+        max_prefix: a bound on every prefix length (default: what the cache can hold,
+            ``S - (N+1)`` or ``pages * page_size - (N+1)``); it fixes how the keys are split
+            over CTAs and the workspace, so pass the real bound for short contexts in a big
+            cache.
+        softmax_scale: default ``1 / sqrt(head_dim)``.
+        return_lse: also return the float32 ``[B, N+1, q_heads]`` log-sum-exp (natural
+            log) of the scaled scores.
+        errors: as :func:`build_trees`. Per request: KDT_ERR_VALUE (num_nodes outside
+            [0, N]), KDT_ERR_OUT_OF_RANGE (prefix outside [0, max_prefix], keys past the
+            cache, a page id outside the pool); a failed request's output rows are zeros.
+        stream: as :func:`build_trees`.
+        out, lse: preallocated outputs of the shapes above (written whole).
+        workspace: a preallocated CUDA uint8 buffer of at least
+            ``kdt_tree_attention_cuda_workspace_bytes`` bytes (allocated per call otherwise,
+            when the keys are split).
+
+    Returns:
+        ``(out, lse, request_status)``: ``out`` like ``q`` (padding rows ``i > num_nodes[b]``
+        zeros), ``lse`` (None unless asked for; ``-inf`` where ``out`` is zeros) and int32
+        ``[B]`` statuses.
+
+    Raises:
+        KdtreeError: host arrays (this function runs on the GPU only), dtypes, shapes,
+        layouts, strides, a failed request (with ``errors="raise"``).
+    """
+    if not _device.is_device_array(q):
+        raise checks.invalid("tree_attention runs on the GPU: q, k_cache and v_cache must be CUDA arrays "
+                             f"(got {type(q).__name__})")
+    return _gpu().tree_attention(q, k_cache, v_cache, trees, prefix_lengths, layout=layout, block_table=block_table,
+                                 max_prefix=max_prefix, softmax_scale=softmax_scale, return_lse=return_lse,
+                                 errors=errors, stream=stream, out=out, lse=lse, workspace=workspace)
+
+
 def compact_kv(
     k_layers,
     v_layers,

@@ -625,3 +625,125 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
     if errors == "raise":
         _raise_on_status(status, "compact_kv")
     return status
+
+
+_ATTN_LAYOUTS = {"bhsd": False, "bshd": False, "pshd": True, "phsd": True}
+
+
+def _rows_struct(v: dev.DeviceArray, name: str) -> _lib.KdtAttentionRows:
+    """kdt_attention_rows of a [B, R, H, D] view (head_dim contiguous; the stride of an axis
+    of extent 1 is never stepped along and is passed as 0)."""
+    b, r, h, d = v.shape
+    if d > 1 and v.strides[3] != 1:
+        raise checks.invalid(f"{name}: head_dim must be contiguous, got strides {v.strides}")
+    st = [s if n > 1 else 0 for s, n in zip(v.strides[:3], (b, r, h), strict=True)]
+    if any(s < 0 or s % 8 for s in st):
+        raise checks.invalid(f"{name}: strides {v.strides} must be non-negative multiples of 8 elements")
+    return _lib.KdtAttentionRows(v.ptr, *st)
+
+
+def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, layout, block_table, max_prefix,
+                   softmax_scale, return_lse, errors, stream, out, lse, workspace):
+    checks.check_errors(errors)
+    if layout is None:
+        layout = "pshd" if block_table is not None else "bhsd"
+    if layout not in _ATTN_LAYOUTS:
+        raise checks.invalid(f"layout must be one of {sorted(_ATTN_LAYOUTS)}, got {layout!r}")
+    paged = _ATTN_LAYOUTS[layout]
+    if paged != (block_table is not None):
+        raise checks.invalid(f"layout {layout!r} is {'paged' if paged else 'contiguous'}: "
+                             f"{'pass block_table' if paged else 'block_table must be None'} "
+                             "('bhsd'/'bshd' contiguous, 'pshd'/'phsd' paged)")
+    s = dev.current_stream(q, stream)
+    qv = _view(q, "q", ("float16", "bfloat16"), 4, s, contiguous=False)
+    kv = _view(k_cache, "k_cache", ("float16", "bfloat16"), 4, s, contiguous=False)
+    vv = _view(v_cache, "v_cache", ("float16", "bfloat16"), 4, s, contiguous=False)
+    if kv.dtype != qv.dtype or vv.dtype != qv.dtype:
+        raise checks.type_error(f"q, k_cache and v_cache must share a dtype, got {qv.dtype}, {kv.dtype}, {vv.dtype}")
+    if kv.shape != vv.shape or kv.strides != vv.strides:
+        raise checks.shape_error(f"k_cache and v_cache must share shape and strides, got {kv.shape} {kv.strides} "
+                                 f"and {vv.shape} {vv.strides}")
+    batch, rows, q_heads, dim = qv.shape
+    if batch != trees.batch or rows != trees.budget + 1:
+        raise checks.shape_error(f"q must be [B, N + 1, q_heads, head_dim] = [{trees.batch}, {trees.budget + 1}, ...] "
+                                 f"for these trees, got {qv.shape}")
+    if layout == "bhsd":
+        (cb, heads, seq, cd), (os_, hs, ts, ds) = kv.shape, kv.strides
+    elif layout == "bshd":
+        (cb, seq, heads, cd), (os_, ts, hs, ds) = kv.shape, kv.strides
+    elif layout == "pshd":
+        (cb, seq, heads, cd), (os_, ts, hs, ds) = kv.shape, kv.strides
+    else:
+        (cb, heads, seq, cd), (os_, hs, ts, ds) = kv.shape, kv.strides
+    if cd != dim:
+        raise checks.shape_error(f"k_cache head_dim {cd} != q head_dim {dim}")
+    if cd > 1 and ds != 1:
+        raise checks.invalid(f"k_cache: head_dim must be contiguous, got strides {kv.strides}")
+    if not paged and cb != batch:
+        raise checks.shape_error(f"k_cache holds {cb} requests, q {batch}")
+    if heads < 1 or q_heads % heads:
+        raise checks.shape_error(f"q_heads ({q_heads}) must be a multiple of the cache's KV heads ({heads})")
+    if paged:
+        bt = _view(block_table, "block_table", "int32", 2, s, contiguous=False)
+        if bt.shape[0] != batch or (bt.shape[1] > 1 and bt.strides[1] != 1):
+            raise checks.shape_error(f"block_table must be int32 [B = {batch}, pages] with contiguous rows, got shape "
+                                     f"{bt.shape} strides {bt.strides}")
+        bt_stride = bt.strides[0] if batch > 1 else bt.shape[1]
+        if bt_stride < bt.shape[1]:
+            raise checks.invalid(f"block_table: row stride {bt_stride} < {bt.shape[1]} pages a request")
+        page_size, capacity, bt_ptr = seq, cb, bt.ptr
+        keys_max = bt.shape[1] * seq
+    else:
+        bt, bt_stride, page_size, capacity, bt_ptr = None, 0, 0, seq, None
+        keys_max = seq
+    if max_prefix is None:
+        max_prefix = max(keys_max - rows, 0)
+    max_prefix = checks.int_scalar(max_prefix, "max_prefix", 0, 1 << 40)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / float(dim) ** 0.5
+    if dev.view(q, "q").device != kv.device:
+        raise checks.invalid("q and the cache are on different CUDA devices")
+    lib = _lib.load()
+    with dev.on_device(q):
+        tstruct, tviews = _trees_struct(trees, s)
+        if trees.visibility_bits is None:
+            raise checks.invalid("trees.visibility_bits is required")
+        prefix, pv = _optional(prefix_lengths, "prefix_lengths", "int64", (batch,), q, s)
+        _same_device([qv, kv, vv, pv, *tviews] + ([bt] if bt is not None else []))
+        nbytes = ctypes.c_size_t()
+        lib.kdt_tree_attention_cuda_workspace_bytes(batch, trees.budget, q_heads, heads, dim, max_prefix,
+                                                    ctypes.byref(nbytes))
+        if out is None:
+            out = dev.empty(q, (batch, rows, q_heads, dim), qv.dtype)
+        ov = _view(out, "out", qv.dtype, 4, s, contiguous=False)
+        if ov.shape != qv.shape:
+            raise checks.shape_error(f"out must have shape {qv.shape}, got {ov.shape}")
+        if return_lse or lse is not None:
+            if lse is None:
+                lse = dev.empty(q, (batch, rows, q_heads), "float32")
+            lv = _out_array(lse, "lse", "float32", (batch, rows, q_heads), q, s)
+            lse_ptr = lv.ptr
+        else:
+            lse_ptr = None
+        status = dev.empty(q, (batch,), "int32")
+        ws = None
+        ws_ptr, ws_bytes = None, 0
+        if nbytes.value:
+            if workspace is not None:
+                wv = _view(workspace, "workspace", "uint8", 1, s)
+                if wv.shape[0] < nbytes.value:
+                    raise checks.invalid(f"workspace holds {wv.shape[0]} bytes, {nbytes.value} needed")
+                ws_ptr, ws_bytes = wv.ptr, wv.shape[0]
+            else:
+                ws, ws_ptr, ws_bytes = _workspace(q, nbytes.value)
+        cache = _lib.KdtAttentionCache(kv.ptr, vv.ptr, heads, os_ if (paged or cb > 1) else 0,
+                                       hs if heads > 1 else 0, ts if seq > 1 else 0, capacity, bt_ptr, bt_stride,
+                                       page_size)
+        qs, os2 = _rows_struct(qv, "q"), _rows_struct(ov, "out")
+        lib.kdt_tree_attention_cuda(ctypes.byref(tstruct), pv.ptr, max_prefix, ctypes.byref(qs), ctypes.byref(cache),
+                                    _DTYPE_CODES[qv.dtype], q_heads, dim, float(softmax_scale), ctypes.byref(os2),
+                                    lse_ptr, dev.view(status, "s").ptr, ws_ptr, ws_bytes, s)
+        del prefix, ws
+    if errors == "raise":
+        _raise_on_status(status, "tree_attention")
+    return out, (lse if (return_lse or lse is not None) else None), status

@@ -1,0 +1,613 @@
+// Tree attention for the target's verify forward (kdt_tree_attention_cuda).
+//
+// For request b with p cached prefix tokens and n draft nodes, the R = N + 1 tree rows
+// (root first) attend to the keys 0 .. p + n of the cache: the prefix (every real row sees
+// all of it) and the tree's own rows, written by the verify forward at p + j, of which row
+// i sees j == i and its ancestors (bit j of visibility_bits[b][i]).
+//
+// Work split: one CTA takes one (request, KV head, split of the keys, tile of 64 query
+// vectors). The query vectors of a KV head are its G = q_heads / kv_heads query heads at
+// each tree row, packed as m = row * G + g, so each K/V byte of a tile is read once for all
+// G heads. Four warps take 16 query vectors each; scores and the output accumulate in
+// float32 through mma.sync m16n8k16 (16-bit inputs), with the online softmax of
+// FlashAttention-2 in registers. Long contexts split the keys into chunks of `chunk`
+// keys (the last chunk holds the tree's keys too); each split writes its normalised output
+// and log-sum-exp to the workspace and a merge kernel combines them exactly:
+// lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
+//
+// A check kernel first sets each request's status (tree size, prefix length, cache
+// bounds, page ids); the attention kernels read it and write a failed request's rows as
+// zeros with lse -inf, so every output element is written on every call.
+#include <math.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileM = kWarps * 16;  // query vectors a CTA
+constexpr int kTileN = 64;           // keys a tile
+constexpr int kPad = 8;              // shared-memory row padding (elements): conflict-free fragment loads
+constexpr int64_t kMaxBudget = 262143;
+constexpr int64_t kTargetCtas = 264;  // 2 CTAs per SM of a 132-SM H100/H200
+constexpr int64_t kMinChunk = 256;    // keys a split at least
+
+struct AttnParams {
+    const char* q;
+    int64_t q_bs, q_rs, q_hs;  // elements
+    char* out;
+    int64_t o_bs, o_rs, o_hs;
+    float* lse;  // [B, R, Hq] or NULL
+    const char* k;
+    const char* v;
+    int64_t c_outer, c_head, c_token;  // elements
+    const int32_t* block_table;       // NULL: contiguous
+    int64_t bt_stride, page_size, capacity;
+    int64_t batch, rows, q_heads, kv_heads, group, words;
+    int64_t q_tiles;
+    const int32_t* num_nodes;
+    const uint32_t* vis;
+    const int64_t* prefix;
+    int64_t max_prefix;
+    float scale_log2;
+    int64_t chunk;
+    int32_t splits;
+    float* part_o;    // [splits, B, R, Hq, D]
+    float* part_lse;  // [splits, B, R, Hq]
+    int32_t* status;
+};
+
+// ---- 16-bit element helpers ----------------------------------------------------------
+
+template <typename T> struct Elem;
+template <> struct Elem<__half> {
+    static __device__ __forceinline__ uint32_t pack(float a, float b) {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+    static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+template <> struct Elem<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t pack(float a, float b) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+
+__device__ __forceinline__ uint32_t pack_u16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+
+// Element offset of token t of request b, KV head h (contiguous or paged).
+__device__ __forceinline__ int64_t token_offset(const AttnParams& c, int64_t b, int64_t h, int64_t t) {
+    if (c.block_table == nullptr) return b * c.c_outer + h * c.c_head + t * c.c_token;
+    const int64_t page = c.block_table[b * c.bt_stride + t / c.page_size];
+    return page * c.c_outer + h * c.c_head + (t % c.page_size) * c.c_token;
+}
+
+// ---- per-request checks ----------------------------------------------------------------
+
+__global__ void check_kernel(AttnParams c) {
+    const int64_t b = blockIdx.x;
+    __shared__ int32_t verdict;
+    if (threadIdx.x == 0) {
+        int32_t st = KDT_OK;
+        const int32_t n = c.num_nodes[b];
+        const int64_t p = c.prefix[b];
+        if (n < 0 || (int64_t)n > c.rows - 1) {
+            st = KDT_ERR_VALUE;
+        } else if (p < 0 || p > c.max_prefix) {
+            st = KDT_ERR_OUT_OF_RANGE;
+        } else if (c.block_table == nullptr) {
+            if (p + n + 1 > c.capacity) st = KDT_ERR_OUT_OF_RANGE;
+        } else if ((p + n) / c.page_size >= c.bt_stride) {
+            st = KDT_ERR_OUT_OF_RANGE;
+        }
+        verdict = st;
+    }
+    __syncthreads();
+    if (verdict == KDT_OK && c.block_table != nullptr) {
+        // Every page the request reads must be a page of the pool.
+        const int64_t pages = (c.prefix[b] + c.num_nodes[b]) / c.page_size + 1;
+        for (int64_t i = threadIdx.x; i < pages; i += blockDim.x) {
+            const int32_t pg = c.block_table[b * c.bt_stride + i];
+            if (pg < 0 || (int64_t)pg >= c.capacity) verdict = KDT_ERR_OUT_OF_RANGE;  // benign race: same value
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) c.status[b] = verdict;
+}
+
+// ---- the attention kernel ---------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int LD = D + kPad;  // shared row length (elements)
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + kTileM * LD;
+    T* sV = sK + kTileN * LD;
+
+    const int64_t tile = blockIdx.x % c.q_tiles;
+    const int64_t bh = blockIdx.x / c.q_tiles;
+    const int64_t hk = bh % c.kv_heads;
+    const int64_t b = bh / c.kv_heads;
+    const int32_t s = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane / 4, tig = lane % 4;
+    const bool direct = c.splits == 1;
+
+    const int32_t st = c.status[b];
+    const int64_t n = st == KDT_OK ? c.num_nodes[b] : -1;
+    const int64_t p = st == KDT_OK ? c.prefix[b] : 0;
+    const int64_t total = st == KDT_OK ? p + n + 1 : 0;  // keys of this request
+    const int64_t k_begin = (int64_t)s * c.chunk;
+    const int64_t k_end = min(total, k_begin + c.chunk);
+    const int64_t m0 = tile * kTileM;
+    const int64_t m_count = c.rows * c.group;  // query vectors of this KV head (all rows)
+    const int64_t m_real = (n + 1) * c.group;  // of real rows (0 when failed)
+
+    // Split s has no keys for this request: when writing straight to the output, split 0
+    // still writes its rows (zeros for a failed request / padding rows); the merge reads
+    // only the splits that have keys.
+    if (k_begin >= k_end) {
+        if (!direct || s != 0) return;
+    }
+
+    // Q tile -> shared (zeros past the real rows).
+    constexpr int kVec = 8;  // 16-byte vectors of 8 elements
+    for (int idx = threadIdx.x; idx < kTileM * (D / kVec); idx += kThreads) {
+        const int r = idx / (D / kVec), cv = idx % (D / kVec);
+        const int64_t m = m0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (m < m_real) {
+            const int64_t row = m / c.group, hq = hk * c.group + m % c.group;
+            val = *reinterpret_cast<const uint4*>(c.q + (b * c.q_bs + row * c.q_rs + hq * c.q_hs + cv * kVec) *
+                                                            (int64_t)sizeof(T));
+        }
+        *reinterpret_cast<uint4*>(sQ + r * LD + cv * kVec) = val;
+    }
+
+    // This thread's two rows of the warp's 16: r_lo = warp*16 + gid, r_hi = r_lo + 8.
+    const int64_t m_lo = m0 + warp * 16 + gid, m_hi = m_lo + 8;
+    const bool valid_lo = m_lo < m_real, valid_hi = m_hi < m_real;
+    const int64_t row_lo = m_lo / c.group, row_hi = m_hi / c.group;
+    const uint32_t* vis_lo = c.vis + (b * c.rows + (valid_lo ? row_lo : 0)) * c.words;
+    const uint32_t* vis_hi = c.vis + (b * c.rows + (valid_hi ? row_hi : 0)) * c.words;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const bool any_row = m0 < m_real;
+    for (int64_t t0 = k_begin; any_row && t0 < k_end; t0 += kTileN) {
+        __syncthreads();  // the previous tile's K/V (and, first time, nothing) are no longer read
+        // K and V tiles -> shared; keys past k_end are zeros (never NaN under a zero weight).
+        for (int idx = threadIdx.x; idx < kTileN * (D / kVec); idx += kThreads) {
+            const int r = idx / (D / kVec), cv = idx % (D / kVec);
+            const int64_t t = t0 + r;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (t < k_end) {
+                const int64_t off = (token_offset(c, b, hk, t) + cv * kVec) * (int64_t)sizeof(T);
+                kv = *reinterpret_cast<const uint4*>(c.k + off);
+                vv = *reinterpret_cast<const uint4*>(c.v + off);
+            }
+            *reinterpret_cast<uint4*>(sK + r * LD + cv * kVec) = kv;
+            *reinterpret_cast<uint4*>(sV + r * LD + cv * kVec) = vv;
+        }
+        __syncthreads();
+
+        // S = Q K^T for the warp's 16 rows and the tile's 64 keys.
+        float sc[kTileN / 8][4];
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        const T* qw = sQ + (warp * 16) * LD;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t a[4];
+            const int cA = kk * 16 + tig * 2;
+            a[0] = *reinterpret_cast<const uint32_t*>(qw + gid * LD + cA);
+            a[1] = *reinterpret_cast<const uint32_t*>(qw + (gid + 8) * LD + cA);
+            a[2] = *reinterpret_cast<const uint32_t*>(qw + gid * LD + cA + 8);
+            a[3] = *reinterpret_cast<const uint32_t*>(qw + (gid + 8) * LD + cA + 8);
+#pragma unroll
+            for (int j = 0; j < kTileN / 8; j++) {
+                uint32_t bf[2];
+                const T* kr = sK + (j * 8 + gid) * LD + cA;
+                bf[0] = *reinterpret_cast<const uint32_t*>(kr);
+                bf[1] = *reinterpret_cast<const uint32_t*>(kr + 8);
+                Elem<T>::mma(sc[j], a, bf);
+            }
+        }
+
+        // Mask and scale (log2 units); the tree part needs each row's visibility bits.
+        const bool all_prefix = t0 + kTileN <= p;
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int64_t key = t0 + j * 8 + tig * 2 + (e & 1);
+                const bool hi = e >= 2;
+                bool visible = (hi ? valid_hi : valid_lo) && key < k_end;
+                if (visible && !all_prefix && key >= p) {
+                    const int64_t jj = key - p;
+                    const uint32_t w = (hi ? vis_hi : vis_lo)[jj >> 5];
+                    visible = (w >> (jj & 31)) & 1u;
+                }
+                sc[j][e] = visible ? sc[j][e] * c.scale_log2 : -INFINITY;
+            }
+        }
+
+        // Online softmax over the tile (rows lo: elements 0, 1; hi: 2, 3).
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; j++) {
+            tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
+            tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
+        }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+            const float mnew = fmaxf(mx[h], tmax[h]);
+            // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
+            alpha[h] = mnew == -INFINITY ? 1.f : exp2f(mx[h] - mnew);
+            mx[h] = mnew;
+        }
+        float rsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1;
+                const float pv = mx[h] == -INFINITY ? 0.f : exp2f(sc[j][e] - mx[h]);
+                sc[j][e] = pv;
+                rsum[h] += pv;
+            }
+        }
+        l[0] = l[0] * alpha[0] + rsum[0];
+        l[1] = l[1] * alpha[1] + rsum[1];
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) {
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[0];
+            o[i][2] *= alpha[1];
+            o[i][3] *= alpha[1];
+        }
+
+        // O += P V: P's accumulator layout is the A operand's, two key groups of 8 at a time.
+        const uint16_t* vbits = reinterpret_cast<const uint16_t*>(sV);
+#pragma unroll
+        for (int kk = 0; kk < kTileN / 16; kk++) {
+            uint32_t a[4];
+            a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
+            a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
+            a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            const int key = kk * 16 + tig * 2;
+#pragma unroll
+            for (int i = 0; i < D / 8; i++) {
+                const int d = i * 8 + gid;
+                uint32_t bf[2];
+                bf[0] = pack_u16(vbits[key * LD + d], vbits[(key + 1) * LD + d]);
+                bf[1] = pack_u16(vbits[(key + 8) * LD + d], vbits[(key + 9) * LD + d]);
+                Elem<T>::mma(o[i], a, bf);
+            }
+        }
+    }
+
+    // Row sums across the quad, then the rows' outputs.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int64_t m = h ? m_hi : m_lo;
+        if (m >= m_count) continue;  // past the last row of the KV head: not an output
+        const int64_t row = m / c.group, hq = hk * c.group + m % c.group;
+        const bool seen = (h ? valid_hi : valid_lo) && l[h] > 0.f;
+        const float inv = seen ? 1.f / l[h] : 0.f;
+        const float lse = seen ? (mx[h] + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
+        if (direct) {
+            T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs;
+#pragma unroll
+            for (int i = 0; i < D / 8; i++) {
+                const int d = i * 8 + tig * 2;
+                dst[d] = Elem<T>::from(o[i][2 * h] * inv);
+                dst[d + 1] = Elem<T>::from(o[i][2 * h + 1] * inv);
+            }
+            if (c.lse != nullptr && tig == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
+        } else if (m < m_real) {
+            const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
+            float* dst = c.part_o + cell * D;
+#pragma unroll
+            for (int i = 0; i < D / 8; i++) {
+                const int d = i * 8 + tig * 2;
+                dst[d] = o[i][2 * h] * inv;
+                dst[d + 1] = o[i][2 * h + 1] * inv;
+            }
+            if (tig == 0) c.part_lse[cell] = lse;
+        }
+    }
+}
+
+// Combines the splits of one (request, row, query head) per block of D threads; padding
+// rows and failed requests get zeros and lse -inf.
+template <typename T, int D>
+__global__ void __launch_bounds__(D) merge_kernel(AttnParams c) {
+    const int64_t cell = blockIdx.x;  // (b * R + row) * Hq + hq
+    const int64_t hq = cell % c.q_heads;
+    const int64_t row = (cell / c.q_heads) % c.rows;
+    const int64_t b = cell / (c.q_heads * c.rows);
+    const int d = threadIdx.x;
+    const int32_t st = c.status[b];
+    const int64_t n = st == KDT_OK ? c.num_nodes[b] : -1;
+    float acc = 0.f, lse = -INFINITY;
+    if (row <= n) {
+        const int64_t total = c.prefix[b] + n + 1;
+        const int32_t used = (int32_t)((total + c.chunk - 1) / c.chunk);
+        const int64_t stride = c.batch * c.rows * c.q_heads;
+        float mx = -INFINITY;
+        for (int32_t s = 0; s < used; s++) mx = fmaxf(mx, c.part_lse[s * stride + cell]);
+        if (mx != -INFINITY) {
+            float sum = 0.f;
+            for (int32_t s = 0; s < used; s++) {
+                const float w = __expf(c.part_lse[s * stride + cell] - mx);
+                sum += w;
+                acc += w * c.part_o[(s * stride + cell) * D + d];
+            }
+            acc /= sum;
+            lse = mx + __logf(sum);
+        }
+    }
+    T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs;
+    dst[d] = Elem<T>::from(acc);
+    if (c.lse != nullptr && d == 0) c.lse[cell] = lse;
+}
+
+// The split plan: how many chunks the keys of the longest request are cut into.
+void plan_splits(int64_t batch, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_prefix,
+                 int32_t* splits, int64_t* chunk) {
+    const int64_t group = q_heads / kv_heads;
+    const int64_t tiles = (rows * group + kTileM - 1) / kTileM;
+    const int64_t ctas = batch * kv_heads * tiles;
+    const int64_t keys = max_prefix + rows;
+    int64_t sp = 1;
+    if (ctas < kTargetCtas && keys > 2 * kMinChunk) {
+        sp = (kTargetCtas + ctas - 1) / ctas;
+        const int64_t most = keys / kMinChunk;
+        if (sp > most) sp = most;
+        if (sp > 1024) sp = 1024;
+        if (sp < 1) sp = 1;
+    }
+    int64_t ch = (keys + sp - 1) / sp;
+    ch = (ch + kTileN - 1) / kTileN * kTileN;
+    sp = (keys + ch - 1) / ch;
+    *splits = (int32_t)sp;
+    *chunk = ch;
+}
+
+kdt_status check_sizes(int64_t batch, int64_t budget, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t max_prefix) {
+    if (batch < 0 || batch > INT32_MAX) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "batch %lld is outside [0, %d]", (long long)batch, INT32_MAX);
+    }
+    if (budget < 0 || budget > kMaxBudget) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "budget %lld is outside [0, %lld]", (long long)budget,
+                        (long long)kMaxBudget);
+    }
+    if (kv_heads < 1 || q_heads < 1 || q_heads % kv_heads != 0 || q_heads > 4096) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "q_heads (%lld) must be a multiple of kv_heads (%lld), both in [1, 4096]",
+                        (long long)q_heads, (long long)kv_heads);
+    }
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "head_dim %lld is not 64, 128 or 256", (long long)head_dim);
+    }
+    if (max_prefix < 0 || max_prefix > ((int64_t)1 << 40)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "max_prefix %lld is outside [0, 2^40]", (long long)max_prefix);
+    }
+    return KDT_OK;
+}
+
+size_t workspace_for(int64_t batch, int64_t rows, int64_t q_heads, int64_t head_dim, int32_t splits) {
+    if (splits <= 1) return 0;
+    const size_t cells = (size_t)splits * (size_t)batch * (size_t)rows * (size_t)q_heads;
+    return cells * (size_t)(head_dim + 1) * sizeof(float) + 256;
+}
+
+bool misaligned(const void* ptr, size_t alignment) { return ((uintptr_t)ptr % alignment) != 0; }
+
+template <typename T, int D>
+kdt_status launch(const AttnParams& c, cudaStream_t stream) {
+    const size_t smem = (size_t)(kTileM + 2 * kTileN) * (D + kPad) * sizeof(T);
+    if (cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+        cudaSuccess) {
+        return kdt::launch_status("tree attention (shared memory size)");
+    }
+    const dim3 grid((unsigned)(c.batch * c.kv_heads * c.q_tiles), (unsigned)c.splits);
+    attention_kernel<T, D><<<grid, kThreads, smem, stream>>>(c);
+    kdt_status st = kdt::launch_status("tree attention");
+    if (st != KDT_OK || c.splits == 1) return st;
+    merge_kernel<T, D><<<(unsigned)(c.batch * c.rows * c.q_heads), D, 0, stream>>>(c);
+    return kdt::launch_status("tree attention merge");
+}
+
+}  // namespace
+
+extern "C" kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads,
+                                                              int64_t kv_heads, int64_t head_dim, int64_t max_prefix,
+                                                              size_t* bytes) {
+    if (bytes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bytes is NULL");
+    const kdt_status st = check_sizes(batch, budget, q_heads, kv_heads, head_dim, max_prefix);
+    if (st != KDT_OK) return st;
+    int32_t splits;
+    int64_t chunk;
+    plan_splits(batch, budget + 1, q_heads, kv_heads, max_prefix, &splits, &chunk);
+    *bytes = batch == 0 ? 0 : workspace_for(batch, budget + 1, q_heads, head_dim, splits);
+    return kdt_ok();
+}
+
+extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+                                              int64_t max_prefix, const kdt_attention_rows* q,
+                                              const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
+                                              int64_t head_dim, float softmax_scale, kdt_attention_rows* out,
+                                              float* lse, int32_t* request_status, void* workspace,
+                                              size_t workspace_bytes, void* stream) {
+    if (trees == NULL || q == NULL || cache == NULL || out == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
+                        trees == NULL ? "trees" : q == NULL ? "q" : cache == NULL ? "cache" : "out");
+    }
+    if (dtype != KDT_DTYPE_FLOAT16 && dtype != KDT_DTYPE_BFLOAT16) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "dtype %d is not float16 (%d) or bfloat16 (%d)", (int)dtype,
+                        KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16);
+    }
+    const int64_t B = trees->batch, N = trees->budget, R = N + 1;
+    kdt_status st = check_sizes(B, N, q_heads, cache->kv_heads, head_dim, max_prefix);
+    if (st != KDT_OK) return st;
+    if (!(softmax_scale > 0.f) || softmax_scale > 1e30f) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "softmax_scale %g must be finite and > 0", (double)softmax_scale);
+    }
+    const bool paged = cache->block_table != NULL;
+    if (paged) {
+        if (cache->page_size < 1 || cache->page_size > 256) {
+            return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->page_size %lld is outside [1, 256]",
+                            (long long)cache->page_size);
+        }
+        if (cache->block_table_stride < 1) {
+            return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->block_table_stride %lld must be >= 1",
+                            (long long)cache->block_table_stride);
+        }
+    } else if (cache->page_size != 0 || cache->block_table_stride != 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "cache->page_size and block_table_stride must be 0 for a contiguous cache (block_table NULL)");
+    }
+    if (cache->capacity < 0 || cache->outer_stride < 0 || cache->head_stride < 0 || cache->token_stride < 0) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache: capacity (%lld) and strides (%lld, %lld, %lld) must be >= 0",
+                        (long long)cache->capacity, (long long)cache->outer_stride, (long long)cache->head_stride,
+                        (long long)cache->token_stride);
+    }
+    const int64_t strides[] = {q->batch_stride, q->row_stride, q->head_stride, out->batch_stride, out->row_stride,
+                               out->head_stride, cache->outer_stride, cache->head_stride, cache->token_stride};
+    for (int i = 0; i < 9; i++) {
+        if (strides[i] < 0 || strides[i] % 8 != 0) {
+            return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                            "%s stride %lld must be a non-negative multiple of 8 elements (16-byte rows)",
+                            i < 3 ? "q" : i < 6 ? "out" : "cache", (long long)strides[i]);
+        }
+    }
+    if (B == 0) return kdt_ok();
+    if (trees->num_nodes == NULL || trees->visibility_bits == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "trees->%s is NULL",
+                        trees->num_nodes == NULL ? "num_nodes" : "visibility_bits");
+    }
+    if (prefix_lengths == NULL || request_status == NULL || q->data == NULL || out->data == NULL ||
+        cache->k == NULL || cache->v == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
+                        prefix_lengths == NULL   ? "prefix_lengths"
+                        : request_status == NULL ? "request_status"
+                        : q->data == NULL        ? "q->data"
+                        : out->data == NULL      ? "out->data"
+                        : cache->k == NULL       ? "cache->k"
+                                                 : "cache->v");
+    }
+    if (misaligned(q->data, 16) || misaligned(out->data, 16) || misaligned(cache->k, 16) ||
+        misaligned(cache->v, 16)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "q->data, out->data, cache->k and cache->v must be 16-byte aligned");
+    }
+    if (misaligned(prefix_lengths, 8) || misaligned(trees->num_nodes, 4) || misaligned(trees->visibility_bits, 4) ||
+        misaligned(request_status, 4) || misaligned(lse, 4) || misaligned(cache->block_table, 4)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "prefix_lengths (8 bytes), num_nodes, visibility_bits, request_status, lse and block_table (4 "
+                        "bytes) must be aligned to their elements");
+    }
+    int32_t splits;
+    int64_t chunk;
+    plan_splits(B, R, q_heads, cache->kv_heads, max_prefix, &splits, &chunk);
+    const size_t need = workspace_for(B, R, q_heads, head_dim, splits);
+    if (need > 0 && (workspace == NULL || workspace_bytes < need)) {
+        return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL,
+                        "workspace: %zu bytes needed for %d splits of the keys, %zu given "
+                        "(kdt_tree_attention_cuda_workspace_bytes)",
+                        need, (int)splits, workspace == NULL ? (size_t)0 : workspace_bytes);
+    }
+
+    AttnParams c{};
+    c.q = static_cast<const char*>(q->data);
+    c.q_bs = q->batch_stride;
+    c.q_rs = q->row_stride;
+    c.q_hs = q->head_stride;
+    c.out = static_cast<char*>(out->data);
+    c.o_bs = out->batch_stride;
+    c.o_rs = out->row_stride;
+    c.o_hs = out->head_stride;
+    c.lse = lse;
+    c.k = static_cast<const char*>(cache->k);
+    c.v = static_cast<const char*>(cache->v);
+    c.c_outer = cache->outer_stride;
+    c.c_head = cache->head_stride;
+    c.c_token = cache->token_stride;
+    c.block_table = cache->block_table;
+    c.bt_stride = cache->block_table_stride;
+    c.page_size = cache->page_size;
+    c.capacity = cache->capacity;
+    c.batch = B;
+    c.rows = R;
+    c.q_heads = q_heads;
+    c.kv_heads = cache->kv_heads;
+    c.group = q_heads / cache->kv_heads;
+    c.words = (R + 31) / 32;
+    c.q_tiles = (R * c.group + kTileM - 1) / kTileM;
+    c.num_nodes = trees->num_nodes;
+    c.vis = trees->visibility_bits;
+    c.prefix = prefix_lengths;
+    c.max_prefix = max_prefix;
+    c.scale_log2 = softmax_scale * 1.4426950408889634f;
+    c.chunk = chunk;
+    c.splits = splits;
+    if (splits > 1) {
+        const uintptr_t base = ((uintptr_t)workspace + 255) / 256 * 256;
+        c.part_lse = reinterpret_cast<float*>(base);
+        const size_t cells = (size_t)splits * (size_t)B * (size_t)R * (size_t)q_heads;
+        c.part_o = c.part_lse + (cells + 63) / 64 * 64;
+    }
+    c.status = request_status;
+    if ((unsigned __int128)(B * cache->kv_heads) * (unsigned __int128)c.q_tiles > INT32_MAX ||
+        (unsigned __int128)B * (unsigned __int128)R * (unsigned __int128)q_heads > INT32_MAX) {
+        return kdt_fail(KDT_ERR_OVERFLOW, "too many (request, head, row) cells for one launch");
+    }
+
+    const cudaStream_t s = kdt::as_stream(stream);
+    check_kernel<<<(unsigned)B, 128, 0, s>>>(c);
+    st = kdt::launch_status("tree attention check");
+    if (st != KDT_OK) return st;
+    if (dtype == KDT_DTYPE_BFLOAT16) {
+        st = head_dim == 64    ? launch<__nv_bfloat16, 64>(c, s)
+             : head_dim == 128 ? launch<__nv_bfloat16, 128>(c, s)
+                               : launch<__nv_bfloat16, 256>(c, s);
+    } else {
+        st = head_dim == 64    ? launch<__half, 64>(c, s)
+             : head_dim == 128 ? launch<__half, 128>(c, s)
+                               : launch<__half, 256>(c, s);
+    }
+    if (st != KDT_OK) return st;
+    return kdt_ok();
+}

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The verify forward's attention on a GPU, side by side in one run.
+
+For each shape (B requests, prefix P cached tokens each, R = N + 1 tree rows, 32 query and
+8 KV heads of 128 unless stated, bfloat16): kdtree.tree_attention; SDPA with the dense
+boolean tree mask (GQA through enable_gqa); transformers' sdpa path (K/V repeated to the
+query heads, an additive mask); SDPA on the prefix alone with no mask (what a kernel
+without the tree does, flash backend where it applies); and the floor: the larger of the
+K/V bytes at the measured copy rate and the attention FLOPs (4 x query heads x rows x keys
+x head_dim) at the measured bf16 matmul rate. Medians of CUDA-event timings over
+CUDA-graph replays.
+
+    KDTREE_LIBRARY=build-gpu/libkdtree.so PYTHONPATH=python python tools/bench_tree_attention.py [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+SHAPES = [  # (B, prefix, rows)
+    (1, 4096, 9), (1, 4096, 65), (1, 32768, 65), (8, 4096, 65), (64, 2048, 9), (64, 2048, 65), (64, 8192, 17),
+    (16, 16384, 257),
+]
+
+
+def timed(torch, fn, reps=20):
+    """Median ms of fn replayed from a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def rates(torch):
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = timed(torch, lambda: y.copy_(x))
+    bw = 2 * x.numel() / (ms * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    ms = timed(torch, lambda: torch.matmul(a, a, out=c))
+    return bw, 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines):
+    """One shape: kdtree's time, the baselines' and the floor (us)."""
+    import torch.nn.functional as F
+
+    import kdtree
+    from kdtree import _native as _lib
+
+    budget = rows - 1
+    width = min(budget, 8) or 1
+    depth = max(1, min(16, budget))
+    lp = np.sort(rng.standard_normal((batch, depth, width)).astype(np.float32), axis=-1)[..., ::-1] - 1
+    lp = np.ascontiguousarray(np.minimum(lp, -0.01))
+    ids = np.argsort(rng.random((batch, depth, 1000)), axis=-1)[..., :width].astype(np.int32)
+    trees = kdtree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget)
+    keys = prefix + rows
+    q = torch.randn(batch, rows, hq, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, hkv, keys, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    pre = torch.full((batch,), prefix, dtype=torch.int64, device="cuda")
+    out = torch.empty_like(q)
+    nbytes = 2 * batch * hkv * keys * dim * 2
+    fl = 4 * batch * hq * rows * keys * dim
+    floor = max(nbytes / bw, fl / flops) * 1e6
+    kdtree.tree_attention(q, k, v, trees, pre, max_prefix=prefix, out=out)  # checked once, eagerly
+    n = ctypes.c_size_t()
+    _lib.load().kdt_tree_attention_cuda_workspace_bytes(batch, budget, hq, hkv, dim, prefix, ctypes.byref(n))
+    ws = torch.empty(max(n.value, 1), dtype=torch.uint8, device="cuda")
+    status = None
+
+    def ours():
+        nonlocal status
+        status = kdtree.tree_attention(q, k, v, trees, pre, max_prefix=prefix, out=out, workspace=ws,
+                                       errors="status")[2]
+
+    t_ours = timed(torch, ours) * 1e3
+    row = {"B": batch, "prefix": prefix, "rows": rows, "floor_us": floor, "kdtree_us": t_ours}
+    if baselines:
+        vis = trees.visibility.bool()  # [B, R, R]
+        mask = torch.ones(batch, rows, keys, dtype=torch.bool, device="cuda")
+        mask[:, :, prefix:] = vis
+        qt = q.transpose(1, 2)
+        m4 = mask[:, None]
+
+        def sdpa():
+            F.scaled_dot_product_attention(qt, k, v, attn_mask=m4, enable_gqa=True)
+
+        add = torch.zeros(batch, 1, rows, keys, dtype=torch.bfloat16, device="cuda")
+        add.masked_fill_(~m4, torch.finfo(torch.bfloat16).min)
+
+        def hf_path():
+            kk = k[:, :, None].expand(batch, hkv, hq // hkv, keys, dim).reshape(batch, hq, keys, dim)
+            vv = v[:, :, None].expand(batch, hkv, hq // hkv, keys, dim).reshape(batch, hq, keys, dim)
+            F.scaled_dot_product_attention(qt, kk, vv, attn_mask=add)
+
+        kp, vp = k[:, :, :prefix], v[:, :, :prefix]
+
+        def prefix_only():
+            F.scaled_dot_product_attention(qt, kp, vp, enable_gqa=True)
+
+        for name, fn in (("sdpa_us", sdpa), ("transformers_us", hf_path), ("prefix_only_us", prefix_only)):
+            try:
+                row[name] = timed(torch, fn) * 1e3
+            except Exception as e:  # a baseline that does not run here is reported, not fatal
+                row[name] = None
+                print(f"  {name} failed: {type(e).__name__}: {str(e)[:120]}")
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+    import torch
+
+    hq, hkv = args.heads
+    dim = args.head_dim
+    bw, flops = rates(torch)
+    print(f"device: {torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    results = []
+    rng = np.random.default_rng(0)
+    head = ("| B | prefix | rows | floor us | kdtree us (x floor) | SDPA+mask us | transformers path us | "
+            "prefix-only SDPA us | kdtree vs SDPA |")
+    print(head)
+    print("|" + "---|" * 9)
+    for batch, prefix, rows in SHAPES:
+        row = measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, args.baselines)
+        t_ours, floor = row["kdtree_us"], row["floor_us"]
+        results.append(row)
+
+        def f(x):
+            return "-" if x is None else f"{x:,.1f}"
+
+        ratio = (row.get("sdpa_us") or 0) / t_ours
+        print(f"| {batch} | {prefix:,} | {rows} | {floor:.1f} | {t_ours:,.1f} ({t_ours / floor:.1f}x) | "
+              f"{f(row.get('sdpa_us'))} | {f(row.get('transformers_us'))} | {f(row.get('prefix_only_us'))} | "
+              f"{ratio:.1f}x |", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_Bps": bw, "bf16_flops": flops,
+                                        "heads": [hq, hkv], "head_dim": dim, "shapes": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
