@@ -92,6 +92,12 @@ template <> struct Elem<__nv_bfloat16> {
 
 __device__ __forceinline__ uint32_t pack_u16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
 
+// 16 bytes global -> shared without registers (cp.async, L2 only); zeros when !live.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool live) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
+}
+
 // Element offset of token t of request b, KV head h (contiguous or paged).
 __device__ __forceinline__ int64_t token_offset(const AttnParams& c, int64_t b, int64_t h, int64_t t) {
     if (c.block_table == nullptr) return b * c.c_outer + h * c.c_head + t * c.c_token;
@@ -139,8 +145,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int LD = D + kPad;  // shared row length (elements)
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + kTileM * LD;
-    T* sV = sK + kTileN * LD;
+    T* sKV = sQ + kTileM * LD;  // two buffers of [K tile; V tile]
 
     const int64_t tile = blockIdx.x % c.q_tiles;
     const int64_t bh = blockIdx.x / c.q_tiles;
@@ -195,22 +200,36 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
     float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     const bool any_row = m0 < m_real;
-    for (int64_t t0 = k_begin; any_row && t0 < k_end; t0 += kTileN) {
-        __syncthreads();  // the previous tile's K/V (and, first time, nothing) are no longer read
-        // K and V tiles -> shared; keys past k_end are zeros (never NaN under a zero weight).
-        for (int idx = threadIdx.x; idx < kTileN * (D / kVec); idx += kThreads) {
+    // K and V tiles go global -> shared by cp.async into two buffers: tile i + 1 loads
+    // while tile i is computed. Keys past k_end are zero-filled (never NaN under a zero
+    // weight).
+    auto issue_tile = [&](int64_t t0, int buf) {
+        T* dk = sKV + buf * 2 * kTileN * LD;
+        T* dv = dk + kTileN * LD;
+#pragma unroll
+        for (int it = 0; it < kTileN * (D / kVec) / kThreads; it++) {
+            const int idx = threadIdx.x + it * kThreads;
             const int r = idx / (D / kVec), cv = idx % (D / kVec);
             const int64_t t = t0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (t < k_end) {
-                const int64_t off = (token_offset(c, b, hk, t) + cv * kVec) * (int64_t)sizeof(T);
-                kv = *reinterpret_cast<const uint4*>(c.k + off);
-                vv = *reinterpret_cast<const uint4*>(c.v + off);
-            }
-            *reinterpret_cast<uint4*>(sK + r * LD + cv * kVec) = kv;
-            *reinterpret_cast<uint4*>(sV + r * LD + cv * kVec) = vv;
+            const bool live = t < k_end;
+            const int64_t off = live ? (token_offset(c, b, hk, t) + cv * kVec) * (int64_t)sizeof(T) : 0;
+            cp_async16(dk + r * LD + cv * kVec, c.k + off, live);
+            cp_async16(dv + r * LD + cv * kVec, c.v + off, live);
         }
-        __syncthreads();
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    if (any_row && k_begin < k_end) issue_tile(k_begin, 0);
+    int buf = 0;
+    for (int64_t t0 = k_begin; any_row && t0 < k_end; t0 += kTileN, buf ^= 1) {
+        if (t0 + kTileN < k_end) {
+            issue_tile(t0 + kTileN, buf ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();  // tile t0 (and, the first time, Q) visible to every warp
+        const T* sK = sKV + buf * 2 * kTileN * LD;
+        const T* sV = sK + kTileN * LD;
 
         // S = Q K^T for the warp's 16 rows and the tile's 64 keys.
         float sc[kTileN / 8][4];
@@ -310,6 +329,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
                 Elem<T>::mma(o[i], a, bf);
             }
         }
+        __syncthreads();  // every warp is done with this buffer before it is loaded again
     }
 
     // Row sums across the quad, then the rows' outputs.
@@ -438,7 +458,7 @@ bool misaligned(const void* ptr, size_t alignment) { return ((uintptr_t)ptr % al
 
 template <typename T, int D>
 kdt_status launch(const AttnParams& c, cudaStream_t stream) {
-    const size_t smem = (size_t)(kTileM + 2 * kTileN) * (D + kPad) * sizeof(T);
+    const size_t smem = (size_t)(kTileM + 4 * kTileN) * (D + kPad) * sizeof(T);
     if (cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
         cudaSuccess) {
         return kdt::launch_status("tree attention (shared memory size)");
