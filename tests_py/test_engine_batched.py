@@ -180,6 +180,11 @@ def test_bad_input(pair):
         Engine(target, drafter, stop_tokens=5)
     with pytest.raises(ValueError, match="auto_budgets"):
         Engine(target, drafter, budget="auto", auto_budgets=[1.7, 8])
+    with pytest.raises(ValueError, match="tree_attention must be"):
+        Engine(target, drafter, tree_attention="flash")
+    with pytest.raises(ValueError, match="tree_attention='kdtree': the kernel runs on CUDA devices"):
+        Engine(target, drafter, tree_attention="kdtree")
+    assert Engine(target, drafter, max_batch=1, budget=4, max_length=64).tree_attention == "sdpa"
     import copy
 
     with pytest.raises(ValueError, match="float64, the target torch.float32"):
@@ -275,6 +280,26 @@ def test_gpu_generate_captures_itself(gpu_pair, prompts, expected, mode):
     outs = eng.generate(prompts[:6], NEW)
     assert [o.tokens for o in outs] == expected[:6]
     assert eng.generate(prompts[6:8], NEW)[1].tokens == expected[7]  # a second call keeps the graphs
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_tree_attention_kernel_in_the_verify_forward(prompts):
+    """In bfloat16 the verify forward runs kdtree's tree-attention kernel by default; its
+    text stays the SDPA path's but for bfloat16 near-ties (the two sum in different orders),
+    and the kernel's float32 statuses stay clean (no request fails)."""
+    target = load_causal_lm(PAIR / "target", device="cuda", dtype="bfloat16")
+    drafter = load_dflash(PAIR / "drafter", target)
+    runs = {}
+    for how in ("kdtree", "sdpa"):
+        eng = Engine(target, drafter, max_batch=4, budget=32, max_length=512, tree_attention=how)
+        assert eng.tree_attention == how
+        outs = eng.generate(prompts[:12], NEW)
+        assert all(o.finish_reason != "error" for o in outs), [o.error for o in outs]
+        runs[how] = [o.tokens for o in outs]
+    assert Engine(target, drafter, max_batch=1, budget=4, max_length=64).tree_attention == "kdtree"
+    same = sum(a == b for a, b in zip(runs["kdtree"], runs["sdpa"], strict=True))
+    assert same >= 9, f"only {same} of 12 outputs equal the SDPA path's"
 
 
 @gpu

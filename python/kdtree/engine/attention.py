@@ -11,9 +11,13 @@ causal mask for prefill and one-token steps). transformers' ``StaticCache`` writ
 written at its own length, which is why the function writes K/V itself and the model is
 called with no transformers cache.
 
-Behind it is PyTorch's ``scaled_dot_product_attention`` over the cache's full capacity
-(an additive mask hides the rows that are not the request's prefix or the node's
-ancestors); a tree-attention kernel takes its place without changing the engine.
+A tree round (the verify forward over the draft trees) goes to kdtree's tree-attention
+kernel (:func:`kdtree.tree_attention`: each row reads its request's prefix and its
+ancestors' rows, no mask) when the engine asks for it (float16 / bfloat16 on CUDA, head_dim
+64, 128 or 256); prefill, one-token steps and the other cases run PyTorch's
+``scaled_dot_product_attention`` over the cache's first rows under the additive mask the
+engine passes (it hides the rows that are not the request's prefix or the node's
+ancestors).
 
 Shapes: the cache of one layer is ``[slots, kv_heads, capacity, head_dim]`` (Hugging
 Face's layout, the one :func:`kdtree.compact_kv` takes as ``"bhsd"``); a forward over
@@ -46,10 +50,21 @@ class StepState:
         rows   int64 ``[b, q]``: the cache row each input row's K/V goes to.
         slots  ``None`` (input request r is slot r, ``b`` slots from 0) or int64 ``[b]``:
                the slot of each input request (prefill of requests in any slots).
+        trees  a tree round through kdtree's kernel (:func:`kdtree.tree_attention`): the
+               round's GPU :class:`~kdtree.TreeBatch` (its rows at ``prefix + i``); None:
+               SDPA under ``attention_mask``.
+        prefix int64 ``[b]``: the requests' cached tokens before the tree (with ``trees``).
+        max_prefix  the bound on ``prefix`` the kernel plans its key split with.
+        status the kernel's int32 ``[b]`` request statuses of the last layer (written by
+               the attention function in a kernel round; every layer checks the same).
     """
 
     rows: Any = None
     slots: Any = None
+    trees: Any = None
+    prefix: Any = None
+    max_prefix: int = 0
+    status: Any = None
 
 
 @dataclass
@@ -101,6 +116,13 @@ def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dr
         cache.keys[layer].index_put_(where, key.to(cache.keys[layer].dtype))
         cache.values[layer].index_put_(where, value.to(cache.values[layer].dtype))
         kc, vc = cache.keys[layer].index_select(0, slots), cache.values[layer].index_select(0, slots)
+    if step.trees is not None and step.slots is None:
+        from ..core import api
+
+        out, _, step.status = api.tree_attention(query.transpose(1, 2), kc, vc, step.trees, step.prefix,
+                                                 layout="bhsd", max_prefix=step.max_prefix, softmax_scale=scaling,
+                                                 errors="status")
+        return out, None
     cols = attention_mask.shape[-1]  # a mask over fewer columns than the capacity: the first cols rows
     if cols < kc.shape[2]:
         kc, vc = kc[:, :, :cols], vc[:, :, :cols]

@@ -223,6 +223,27 @@ class _State:
         self.curve = torch.zeros(max(budget, 1), dtype=torch.float64, device=device)
 
 
+def _kernel_unfit(torch, cfg, device, dtype) -> str:
+    """Why kdtree's tree-attention kernel cannot run this target's verify forward ("" when
+    it can)."""
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    if device.type != "cuda":
+        return "the kernel runs on CUDA devices"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the kernel takes float16 or bfloat16, the target is {dtype}"
+    if head_dim not in (64, 128, 256):
+        return f"the kernel takes head_dim 64, 128 or 256, the target has {head_dim}"
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
+    from .. import cuda_devices
+
+    if cuda_devices() < 1:
+        return "this libkdtree was built without CUDA or sees no GPU"
+    return ""
+
+
 class Engine:
     """Batched DDTree decoding of a transformers target with a block drafter.
 
@@ -244,6 +265,11 @@ class Engine:
         stop_tokens: token ids that end a request (kept in its output), for every request.
         prefill_chunk: prompt tokens forwarded per prefill chunk.
         use_graphs: capture each bucket's round in a CUDA graph (default: on CUDA).
+        tree_attention: the verify forward's attention: "kdtree" (kdtree's kernel,
+            :func:`kdtree.tree_attention`: float16 / bfloat16 on CUDA, head_dim 64, 128 or
+            256, a libkdtree built with CUDA), "sdpa" (PyTorch's SDPA under kdtree's
+            additive tree mask) or "auto" (the kernel where it applies, else SDPA); the
+            choice is ``self.tree_attention``.
         sampling: whether rounds verify by sampling (per-request temperature; a request
             with temperature 0 is still greedy). False: greedy verification only (requests
             with temperature > 0 are refused).
@@ -262,7 +288,7 @@ class Engine:
     def __init__(self, target: Any, drafter: Any = None, *, max_batch: int = 1, budget: int | str = 64,
                  mode: str = "ddtree", max_length: int = 2048, stop_tokens: Sequence[int] = (),
                  prefill_chunk: int = 512, use_graphs: bool | None = None, sampling: bool = False,
-                 auto_budgets: Sequence[int] = AUTO_BUDGETS):
+                 auto_budgets: Sequence[int] = AUTO_BUDGETS, tree_attention: str = "auto"):
         torch = _torch()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -356,6 +382,12 @@ class Engine:
             raise ValueError(f"the target's K/V cache needs {need / 2**30:.2f} GiB (max_batch {self.max_batch} x "
                              f"{self.capacity} rows = max_length + N + 1), more than the {free / 2**30:.2f} GiB free "
                              f"on {self.device}: lower max_length or max_batch")
+        if tree_attention not in ("auto", "kdtree", "sdpa"):
+            raise ValueError(f"tree_attention must be 'auto', 'kdtree' or 'sdpa', got {tree_attention!r}")
+        why_not = _kernel_unfit(torch, cfg, self.device, self.dtype)
+        if tree_attention == "kdtree" and why_not:
+            raise ValueError(f"tree_attention='kdtree': {why_not}")
+        self.tree_attention = "sdpa" if tree_attention == "sdpa" or why_not else "kdtree"
         self.kv = attention.attach(target, self.max_batch, self.capacity)
         self.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         if drafter is not None:
@@ -684,6 +716,10 @@ class Engine:
         mask = self._stage_mask(trees, lengths, buf)
         logits, feats = self._stage_target(b, n, trees, mask, lengths)
         acc = self._stage_verify(b, trees, logits, buf)
+        attn = self.kv.step.status
+        if attn is not None:  # the tree-attention kernel failed a request: it fails the round's verify too
+            self.kv.step.status = None
+            acc.request_status.copy_(_torch().where(attn != 0, attn, acc.request_status))
         self._stage_commit(b, trees, acc, feats, buf)
 
     def _stage_draft_build(self, b, n, lengths, roots, buf, probe=False):
@@ -768,7 +804,14 @@ class Engine:
 
     def _stage_target(self, b, n, trees, mask, lengths):
         rows = lengths[:, None] + self._tree_rows[None, : n + 1]
-        return self._forward(trees.tokens, mask.positions, rows, mask.mask[:, None])
+        step = self.kv.step
+        step.status = None
+        if self.tree_attention == "kdtree":
+            step.trees, step.prefix, step.max_prefix = trees, lengths, self.max_length
+        try:
+            return self._forward(trees.tokens, mask.positions, rows, mask.mask[:, None])
+        finally:
+            step.trees = step.prefix = None
 
     def _stage_verify(self, b, trees, logits, buf):
         torch = _torch()
