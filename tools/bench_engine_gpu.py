@@ -58,7 +58,8 @@ def configs(budgets: list[int], auto: bool = True) -> list[tuple[str, str, int |
     return out + ([("DDTree auto", "ddtree", "auto")] if auto else [])
 
 
-def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, repeats, budgets, costs=None):
+def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, repeats, budgets, costs=None,
+               tree_attention="auto"):
     """tokens/s (median of repeats), acceptance, forwards/token, wall and GPU per round, over
     len(prompts) requests through `batch` slots (continuous batching)."""
     import torch
@@ -66,7 +67,7 @@ def run_engine(target, drafter, mode, budget, batch, prompts, new, max_length, r
     from kdtree.engine.batched import Engine
 
     eng = Engine(target, drafter, max_batch=batch, budget=budget, mode=mode, max_length=max_length,
-                 auto_budgets=budgets)
+                 auto_budgets=budgets, tree_attention=tree_attention)
     t0 = time.perf_counter()
     eng.capture_all(prefill=True)  # the prefill graphs too: no capture inside the timed runs
     capture_s = time.perf_counter() - t0
@@ -201,6 +202,8 @@ def main() -> int:
     ap.add_argument("--shipped-json", type=Path,
                     help="take the shipped pair's results (acceptance lengths) from this --out file of an earlier "
                          "run instead of measuring them (with --qwen3-8b)")
+    ap.add_argument("--tree-attention", choices=["auto", "kdtree", "sdpa"], default="auto",
+                    help="the verify forward's attention (Engine(tree_attention=...)) of the shipped pair's runs")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
@@ -222,7 +225,7 @@ def main() -> int:
         reqs = prompts[: b * args.requests_per_slot]
         for name, mode, n in configs(args.budgets):
             r = run_engine(target, drafter, mode, n, b, reqs, args.new_tokens, max_length, args.repeats,
-                           args.budgets)
+                           args.budgets, tree_attention=args.tree_attention)
             if mode == "ar":
                 ar_tps, ar_out, ar_dec = r["tokens_per_s"], r["outputs"], r["decode_tokens_per_s"]
             same = sum(o == a for o, a in zip(r.pop("outputs"), ar_out, strict=True))
