@@ -269,7 +269,8 @@ class Engine:
             :func:`kdtree.tree_attention`: float16 / bfloat16 on CUDA, head_dim 64, 128 or
             256, a libkdtree built with CUDA), "sdpa" (PyTorch's SDPA under kdtree's
             additive tree mask) or "auto" (the kernel where it applies, else SDPA); the
-            choice is ``self.tree_attention``.
+            choice is ``self.tree_attention``. Root-only rounds (mode "ar", one row a
+            request) always run SDPA.
         sampling: whether rounds verify by sampling (per-request temperature; a request
             with temperature 0 is still greedy). False: greedy verification only (requests
             with temperature > 0 are refused).
@@ -806,7 +807,7 @@ class Engine:
         rows = lengths[:, None] + self._tree_rows[None, : n + 1]
         step = self.kv.step
         step.status = None
-        if self.tree_attention == "kdtree":
+        if self.tree_attention == "kdtree" and n > 0:  # (a root-only round is a decode step: SDPA's own)
             step.trees, step.prefix, step.max_prefix = trees, lengths, self.max_length
         try:
             return self._forward(trees.tokens, mask.positions, rows, mask.mask[:, None])
