@@ -206,7 +206,7 @@ def test_batched_refuses_options_it_does_not_use(tmp_path):
     g = tmp_path / "greedy.jsonl"
     g.write_text('{"prompt": "def f(", "temperature": 0, "top_p": 0.5}\n')
     r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(g)], tmp_path)
-    assert r.returncode == 2 and "prompt 0 (line 1): top_p set for a greedy request" in r.stderr, r.stderr[-300:]
+    assert r.returncode == 2 and "prompt 0 (line 1): top_p 0.5 set for a greedy request" in r.stderr, r.stderr[-300:]
 
 
 def test_batched_budget_auto(tmp_path):

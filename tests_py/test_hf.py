@@ -325,6 +325,8 @@ def test_choose_refuses_rows_without_a_defined_distribution(model, temperature):
     if temperature:
         with pytest.raises(ValueError, match="one per row"):
             target.choose(torch.stack([ok, ok]), [1])
+    with pytest.raises(ValueError, match=r"logits must be \[n, V\].*got shape \(3,\)"):
+        target.choose(ok, [1])
 
 
 def test_a_draw_is_the_inverse_cdf_at_its_keyed_uniform(model):
@@ -341,6 +343,16 @@ def test_a_draw_is_the_inverse_cdf_at_its_keyed_uniform(model):
                          [1, 2, 3, 4]).tolist() == [0] * 4
     assert target.choose(torch.tensor([[-math.inf, -math.inf, 3.0]] * 4, dtype=torch.float64),
                          [1, 2, 3, 4]).tolist() == [2] * 4
+
+
+def test_a_tiny_temperature_on_huge_logits_still_draws(model):
+    # 1e308 / 1e-6 overflows float64: such a row is tempered from its maximum (token 0 holds
+    # all the mass); a normal row in the same call keeps its own draw
+    target = HFTarget(model, temperature=1e-6, seed=5)
+    huge = torch.tensor([1e308, -1e308, 1e307], dtype=torch.float64)
+    normal = torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64)
+    assert target.choose(torch.stack([huge, normal]), [1, 2]).tolist() == [0, 1]
+    assert HFTarget(model, temperature=1e-6, seed=5).choose(normal[None], [2]).tolist() == [1]
 
 
 def test_top_p_filter_keeps_the_smallest_nucleus():

@@ -5,7 +5,10 @@ graph a round on a GPU).
 The prompts file holds one prompt a line (``\\n`` and ``\\\\`` escapes are decoded), or, for
 a ``.jsonl`` file or lines starting with ``{``, JSON objects with ``"prompt"`` and
 optionally ``"max_new_tokens"``, ``"temperature"``, ``"top_p"``, ``"top_k"`` and
-``"seed"``. Printed: each request's continuation, then the aggregate tokens/s, the mean
+``"seed"``; the flags (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``,
+``--max-new-tokens``) are the defaults of the lines that do not set them. A greedy line
+(temperature 0) with its own top-p or top-k is refused; the flags' top-p and top-k apply to
+the sampling lines only. Printed: each request's continuation, then the aggregate tokens/s, the mean
 acceptance length and the target forwards; with greedy decoding the same prompts are
 also decoded autoregressively by the same engine (``--no-ar`` skips it) and the identical
 outputs counted.
@@ -122,10 +125,13 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                                          seed=_setting(e, "seed", args.seed + i, "int", where)))
         except ValueError as exc:
             raise UsageError(f"{where}: {exc}") from None
-        own = [k for k in ("top_p", "top_k") if k in e]
-        if params[-1].temperature == 0 and own and (params[-1].top_p < 1.0 or params[-1].top_k):
-            raise UsageError(f"{where}: {', '.join(own)} set for a greedy request (temperature 0): they apply to "
-                             f"sampling only")
+        # a greedy request's own cuts are a mistake; the flags' cuts are the defaults of the
+        # file's sampling requests and do not apply to its greedy ones
+        own = [f"{k} {e[k]}" for k, cut in (("top_p", params[-1].top_p < 1.0), ("top_k", bool(params[-1].top_k)))
+               if k in e and cut]
+        if params[-1].temperature == 0 and own:
+            raise UsageError(f"{where}: {', '.join(own)} set for a greedy request (temperature 0): "
+                             f"{'it applies' if len(own) == 1 else 'they apply'} to sampling only")
         if max_pos and len(e["prompt"]) > 64 * max_pos:  # no need to tokenize a text that cannot fit
             raise UsageError(f"{where}: {len(e['prompt']):,} characters cannot fit the target's {max_pos} positions")
         ids = tok.encode(e["prompt"]).ids

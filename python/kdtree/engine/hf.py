@@ -392,9 +392,11 @@ class HFTarget:
         token it chooses (ints [n]: the row's position + 1) alone.
         Returns int32 [n]. Raises NonFiniteLogitsError (a ValueError) for a row holding a
         NaN or +inf logit or no finite one (a broken model: argmax would pick an arbitrary
-        token and the sampled distribution is undefined), and ValueError when ``positions``
-        does not hold one position per row."""
+        token and the sampled distribution is undefined), and ValueError when ``logits`` is
+        not 2-D or ``positions`` does not hold one position per row."""
         torch = _torch()
+        if getattr(logits, "ndim", None) != 2:
+            raise ValueError(f"logits must be [n, V] (one row a choice), got shape {tuple(getattr(logits, 'shape', ()))}")
         nan_rows = torch.isnan(logits).any(dim=-1).nonzero()
         if len(nan_rows):
             raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(nan_rows[0, 0])} of {logits.shape[0]} "
@@ -407,7 +409,15 @@ class HFTarget:
             raise ValueError(f"positions: one per row of logits ({logits.shape[0]}), got shape {np.shape(positions)}")
         if self.temperature == 0.0:
             return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
-        probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
+        x = logits.to(torch.float64)
+        z = x / self.temperature
+        # a tiny temperature can take huge logits past float64's range (+inf, then NaN in
+        # the softmax): such rows are tempered from their maximum instead (the same
+        # distribution; other rows keep their exact arithmetic)
+        over = (torch.isinf(z) & torch.isfinite(x)).any(dim=-1, keepdim=True)
+        if bool(over.any()):
+            z = torch.where(over, (x - x.max(dim=-1, keepdim=True).values) / self.temperature, z)
+        probs = torch.softmax(z, dim=-1)
         if self.top_p < 1.0:
             probs = top_p_filter(probs, self.top_p)
         u = torch.as_tensor(keyed_uniforms(self.seed, positions), device=probs.device)
