@@ -14,3 +14,5 @@ target_logits = torch.randn(4, 65, 32000, device="cuda", dtype=torch.bfloat16)  
 acc = kdtree.verify_greedy_from_logits(trees, target_logits)
 # or: kdtree.verify_sample_from_logits(trees, target_logits, 0.8, seed=1, offset=round_no)
 # kdtree.compact_kv(k_layers, v_layers, prefix, acc)     # per-layer [B, H, S, D] tensors
+# out, _, _ = kdtree.tree_attention(q, k_cache, v_cache, trees, prefix)
+#   q [B, N+1, q_heads, D]; caches [B, kv_heads, S, D] holding the tree rows at p .. p+N
