@@ -225,10 +225,12 @@ def test_batched_budget_auto(tmp_path):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_difference_is_rounding_only_if_the_wider_float_run_agrees(monkeypatch, temperature):
-    """generate's check when DDTree's text differs from AR's (in-process): redone in the
-    next wider float, equal there means rounding (status 0); unequal there, or a float64
-    run, means a real difference (status 1)."""
+    """generate's check when DDTree's text differs from AR's (in-process): rounding (status
+    0) needs the next wider float's runs to agree and the first differing choice to be
+    within rounding reach; a wider run that differs, a margin beyond reach, or a float64
+    run means a real difference (status 1)."""
     import argparse
+    import copy
     import io
 
     import torch
@@ -247,10 +249,32 @@ def test_a_difference_is_rounding_only_if_the_wider_float_run_agrees(monkeypatch
                                         prompt, 6)
     # a float32 "difference" at token 2 that the float64 rerun does not reproduce
     fake = ar.tokens[:2] + [(ar.tokens[2] + 1) % target.config.vocab_size] + ar.tokens[3:]
+    # the float64 runs agree, but the fake token was never near the model's choice: an error
+    # of the float32 path alone
     out = io.StringIO()
-    assert generate.mismatch_report(args, target, drafter, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 0
+    assert generate.mismatch_report(args, target, drafter, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 1
     text = out.getvalue()
     assert "NO in float32, first difference at new token 2" in text and "rerun in float64  : identical: YES" in text
+    assert "margin at token 2" in text and "BEYOND" in text and "not rounding" in text, text
+    # the margin measured against the same forward in float32 and float64 at that token
+    ctx = prompt + ar.tokens[:2]
+    margin, bound, _ = generate.first_token_margin(target, copy.deepcopy(target).double(), ctx, ar.tokens[2],
+                                                   fake[2], args)
+    ids = torch.tensor([ctx])
+    with torch.no_grad():
+        l32 = target(input_ids=ids).logits[0, -1].double()
+        l64 = copy.deepcopy(target).double()(input_ids=ids).logits[0, -1]
+    assert bound == pytest.approx(generate.ROUNDING_FACTOR * float((l32 - l64).abs().max())
+                                  / (temperature or 1.0))
+    if not temperature:
+        assert margin == pytest.approx(abs(float(l64[ar.tokens[2]] - l64[fake[2]])))
+    assert 0 < bound < 1e-3 < margin
+    # a choice within rounding reach (here: a reach made wide) is taken for rounding
+    monkeypatch.setattr(generate, "ROUNDING_FACTOR", 1e12)
+    out = io.StringIO()
+    assert generate.mismatch_report(args, target, drafter, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 0
+    assert "within" in out.getvalue() and "taken for rounding" in out.getvalue()
+    monkeypatch.undo()
     # already float64: nothing wider, a real difference
     out = io.StringIO()
     t64, d64 = target.to(torch.float64), drafter.to(torch.float64)

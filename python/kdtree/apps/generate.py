@@ -11,9 +11,11 @@ the default) and for sampling (``--temperature > 0``, optionally ``--top-p``) al
 a draw is keyed by ``--seed`` and the position of the token it chooses, so the tree's row
 and the autoregressive step for one position make the same draw (:class:`kdtree.hf.HFTarget`).
 Where they differ, both runs are redone in the next wider float (float32 -> float64,
-16-bit -> float32): equal there, the difference was rounding (a near-tie or a draw at a
-boundary of the cumulative distribution, computed in a different order by the tree forward)
-and the exit status stays 0; unequal there, or in a float64 run, the status is 1.
+16-bit -> float32) and the first differing choice is weighed (its logit gap, or its draw's
+distance from the boundary of the cumulative distribution, against how far the narrow float
+moves the logits there): equal there and within reach, the difference was rounding (a
+near-tie or a draw at a boundary, computed in a different order by the tree forward) and
+the exit status stays 0; otherwise, or in a float64 run, the status is 1.
 Printed: the continuation, target forwards (AR vs DDTree), the mean acceptance length and
 its histogram, time per stage, and one round's draft tree;
 ``--plot`` also writes them as a picture (matplotlib).
@@ -364,18 +366,55 @@ def _token_str(tok) -> Any:
     return show
 
 
+# How far the two decoders' logits may drift apart by rounding alone, in units of the
+# largest difference between the narrow float's logits and the wider float's at the
+# differing token (each decoder's route rounds about that much, in its own order).
+ROUNDING_FACTOR = 4.0
+
+
+def first_token_margin(target_model, wide_model, context, a, d, args):
+    """How close the choice between tokens ``a`` (autoregressive) and ``d`` (DDTree) after
+    ``context`` was, against how much the narrow float moves the logits there.
+
+    Returns ``(margin, bound, unit)``: greedy: the wider float's logit gap between ``a``
+    and ``d``; sampled: the distance, in probability, of the draw's keyed uniform from the
+    boundary of the cumulative distribution that separates ``a`` and ``d`` (wider float,
+    tempered and top-p filtered as the target draws). ``bound`` is ``ROUNDING_FACTOR``
+    times the largest |narrow - wider| logit difference at that token (divided by the
+    temperature when sampling: a logit error e moves a cumulative probability by at most
+    about e / T)."""
+    import torch
+
+    from ..engine.hf import keyed_uniforms, top_p_filter
+
+    ids = torch.as_tensor([context], dtype=torch.long, device=next(target_model.parameters()).device)
+    with torch.no_grad():
+        narrow = target_model(input_ids=ids).logits[0, -1].to(torch.float64)
+        wide = wide_model(input_ids=ids).logits[0, -1].to(torch.float64)
+    delta = float((narrow - wide).abs().max())
+    if not args.temperature:
+        return abs(float(wide[a] - wide[d])), ROUNDING_FACTOR * delta, "logit gap"
+    probs = torch.softmax((wide - wide.max()) / args.temperature, dim=-1)
+    if args.top_p < 1.0:
+        probs = top_p_filter(probs[None], args.top_p)[0]
+    cdf = torch.cumsum(probs, dim=-1)
+    boundary = float(cdf[min(a, d)] / cdf[-1])
+    u = float(keyed_uniforms(args.seed, [len(context)])[0])
+    return abs(boundary - u), ROUNDING_FACTOR * delta / args.temperature, "uniform's distance from the CDF boundary"
+
+
 def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, depth, ar_tokens, dd_tokens,
                     what, out) -> int:
     """DDTree's text differs from autoregressive decoding's. In float32 or 16-bit floats that
     can be rounding alone: the tree forward and the one-token forward compute the same
     logits in different orders, and a draw whose uniform lies that close to a boundary of the
-    cumulative distribution (or an argmax that close to a tie) can flip. Both runs are
-    redone once in the next wider float (float32 -> float64, 16-bit -> float32), where
-    such a near-tie is ~1e9 (resp. ~1e4) times less likely: equal there, the difference
-    is taken for rounding and the exit status is 0; unequal there (or already in
-    float64), it is a real difference and the status is 1. The margin at the differing
-    token is not measured, so an error that shows in the narrower float alone would also
-    pass as rounding."""
+    cumulative distribution (or an argmax that close to a tie) can flip. Two checks, both
+    needed for "rounding" (exit status 0): both runs redone in the next wider float
+    (float32 -> float64, 16-bit -> float32) must agree, and at the first differing token the
+    choice must have been within rounding reach (:func:`first_token_margin`: the logit gap,
+    or the draw's distance from the CDF boundary, at most ``ROUNDING_FACTOR`` times what the
+    narrow float moves the logits there). Otherwise, or already in float64, it is a real
+    difference (status 1)."""
     import copy
 
     import torch
@@ -404,14 +443,29 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     d = engine.speculative_generate(tgt(), BlockDrafterRunner(d2), prompt, args.max_new_tokens, budget=args.budget,
                                     depth=depth, stop_tokens=stops)
     wname = str(wider).removeprefix("torch.")
-    if a.tokens == d.tokens:
-        print(f"  rerun in {wname}  : identical: YES; the {name} difference is taken for rounding (the tree "
-              f"forward and the one-token forward round the same logits differently, which flips a "
-              f"{'draw near a boundary of the cumulative distribution' if args.temperature else 'near-tie'}; "
-              f"the margin at that token is not measured)", file=out)
+    if a.tokens != d.tokens:
+        print(f"  rerun in {wname}  : identical: NO, first difference at new token "
+              f"{first_difference(a.tokens, d.tokens)} (not rounding)", file=out)
+        return 1
+    print(f"  rerun in {wname}  : identical: YES", file=out)
+    if first >= min(len(ar_tokens), len(dd_tokens)):  # one text ends inside the other: no token pair to weigh
+        print(f"  margin            : not measured (one text is a prefix of the other); the {name} difference is "
+              f"taken for rounding", file=out)
         return 0
-    print(f"  rerun in {wname}  : identical: NO, first difference at new token {first_difference(a.tokens, d.tokens)} "
-          f"(not rounding)", file=out)
+    margin, bound, unit = first_token_margin(target_model, t2, list(prompt) + list(ar_tokens[:first]),
+                                             int(ar_tokens[first]), int(dd_tokens[first]), args)
+    within = margin <= bound
+    print(f"  margin at token {first}: {unit} {margin:.3g}, rounding reach {bound:.3g} ({ROUNDING_FACTOR:g}x the "
+          f"largest {name} - {wname} logit difference there{' / T' if args.temperature else ''}): "
+          f"{'within' if within else 'BEYOND'}", file=out)
+    if within:
+        print(f"  the {name} difference is taken for rounding (the tree forward and the one-token forward round "
+              f"the same logits differently, which flips a "
+              f"{'draw near a boundary of the cumulative distribution' if args.temperature else 'near-tie'})",
+              file=out)
+        return 0
+    print(f"  not rounding: the choice at token {first} was not close enough for {name} rounding to flip it, and "
+          f"the {wname} runs agree (an error of the {name} path alone)", file=out)
     return 1
 
 
