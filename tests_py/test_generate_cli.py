@@ -207,6 +207,20 @@ def test_batched_refuses_options_it_does_not_use(tmp_path):
     g.write_text('{"prompt": "def f(", "temperature": 0, "top_p": 0.5}\n')
     r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(g)], tmp_path)
     assert r.returncode == 2 and "prompt 0 (line 1): top_p 0.5 set for a greedy request" in r.stderr, r.stderr[-300:]
+    # the flags are checked as flags, not blamed on the first line that inherits them
+    mix = tmp_path / "mix.jsonl"
+    mix.write_text('{"prompt": "def f(", "temperature": 0}\n{"prompt": "import os", "temperature": 0.8}\n')
+    for extra, said in ((["--top-p", "1e-40"], "--top-p / --top-k / --seed: top_p must be"),
+                        (["--top-k", "2147483648"], "--top-p / --top-k / --seed: top_k must be"),
+                        (["--seed", str(2**63 - 1)], "prompt i takes seed --seed + i, past 2**63 - 1 for 2 prompts")):
+        r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(mix), *extra], tmp_path)
+        assert r.returncode == 2 and said in r.stderr and "line 1" not in r.stderr, (extra, r.stderr[-300:])
+    # every line greedy by its own temperature: the flags' cuts are refused as when no line sets one
+    allg = tmp_path / "allgreedy.jsonl"
+    allg.write_text('{"prompt": "def f(", "temperature": 0}\n{"prompt": "import os", "temperature": 0}\n')
+    r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(allg), "--top-k", "5"], tmp_path)
+    assert r.returncode == 2 and "--top-k applies to sampling, and every request of the file is greedy" in r.stderr, (
+        r.stderr[-300:])
 
 
 def test_batched_budget_auto(tmp_path):
@@ -264,10 +278,24 @@ def test_a_difference_is_rounding_only_if_the_wider_float_run_agrees(monkeypatch
     with torch.no_grad():
         l32 = target(input_ids=ids).logits[0, -1].double()
         l64 = copy.deepcopy(target).double()(input_ids=ids).logits[0, -1]
-    assert bound == pytest.approx(generate.ROUNDING_FACTOR * float((l32 - l64).abs().max())
-                                  / (temperature or 1.0))
+    a, d = ar.tokens[2], fake[2]
+    err = (l32 - l64).abs().numpy()
     if not temperature:
-        assert margin == pytest.approx(abs(float(l64[ar.tokens[2]] - l64[fake[2]])))
+        assert bound == pytest.approx(generate.ROUNDING_FACTOR * (err[a] + err[d]))
+        assert margin == pytest.approx(abs(float(l64[a] - l64[d])))
+    else:  # T = 1, no top-p: p = softmax(l64); the draw's uniform against the boundary between a and d
+        import numpy as np
+
+        from kdtree.engine.hf import keyed_uniforms
+
+        x = l64.numpy()
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        cdf = np.cumsum(p)
+
+        u = keyed_uniforms(3, [len(ctx)])[0]
+        assert margin == pytest.approx(abs(cdf[d - 1] - u if d > a else u - cdf[d]))
+        assert bound == pytest.approx(generate.ROUNDING_FACTOR * float((p * err).sum()))
     assert 0 < bound < 1e-3 < margin
     # a choice within rounding reach (here: a reach made wide) is taken for rounding
     monkeypatch.setattr(generate, "ROUNDING_FACTOR", 1e12)

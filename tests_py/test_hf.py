@@ -325,8 +325,14 @@ def test_choose_refuses_rows_without_a_defined_distribution(model, temperature):
     if temperature:
         with pytest.raises(ValueError, match="one per row"):
             target.choose(torch.stack([ok, ok]), [1])
-    with pytest.raises(ValueError, match=r"logits must be \[n, V\].*got shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"logits must be a floating-point \[n, V\].*shape \(3,\)"):
         target.choose(ok, [1])
+    with pytest.raises(ValueError, match=r"V >= 1.*shape \(0, 0\)"):
+        target.choose(torch.zeros(0, 0, dtype=torch.float64), [])
+    with pytest.raises(TypeError, match="torch tensor"):
+        target.choose(ok.numpy()[None], [1])
+    with pytest.raises(ValueError, match="one per row"):  # greedy or not
+        target.choose(torch.stack([ok, ok]), [1, 2, 3])
 
 
 def test_a_draw_is_the_inverse_cdf_at_its_keyed_uniform(model):

@@ -49,6 +49,9 @@ def test_workspace_plan_and_refused_sizes(lib):
         pytest.skip("libkdtree was built without CUDA (the workspace query is part of the CUDA build)")
     # Enough CTAs without splitting the keys (64 requests x 8 KV heads): no workspace.
     assert _workspace_bytes(raw, 64, 64, 32, 8, 128, 8192) == (0, 0)
+    # No requests: nothing to split, whatever the context.
+    assert _workspace_bytes(raw, 0, 0, 1, 1, 64, 1000) == (0, 0)
+    assert _workspace_bytes(raw, 0, 64, 32, 8, 128, 1 << 20) == (0, 0)
     # Short contexts are never split.
     assert _workspace_bytes(raw, 1, 8, 32, 8, 128, 256) == (0, 0)
     # One request with a long prefix is split: partial outputs (float32, D + 1 values a

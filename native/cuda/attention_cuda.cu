@@ -411,7 +411,7 @@ void plan_splits(int64_t batch, int64_t rows, int64_t q_heads, int64_t kv_heads,
     const int64_t ctas = batch * kv_heads * tiles;
     const int64_t keys = max_prefix + rows;
     int64_t sp = 1;
-    if (ctas < kTargetCtas && keys > 2 * kMinChunk) {
+    if (ctas > 0 && ctas < kTargetCtas && keys > 2 * kMinChunk) {  // (no requests: nothing to split)
         sp = (kTargetCtas + ctas - 1) / ctas;
         const int64_t most = keys / kMinChunk;
         if (sp > most) sp = most;

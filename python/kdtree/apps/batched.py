@@ -108,6 +108,14 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         if args.top_p < 1.0:
             raise UsageError(f"--top-p {args.top_p} applies to sampling only: add --temperature T > 0 (greedy "
                              f"decoding takes the argmax)")
+    # the flags are checked as flags (not as the first line that inherits them)
+    try:
+        SamplingParams(temperature=1.0, top_p=float(args.top_p), top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(f"--top-p / --top-k / --seed: {exc}") from None
+    if args.seed + len(entries) - 1 >= 2**63 and any("seed" not in e for e in entries):
+        raise UsageError(f"--seed {args.seed}: prompt i takes seed --seed + i, past 2**63 - 1 for {len(entries)} "
+                         f"prompts")
     tok, target, drafter = load_models(args)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
@@ -142,6 +150,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                              f"tokens together)")
         prompts.append(ids)
         caps.append(cap)
+    if all(p.temperature == 0 for p in params) and (args.top_k or args.top_p < 1.0):  # every line greedy
+        raise UsageError(f"{'--top-k' if args.top_k else f'--top-p {args.top_p}'} applies to sampling, and every "
+                         f"request of the file is greedy (temperature 0)")
     sampling = any(not p.greedy for p in params)
     longest = max(len(p) + c for p, c in zip(prompts, caps, strict=True))
     max_length = max(2, min(max_pos, longest + 1) if max_pos else longest + 1)

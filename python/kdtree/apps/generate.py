@@ -366,9 +366,9 @@ def _token_str(tok) -> Any:
     return show
 
 
-# How far the two decoders' logits may drift apart by rounding alone, in units of the
-# largest difference between the narrow float's logits and the wider float's at the
-# differing token (each decoder's route rounds about that much, in its own order).
+# How far the two decoders' choices may drift apart by rounding alone, in units of how far
+# the narrow float's logits are from the wider float's at the differing token (each
+# decoder's route rounds about that much, in its own order).
 ROUNDING_FACTOR = 4.0
 
 
@@ -376,13 +376,19 @@ def first_token_margin(target_model, wide_model, context, a, d, args):
     """How close the choice between tokens ``a`` (autoregressive) and ``d`` (DDTree) after
     ``context`` was, against how much the narrow float moves the logits there.
 
-    Returns ``(margin, bound, unit)``: greedy: the wider float's logit gap between ``a``
-    and ``d``; sampled: the distance, in probability, of the draw's keyed uniform from the
-    boundary of the cumulative distribution that separates ``a`` and ``d`` (wider float,
-    tempered and top-p filtered as the target draws). ``bound`` is ``ROUNDING_FACTOR``
-    times the largest |narrow - wider| logit difference at that token (divided by the
-    temperature when sampling: a logit error e moves a cumulative probability by at most
-    about e / T)."""
+    Returns ``(margin, reach, unit)``, from one forward over ``context`` in each float
+    (logit errors ``e = narrow - wide``):
+
+    - greedy: ``margin`` is the wider float's logit gap between ``a`` and ``d``; ``reach``
+      is ``ROUNDING_FACTOR * (|e[a]| + |e[d]|)`` (how far rounding moves that gap);
+    - sampled: the draw takes the first token whose cumulative probability (wider float,
+      tempered and top-p filtered as the target draws, normalised) exceeds the keyed
+      uniform ``u``. ``d > a``: the other route must have put the boundary after token
+      ``d - 1`` at or below ``u``, so ``margin = cdf[d - 1] - u``; ``d < a``: it must have
+      put the boundary after ``d`` above ``u``, ``margin = u - cdf[d]``. ``reach`` is
+      ``ROUNDING_FACTOR * sum_i p_i |e_i| / T``: a logit error e_i moves p_i by about
+      p_i e_i / T, so a cumulative probability moves by about the probability-weighted
+      error over T."""
     import torch
 
     from ..engine.hf import keyed_uniforms, top_p_filter
@@ -391,16 +397,18 @@ def first_token_margin(target_model, wide_model, context, a, d, args):
     with torch.no_grad():
         narrow = target_model(input_ids=ids).logits[0, -1].to(torch.float64)
         wide = wide_model(input_ids=ids).logits[0, -1].to(torch.float64)
-    delta = float((narrow - wide).abs().max())
+    err = (narrow - wide).abs()
     if not args.temperature:
-        return abs(float(wide[a] - wide[d])), ROUNDING_FACTOR * delta, "logit gap"
+        return abs(float(wide[a] - wide[d])), ROUNDING_FACTOR * float(err[a] + err[d]), "logit gap"
     probs = torch.softmax((wide - wide.max()) / args.temperature, dim=-1)
     if args.top_p < 1.0:
         probs = top_p_filter(probs[None], args.top_p)[0]
+    probs = probs / probs.sum()
     cdf = torch.cumsum(probs, dim=-1)
-    boundary = float(cdf[min(a, d)] / cdf[-1])
     u = float(keyed_uniforms(args.seed, [len(context)])[0])
-    return abs(boundary - u), ROUNDING_FACTOR * delta / args.temperature, "uniform's distance from the CDF boundary"
+    margin = float(cdf[d - 1]) - u if d > a else u - float(cdf[d])
+    reach = ROUNDING_FACTOR * float((probs * err).sum()) / args.temperature
+    return abs(margin), reach, "uniform's distance from the CDF boundary"
 
 
 def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, depth, ar_tokens, dd_tokens,
@@ -413,7 +421,7 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     (float32 -> float64, 16-bit -> float32) must agree, and at the first differing token the
     choice must have been within rounding reach (:func:`first_token_margin`: the logit gap,
     or the draw's distance from the CDF boundary, at most ``ROUNDING_FACTOR`` times what the
-    narrow float moves the logits there). Otherwise, or already in float64, it is a real
+    narrow float's logit errors there move it). Otherwise, or already in float64, it is a real
     difference (status 1)."""
     import copy
 
@@ -455,9 +463,10 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     margin, bound, unit = first_token_margin(target_model, t2, list(prompt) + list(ar_tokens[:first]),
                                              int(ar_tokens[first]), int(dd_tokens[first]), args)
     within = margin <= bound
-    print(f"  margin at token {first}: {unit} {margin:.3g}, rounding reach {bound:.3g} ({ROUNDING_FACTOR:g}x the "
-          f"largest {name} - {wname} logit difference there{' / T' if args.temperature else ''}): "
-          f"{'within' if within else 'BEYOND'}", file=out)
+    scale = (f"the probability-weighted |{name} - {wname}| logit error there / T" if args.temperature else
+             f"the |{name} - {wname}| logit errors of the two tokens")
+    print(f"  margin at token {first}: {unit} {margin:.3g}, rounding reach {bound:.3g} ({ROUNDING_FACTOR:g}x "
+          f"{scale}): {'within' if within else 'BEYOND'}", file=out)
     if within:
         print(f"  the {name} difference is taken for rounding (the tree forward and the one-token forward round "
               f"the same logits differently, which flips a "

@@ -611,6 +611,8 @@ def tree_attention(
     if not _device.is_device_array(q):
         raise checks.invalid("tree_attention runs on the GPU: q, k_cache and v_cache must be CUDA arrays "
                              f"(got {type(q).__name__})")
+    if not isinstance(trees, TreeBatch):
+        raise checks.type_error(f"trees must be a TreeBatch (build_trees' output), got {type(trees).__name__}")
     return _gpu().tree_attention(q, k_cache, v_cache, trees, prefix_lengths, layout=layout, block_table=block_table,
                                  max_prefix=max_prefix, softmax_scale=softmax_scale, return_lse=return_lse,
                                  errors=errors, stream=stream, out=out, lse=lse, workspace=workspace)

@@ -395,8 +395,13 @@ class HFTarget:
         token and the sampled distribution is undefined), and ValueError when ``logits`` is
         not 2-D or ``positions`` does not hold one position per row."""
         torch = _torch()
-        if getattr(logits, "ndim", None) != 2:
-            raise ValueError(f"logits must be [n, V] (one row a choice), got shape {tuple(getattr(logits, 'shape', ()))}")
+        if not torch.is_tensor(logits):
+            raise TypeError(f"logits must be a torch tensor [n, V], got {type(logits).__name__}")
+        if logits.ndim != 2 or logits.shape[1] < 1 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a floating-point [n, V] tensor with V >= 1 (one row a choice), got "
+                             f"{logits.dtype} of shape {tuple(logits.shape)}")
+        if np.shape(positions) != (logits.shape[0],):
+            raise ValueError(f"positions: one per row of logits ({logits.shape[0]}), got shape {np.shape(positions)}")
         nan_rows = torch.isnan(logits).any(dim=-1).nonzero()
         if len(nan_rows):
             raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(nan_rows[0, 0])} of {logits.shape[0]} "
@@ -405,8 +410,6 @@ class HFTarget:
         if len(bad):
             raise NonFiniteLogitsError(f"the target's logits in row {int(bad[0, 0])} of {logits.shape[0]} hold +inf or "
                                        f"no finite value (its weights or inputs are broken)")
-        if self.temperature != 0.0 and np.shape(positions) != (logits.shape[0],):
-            raise ValueError(f"positions: one per row of logits ({logits.shape[0]}), got shape {np.shape(positions)}")
         if self.temperature == 0.0:
             return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
         x = logits.to(torch.float64)
