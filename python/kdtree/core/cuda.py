@@ -701,8 +701,6 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
     max_prefix = checks.int_scalar(max_prefix, "max_prefix", 0, 1 << 40)
     if softmax_scale is None:
         softmax_scale = 1.0 / float(dim) ** 0.5
-    if dev.view(q, "q").device != kv.device:
-        raise checks.invalid("q and the cache are on different CUDA devices")
     lib = _lib.load()
     with dev.on_device(q):
         tstruct, tviews = _trees_struct(trees, s)
