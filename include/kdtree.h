@@ -726,8 +726,8 @@ KDT_API kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_
  * trees:          device arrays: batch B, budget N, num_nodes and visibility_bits
  *                 (required; the builder's [B, N+1, ceil((N+1)/32)] words).
  * prefix_lengths: device int64 [B], each in [0, max_prefix].
- * max_prefix:     host bound on every prefix length; with B, N and the head counts it
- *                 fixes how the keys are split (and the workspace).
+ * max_prefix:     host bound on every prefix length, in [0, 2^31 - 2^19]; with B, N
+ *                 and the head counts it fixes how the keys are split (and the workspace).
  * q:              [B, N+1, q_heads, head_dim] of `dtype`.
  * cache:          K and V (kdt_attention_cache), of `dtype`.
  * dtype:          KDT_DTYPE_FLOAT16 or KDT_DTYPE_BFLOAT16.

@@ -60,7 +60,8 @@ def test_workspace_plan_and_refused_sizes(lib):
     assert st == 0 and n > 2 * 65 * 32 * 129 * 4
     for args, what in (((1, 8, 32, 8, 96, 0), "head_dim 96"), ((1, 8, 30, 8, 128, 0), "multiple of kv_heads"),
                        ((-1, 8, 32, 8, 128, 0), "batch -1"), ((1, -1, 32, 8, 128, 0), "budget -1"),
-                       ((1, 8, 32, 8, 128, -5), "max_prefix -5")):
+                       ((1, 8, 32, 8, 128, -5), "max_prefix -5"),
+                       ((1, 8, 32, 8, 128, 2**31 - 2**19 + 1), "max_prefix 2146959361")):
         with pytest.raises(kdtree.KdtreeError, match=what):
             _workspace_bytes(raw, *args)
 

@@ -5,12 +5,13 @@
 // all of it) and the tree's own rows, written by the verify forward at p + j, of which row
 // i sees j == i and its ancestors (bit j of visibility_bits[b][i]).
 //
-// Work split: one CTA takes one (request, KV head, split of the keys, tile of 64 query
+// Work split: one CTA takes one (request, KV head, split of the keys, tile of 128 query
 // vectors). The query vectors of a KV head are its G = q_heads / kv_heads query heads at
 // each tree row, packed as m = row * G + g, so each K/V byte of a tile is read once for all
-// G heads. Four warps take 16 query vectors each; scores and the output accumulate in
-// float32 through mma.sync m16n8k16 (16-bit inputs), with the online softmax of
-// FlashAttention-2 in registers. Long contexts split the keys into chunks of `chunk`
+// G heads. Eight warps take 16 query vectors each (a warp past the real rows only loads);
+// scores and the output accumulate in float32 through mma.sync m16n8k16 (16-bit inputs,
+// fragments by ldmatrix, V's transposed), with the online softmax of FlashAttention-2 in
+// registers. Long contexts split the keys into chunks of `chunk`
 // keys (the last chunk holds the tree's keys too); each split writes its normalised output
 // and log-sum-exp to the workspace and a merge kernel combines them exactly:
 // lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
@@ -24,12 +25,13 @@
 
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileM = kWarps * 16;  // query vectors a CTA
-constexpr int kTileN = 64;           // keys a tile
+constexpr int kChunkAlign = 64;      // split boundaries (a multiple of every tile's keys)
 constexpr int kPad = 8;              // shared-memory row padding (elements): conflict-free fragment loads
 constexpr int64_t kMaxBudget = 262143;
+constexpr int64_t kMaxPrefix = (INT64_C(1) << 31) - (INT64_C(1) << 19);  // keys (prefix + rows) fit int32
 constexpr int64_t kTargetCtas = 264;  // 2 CTAs per SM of a 132-SM H100/H200
 constexpr int64_t kMinChunk = 256;    // keys a split at least
 
@@ -90,19 +92,10 @@ template <> struct Elem<__nv_bfloat16> {
     }
 };
 
-__device__ __forceinline__ uint32_t pack_u16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
-
 // 16 bytes global -> shared without registers (cp.async, L2 only); zeros when !live.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool live) {
     const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0));
-}
-
-// Element offset of token t of request b, KV head h (contiguous or paged).
-__device__ __forceinline__ int64_t token_offset(const AttnParams& c, int64_t b, int64_t h, int64_t t) {
-    if (c.block_table == nullptr) return b * c.c_outer + h * c.c_head + t * c.c_token;
-    const int64_t page = c.block_table[b * c.bt_stride + t / c.page_size];
-    return page * c.c_outer + h * c.c_head + (t % c.page_size) * c.c_token;
 }
 
 // ---- per-request checks ----------------------------------------------------------------
@@ -140,10 +133,32 @@ __global__ void check_kernel(AttnParams c) {
 
 // ---- the attention kernel ---------------------------------------------------------------
 
+// Fragments of mma.m16n8k16 from shared memory (row addresses 16-byte aligned).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Keys a K/V tile: 64 (32 for head_dim 256, whose output fragments fill the registers).
+template <int D> struct Tiling {
+    static constexpr int kN = D > 128 ? 32 : 64;
+    static constexpr int kLD = D + kPad;  // shared row length (elements)
+    static constexpr size_t smem_bytes(size_t elem) { return (size_t)(kTileM + 4 * kN) * kLD * elem; }
+};
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
+__global__ void __launch_bounds__(kThreads, D > 128 ? 1 : 2) attention_kernel(AttnParams c) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    constexpr int LD = D + kPad;  // shared row length (elements)
+    constexpr int TN = Tiling<D>::kN;
+    constexpr int LD = Tiling<D>::kLD;
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sKV = sQ + kTileM * LD;  // two buffers of [K tile; V tile]
 
@@ -156,15 +171,17 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
     const int gid = lane / 4, tig = lane % 4;
     const bool direct = c.splits == 1;
 
+    // Key positions are int32: prefix + rows < 2^31 (kMaxPrefix).
     const int32_t st = c.status[b];
-    const int64_t n = st == KDT_OK ? c.num_nodes[b] : -1;
-    const int64_t p = st == KDT_OK ? c.prefix[b] : 0;
-    const int64_t total = st == KDT_OK ? p + n + 1 : 0;  // keys of this request
-    const int64_t k_begin = (int64_t)s * c.chunk;
-    const int64_t k_end = min(total, k_begin + c.chunk);
-    const int64_t m0 = tile * kTileM;
-    const int64_t m_count = c.rows * c.group;  // query vectors of this KV head (all rows)
-    const int64_t m_real = (n + 1) * c.group;  // of real rows (0 when failed)
+    const int n = st == KDT_OK ? c.num_nodes[b] : -1;
+    const int p = st == KDT_OK ? (int)c.prefix[b] : 0;
+    const int total = st == KDT_OK ? p + n + 1 : 0;  // keys of this request
+    const int k_begin = (int)min((int64_t)s * c.chunk, (int64_t)INT32_MAX);
+    const int k_end = (int)min((int64_t)total, (int64_t)k_begin + c.chunk);
+    const int group = (int)c.group;
+    const int m0 = (int)tile * kTileM;
+    const int m_count = (int)c.rows * group;  // query vectors of this KV head (all rows; < 2^31 by the launch check)
+    const int m_real = (n + 1) * group;       // of real rows (0 when failed)
 
     // Split s has no keys for this request: when writing straight to the output, split 0
     // still writes its rows (zeros for a failed request / padding rows); the merge reads
@@ -177,156 +194,180 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
     constexpr int kVec = 8;  // 16-byte vectors of 8 elements
     for (int idx = threadIdx.x; idx < kTileM * (D / kVec); idx += kThreads) {
         const int r = idx / (D / kVec), cv = idx % (D / kVec);
-        const int64_t m = m0 + r;
+        const int m = m0 + r;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (m < m_real) {
-            const int64_t row = m / c.group, hq = hk * c.group + m % c.group;
+            const int64_t row = m / group, hq = hk * group + m % group;
             val = *reinterpret_cast<const uint4*>(c.q + (b * c.q_bs + row * c.q_rs + hq * c.q_hs + cv * kVec) *
                                                             (int64_t)sizeof(T));
         }
         *reinterpret_cast<uint4*>(sQ + r * LD + cv * kVec) = val;
     }
 
-    // This thread's two rows of the warp's 16: r_lo = warp*16 + gid, r_hi = r_lo + 8.
-    const int64_t m_lo = m0 + warp * 16 + gid, m_hi = m_lo + 8;
+    // This thread's two rows of the warp's 16: r_lo = warp*16 + gid, r_hi = r_lo + 8. A warp
+    // whose 16 rows are all past the real ones only helps load the tiles.
+    const int m_lo = m0 + warp * 16 + gid, m_hi = m_lo + 8;
     const bool valid_lo = m_lo < m_real, valid_hi = m_hi < m_real;
-    const int64_t row_lo = m_lo / c.group, row_hi = m_hi / c.group;
+    const bool warp_live = m0 + warp * 16 < m_real;
+    const int row_lo = m_lo / group, row_hi = m_hi / group;
     const uint32_t* vis_lo = c.vis + (b * c.rows + (valid_lo ? row_lo : 0)) * c.words;
     const uint32_t* vis_hi = c.vis + (b * c.rows + (valid_hi ? row_hi : 0)) * c.words;
 
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (raw scores) and sum
 
     const bool any_row = m0 < m_real;
     // K and V tiles go global -> shared by cp.async into two buffers: tile i + 1 loads
     // while tile i is computed. Keys past k_end are zero-filled (never NaN under a zero
-    // weight).
-    auto issue_tile = [&](int64_t t0, int buf) {
-        T* dk = sKV + buf * 2 * kTileN * LD;
-        T* dv = dk + kTileN * LD;
+    // weight). Each thread moves the same 16-byte column of kLoads rows every tile.
+    constexpr int kCols = D / kVec;
+    constexpr int kLoads = TN * kCols / kThreads;
+    static_assert(TN * kCols % kThreads == 0, "whole tiles per thread");
+    const int my_col = threadIdx.x % kCols, my_row = threadIdx.x / kCols;
+    constexpr int kRowStep = kThreads / kCols;
+    const bool paged = c.block_table != nullptr;
+    const char* kbase = c.k + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+    const char* vbase = c.v + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+    const int64_t tok_bytes = c.c_token * (int64_t)sizeof(T);
+    auto issue_tile = [&](int t0, int buf) {
+        T* dk = sKV + buf * 2 * TN * LD;
+        T* dv = dk + TN * LD;
 #pragma unroll
-        for (int it = 0; it < kTileN * (D / kVec) / kThreads; it++) {
-            const int idx = threadIdx.x + it * kThreads;
-            const int r = idx / (D / kVec), cv = idx % (D / kVec);
-            const int64_t t = t0 + r;
+        for (int it = 0; it < kLoads; it++) {
+            const int r = my_row + it * kRowStep;
+            const int t = t0 + r;
             const bool live = t < k_end;
-            const int64_t off = live ? (token_offset(c, b, hk, t) + cv * kVec) * (int64_t)sizeof(T) : 0;
-            cp_async16(dk + r * LD + cv * kVec, c.k + off, live);
-            cp_async16(dv + r * LD + cv * kVec, c.v + off, live);
+            int64_t off = 0;
+            if (live) {
+                if (!paged) {
+                    off = (int64_t)t * tok_bytes;
+                } else {
+                    const int pg_size = (int)c.page_size;
+                    const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
+                    off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
+                }
+            }
+            cp_async16(dk + r * LD + my_col * kVec, kbase + off, live);
+            cp_async16(dv + r * LD + my_col * kVec, vbase + off, live);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
     if (any_row && k_begin < k_end) issue_tile(k_begin, 0);
+
+    // ldmatrix addresses (element offsets in a tile): lane i gives row i % 8 of matrix i / 8.
+    const int mat = lane / 8, mrow = lane % 8;
+    const int q_off = (warp * 16 + mrow + (mat & 1) * 8) * LD + (mat >> 1) * 8;  // A: rows lo/hi x k lo/hi
+    const int k_off = ((mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;              // B of two key groups
+    const int v_off = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;              // B^T of two d groups
+    const float scale = c.scale_log2;
+
     int buf = 0;
-    for (int64_t t0 = k_begin; any_row && t0 < k_end; t0 += kTileN, buf ^= 1) {
-        if (t0 + kTileN < k_end) {
-            issue_tile(t0 + kTileN, buf ^ 1);
+    for (int t0 = k_begin; any_row && t0 < k_end; t0 += TN, buf ^= 1) {
+        if (t0 + TN < k_end) {
+            issue_tile(t0 + TN, buf ^ 1);
             asm volatile("cp.async.wait_group 1;\n" ::);
         } else {
             asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();  // tile t0 (and, the first time, Q) visible to every warp
-        const T* sK = sKV + buf * 2 * kTileN * LD;
-        const T* sV = sK + kTileN * LD;
+        if (warp_live) {
+            const T* sK = sKV + buf * 2 * TN * LD;
+            const T* sV = sK + TN * LD;
 
-        // S = Q K^T for the warp's 16 rows and the tile's 64 keys.
-        float sc[kTileN / 8][4];
+            // S = Q K^T for the warp's 16 rows and the tile's keys (raw scores).
+            float sc[TN / 8][4];
 #pragma unroll
-        for (int j = 0; j < kTileN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-        const T* qw = sQ + (warp * 16) * LD;
+            for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t a[4];
-            const int cA = kk * 16 + tig * 2;
-            a[0] = *reinterpret_cast<const uint32_t*>(qw + gid * LD + cA);
-            a[1] = *reinterpret_cast<const uint32_t*>(qw + (gid + 8) * LD + cA);
-            a[2] = *reinterpret_cast<const uint32_t*>(qw + gid * LD + cA + 8);
-            a[3] = *reinterpret_cast<const uint32_t*>(qw + (gid + 8) * LD + cA + 8);
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint32_t a[4];
+                ldmatrix_x4(a, sQ + q_off + kk * 16);
 #pragma unroll
-            for (int j = 0; j < kTileN / 8; j++) {
-                uint32_t bf[2];
-                const T* kr = sK + (j * 8 + gid) * LD + cA;
-                bf[0] = *reinterpret_cast<const uint32_t*>(kr);
-                bf[1] = *reinterpret_cast<const uint32_t*>(kr + 8);
-                Elem<T>::mma(sc[j], a, bf);
-            }
-        }
-
-        // Mask and scale (log2 units); the tree part needs each row's visibility bits.
-        const bool all_prefix = t0 + kTileN <= p;
-#pragma unroll
-        for (int j = 0; j < kTileN / 8; j++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int64_t key = t0 + j * 8 + tig * 2 + (e & 1);
-                const bool hi = e >= 2;
-                bool visible = (hi ? valid_hi : valid_lo) && key < k_end;
-                if (visible && !all_prefix && key >= p) {
-                    const int64_t jj = key - p;
-                    const uint32_t w = (hi ? vis_hi : vis_lo)[jj >> 5];
-                    visible = (w >> (jj & 31)) & 1u;
+                for (int j = 0; j < TN / 8; j += 2) {
+                    uint32_t bf[4];
+                    ldmatrix_x4(bf, sK + k_off + j * 8 * LD + kk * 16);
+                    Elem<T>::mma(sc[j], a, bf);
+                    Elem<T>::mma(sc[j + 1], a, bf + 2);
                 }
-                sc[j][e] = visible ? sc[j][e] * c.scale_log2 : -INFINITY;
             }
-        }
 
-        // Online softmax over the tile (rows lo: elements 0, 1; hi: 2, 3).
-        float tmax[2] = {-INFINITY, -INFINITY};
+            // Masking, only where the tile reaches the tree or the end of the split's keys:
+            // the tree part needs each row's visibility bits.
+            if (t0 + TN > min(p, k_end)) {
 #pragma unroll
-        for (int j = 0; j < kTileN / 8; j++) {
-            tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
-            tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
-        }
-        float alpha[2];
+                for (int j = 0; j < TN / 8; j++) {
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
-            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-            const float mnew = fmaxf(mx[h], tmax[h]);
-            // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
-            alpha[h] = mnew == -INFINITY ? 1.f : exp2f(mx[h] - mnew);
-            mx[h] = mnew;
-        }
-        float rsum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < kTileN / 8; j++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1;
-                const float pv = mx[h] == -INFINITY ? 0.f : exp2f(sc[j][e] - mx[h]);
-                sc[j][e] = pv;
-                rsum[h] += pv;
+                    for (int e = 0; e < 4; e++) {
+                        const int key = t0 + j * 8 + tig * 2 + (e & 1);
+                        const bool hi = e >= 2;
+                        bool visible = key < k_end;
+                        if (visible && key >= p) {
+                            const int jj = key - p;
+                            const uint32_t w = (hi ? vis_hi : vis_lo)[jj >> 5];
+                            visible = (w >> (jj & 31)) & 1u;
+                        }
+                        if (!visible) sc[j][e] = -INFINITY;
+                    }
+                }
             }
-        }
-        l[0] = l[0] * alpha[0] + rsum[0];
-        l[1] = l[1] * alpha[1] + rsum[1];
-#pragma unroll
-        for (int i = 0; i < D / 8; i++) {
-            o[i][0] *= alpha[0];
-            o[i][1] *= alpha[0];
-            o[i][2] *= alpha[1];
-            o[i][3] *= alpha[1];
-        }
 
-        // O += P V: P's accumulator layout is the A operand's, two key groups of 8 at a time.
-        const uint16_t* vbits = reinterpret_cast<const uint16_t*>(sV);
+            // Online softmax over the tile (rows lo: elements 0, 1; hi: 2, 3), in log2 units.
+            float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int kk = 0; kk < kTileN / 16; kk++) {
-            uint32_t a[4];
-            a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
-            a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
-            a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-            const int key = kk * 16 + tig * 2;
+            for (int j = 0; j < TN / 8; j++) {
+                tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
+                tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
+            }
+            float alpha[2], msub[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+                const float mnew = fmaxf(mx[h], tmax[h]);
+                // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
+                alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[h] - mnew) * scale);
+                msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
+                mx[h] = mnew;
+            }
+            float rsum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1;
+                    const float pv = exp2f(fmaf(sc[j][e], scale, -msub[h]));
+                    sc[j][e] = pv;
+                    rsum[h] += pv;
+                }
+            }
+            l[0] = l[0] * alpha[0] + rsum[0];
+            l[1] = l[1] * alpha[1] + rsum[1];
 #pragma unroll
             for (int i = 0; i < D / 8; i++) {
-                const int d = i * 8 + gid;
-                uint32_t bf[2];
-                bf[0] = pack_u16(vbits[key * LD + d], vbits[(key + 1) * LD + d]);
-                bf[1] = pack_u16(vbits[(key + 8) * LD + d], vbits[(key + 9) * LD + d]);
-                Elem<T>::mma(o[i], a, bf);
+                o[i][0] *= alpha[0];
+                o[i][1] *= alpha[0];
+                o[i][2] *= alpha[1];
+                o[i][3] *= alpha[1];
+            }
+
+            // O += P V: P's accumulator layout is the A operand's, 16 keys at a time; V's
+            // fragments come transposed by ldmatrix.trans, two d groups of 8 at a time.
+#pragma unroll
+            for (int kk = 0; kk < TN / 16; kk++) {
+                uint32_t a[4];
+                a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
+                a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
+                a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+                for (int i = 0; i < D / 8; i += 2) {
+                    uint32_t bf[4];
+                    ldmatrix_x4_trans(bf, sV + v_off + kk * 16 * LD + i * 8);
+                    Elem<T>::mma(o[i], a, bf);
+                    Elem<T>::mma(o[i + 1], a, bf + 2);
+                }
             }
         }
         __syncthreads();  // every warp is done with this buffer before it is loaded again
@@ -340,19 +381,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int64_t m = h ? m_hi : m_lo;
+        const int m = h ? m_hi : m_lo;
         if (m >= m_count) continue;  // past the last row of the KV head: not an output
-        const int64_t row = m / c.group, hq = hk * c.group + m % c.group;
+        const int64_t row = m / group, hq = hk * group + m % group;
         const bool seen = (h ? valid_hi : valid_lo) && l[h] > 0.f;
         const float inv = seen ? 1.f / l[h] : 0.f;
-        const float lse = seen ? (mx[h] + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
+        const float lse = seen ? (mx[h] * scale + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
         if (direct) {
             T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs;
 #pragma unroll
             for (int i = 0; i < D / 8; i++) {
                 const int d = i * 8 + tig * 2;
-                dst[d] = Elem<T>::from(o[i][2 * h] * inv);
-                dst[d + 1] = Elem<T>::from(o[i][2 * h + 1] * inv);
+                *reinterpret_cast<uint32_t*>(dst + d) = Elem<T>::pack(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
             }
             if (c.lse != nullptr && tig == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
         } else if (m < m_real) {
@@ -361,8 +401,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams c) {
 #pragma unroll
             for (int i = 0; i < D / 8; i++) {
                 const int d = i * 8 + tig * 2;
-                dst[d] = o[i][2 * h] * inv;
-                dst[d + 1] = o[i][2 * h + 1] * inv;
+                *reinterpret_cast<float2*>(dst + d) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
             }
             if (tig == 0) c.part_lse[cell] = lse;
         }
@@ -419,7 +458,7 @@ void plan_splits(int64_t batch, int64_t rows, int64_t q_heads, int64_t kv_heads,
         if (sp < 1) sp = 1;
     }
     int64_t ch = (keys + sp - 1) / sp;
-    ch = (ch + kTileN - 1) / kTileN * kTileN;
+    ch = (ch + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
     sp = (keys + ch - 1) / ch;
     *splits = (int32_t)sp;
     *chunk = ch;
@@ -442,8 +481,9 @@ kdt_status check_sizes(int64_t batch, int64_t budget, int64_t q_heads, int64_t k
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "head_dim %lld is not 64, 128 or 256", (long long)head_dim);
     }
-    if (max_prefix < 0 || max_prefix > ((int64_t)1 << 40)) {
-        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "max_prefix %lld is outside [0, 2^40]", (long long)max_prefix);
+    if (max_prefix < 0 || max_prefix > kMaxPrefix) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "max_prefix %lld is outside [0, 2^31 - 2^19]",
+                        (long long)max_prefix);
     }
     return KDT_OK;
 }
@@ -458,7 +498,7 @@ bool misaligned(const void* ptr, size_t alignment) { return ((uintptr_t)ptr % al
 
 template <typename T, int D>
 kdt_status launch(const AttnParams& c, cudaStream_t stream) {
-    const size_t smem = (size_t)(kTileM + 4 * kTileN) * (D + kPad) * sizeof(T);
+    const size_t smem = Tiling<D>::smem_bytes(sizeof(T));
     if (cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
         cudaSuccess) {
         return kdt::launch_status("tree attention (shared memory size)");

@@ -698,7 +698,7 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
         keys_max = seq
     if max_prefix is None:
         max_prefix = max(keys_max - rows, 0)
-    max_prefix = checks.int_scalar(max_prefix, "max_prefix", 0, 1 << 40)
+    max_prefix = checks.int_scalar(max_prefix, "max_prefix", 0, (1 << 31) - (1 << 19))
     if softmax_scale is None:
         softmax_scale = 1.0 / float(dim) ** 0.5
     lib = _lib.load()
