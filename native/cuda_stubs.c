@@ -96,6 +96,10 @@ kdt_status kdt_testing_set_tree_paths(uint32_t paths) { return no_cuda("kdt_test
 kdt_status kdt_testing_set_topk_chunked(int32_t on) { return no_cuda("kdt_testing_set_topk_chunked"); }
 
 kdt_status kdt_testing_set_verify_cluster(int32_t blocks) { return no_cuda("kdt_testing_set_verify_cluster"); }
+kdt_status kdt_testing_set_attention_warp_tiles(int32_t tiles) {
+    (void)tiles;
+    return no_cuda("kdt_testing_set_attention_warp_tiles");
+}
 
 kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads, int64_t kv_heads,
                                                    int64_t head_dim, int64_t max_prefix, size_t* bytes) {

@@ -81,6 +81,11 @@ KDT_API kdt_status kdt_testing_set_topk_chunked(int32_t on);
  * KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
 KDT_API kdt_status kdt_testing_set_verify_cluster(int32_t blocks);
 
+/* tiles = 1 or 2: kdt_tree_attention_cuda gives each warp that many m16 tiles of query
+ * vectors (8 or 4 warps a CTA; head_dim 256 always 1); 0: automatic (2 from 256 query
+ * vectors a KV head). Returns KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
+KDT_API kdt_status kdt_testing_set_attention_warp_tiles(int32_t tiles);
+
 #ifdef __cplusplus
 }
 #endif

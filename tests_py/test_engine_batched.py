@@ -205,6 +205,24 @@ def test_cache_larger_than_free_memory_is_refused(pair, monkeypatch):
         Engine(target, drafter, max_batch=2, budget=4, max_length=95)
 
 
+def test_a_dropped_engines_cache_is_freed(pair, prompts, expected):
+    """The model keeps no reference to a dropped engine's K/V cache once another engine is
+    built on it, and an engine still in use keeps decoding the same tokens after another
+    one was built on the same model."""
+    import gc
+    import weakref
+
+    target, drafter = pair
+    first = Engine(target, drafter, max_batch=2, budget=8, max_length=256)
+    gone = weakref.ref(first.kv.keys[0])
+    del first
+    kept = Engine(target, drafter, max_batch=2, budget=8, max_length=256)
+    gc.collect()
+    assert gone() is None
+    Engine(target, drafter, max_batch=1, budget=4, max_length=128)  # unbinds kept's cache from the model
+    assert [o.tokens for o in kept.generate(prompts[:2], 16)] == [e[:16] for e in expected[:2]]
+
+
 def tiny(family: str, seed: int = 0):
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)

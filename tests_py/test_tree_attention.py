@@ -164,6 +164,24 @@ def test_rows_and_layouts(cuda, budget, layout):
              prefixes=[5, 130], layout=layout)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_warp_tilings_agree_bit_for_bit(cuda, dim):
+    # One or two m16 tiles of query vectors a warp (forced through native/kdt_testing.h):
+    # every row sees the same products in the same order, so the outputs are the same bits.
+    raw = _lib.load()
+    outs = []
+    for tiles in (1, 2):
+        assert raw.kdt_testing_set_attention_warp_tiles(tiles) == 0
+        try:
+            out = run_case(cuda, np.random.default_rng(5), dtype="bfloat16", batch=3, budget=64, q_heads=8,
+                           kv_heads=2, dim=dim, prefixes=[0, 300, 700])[-1]
+        finally:
+            raw.kdt_testing_set_attention_warp_tiles(0)
+        outs.append(host(out.float()))  # (bfloat16 widens exactly)
+    assert np.array_equal(outs[0], outs[1])
+    assert raw.kdt_testing_set_attention_warp_tiles(3) != 0
+
+
 def test_long_ragged_prefixes_split_and_merge(cuda):
     # One request's worth of CTAs: the keys are split (workspace > 0), ragged prefixes leave
     # some splits empty for the shorter requests, and prefix 0 has only tree keys.

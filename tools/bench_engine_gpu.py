@@ -26,6 +26,8 @@ Prints markdown tables; --out writes every number as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import sys
 import time
@@ -140,9 +142,10 @@ def hf_generate(model, prompts, new, batch, compile_):
     return {"tokens_per_s": batch * (out.shape[1] - ids.shape[1]) / wall}
 
 
-def qwen3_8b(device="cuda"):
+def qwen3_8b(device="cuda", drafter=True):
     """A Qwen3-8B-shaped target (config of Qwen/Qwen3-8B) and a DFlash-b16-sized drafter
-    (5 layers at the target's width, features from 5 target layers), random weights."""
+    (5 layers at the target's width, features from 5 target layers; None when not
+    `drafter`), random weights."""
     import torch
     import transformers
 
@@ -157,12 +160,15 @@ def qwen3_8b(device="cuda"):
     dcfg = BlockDrafterConfig(vocab_size=151936, feature_size=5 * 4096, target_layers=(1, 9, 17, 25, 33),
                               hidden_size=4096, num_layers=5, num_heads=32, head_dim=128, intermediate_size=12288,
                               block_size=16, rope_theta=1e6)
-    with torch.device("meta"):
-        drafter = BlockDrafter(dcfg)
-    drafter = drafter.to_empty(device=device).to(torch.bfloat16).eval()
+    if drafter:
+        with torch.device("meta"):
+            drafter = BlockDrafter(dcfg)
+        drafter = drafter.to_empty(device=device).to(torch.bfloat16).eval()
+    else:
+        drafter = None
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for m in (target, drafter):
+        for m in (target, drafter) if drafter is not None else (target,):
             for p in m.parameters():
                 if p.ndim >= 2:
                     p.normal_(0.0, 0.02, generator=g)
@@ -173,6 +179,63 @@ def qwen3_8b(device="cuda"):
                     dim = buf.shape[0] * 2
                     buf.copy_(1.0 / (1e6 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)))
     return target, drafter
+
+
+@contextlib.contextmanager
+def transformers_sdpa_path():
+    """SDPA calls with a mask and enable_gqa run as transformers' sdpa path does them: K/V
+    repeated to the query heads (repeat_kv), then SDPA under the additive mask."""
+    import torch
+    import torch.nn.functional as F
+
+    orig = F.scaled_dot_product_attention
+
+    def repeated(query, key, value, attn_mask=None, enable_gqa=False, **kw):
+        if enable_gqa and attn_mask is not None:
+            b, hkv, s, d = key.shape
+            g = query.shape[1] // hkv
+            key = key[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)
+            value = value[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)
+            enable_gqa = False
+        return orig(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = repeated
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = orig
+
+
+def verify_forward(batch: int, context: int, budget: int, repeats: int) -> list[dict]:
+    """GPU ms of the Qwen3-8B-shaped target's verify forward (batch requests, `context`
+    cached tokens each, budget + 1 tree rows) captured in a CUDA graph by the engine: with
+    kdtree.tree_attention, SDPA (GQA, additive mask) and transformers' sdpa path. The
+    drafter is a small one (its size does not enter the target stage)."""
+    import torch
+
+    from kdtree.engine.batched import Engine
+    from kdtree.engine.drafter import BlockDrafter, BlockDrafterConfig
+
+    big, _ = qwen3_8b(drafter=False)
+    small = BlockDrafter(BlockDrafterConfig(vocab_size=151936, feature_size=5 * 4096, target_layers=(1, 9, 17, 25, 33),
+                                            num_layers=1, block_size=16)).to("cuda", torch.bfloat16).eval()
+    torch.cuda.empty_cache()  # the float32 copies made while building the model
+    iters = 2
+    out = []
+    for label, attn, patch in (("kdtree.tree_attention", "kdtree", False), ("SDPA, GQA, additive mask", "sdpa", False),
+                               ("transformers' sdpa path (repeat_kv + mask)", "sdpa", True)):
+        eng = Engine(big, small, max_batch=batch, budget=budget, mode="ddtree", max_length=context + 2 * iters * 17 + 8,
+                     tree_attention=attn)
+        with transformers_sdpa_path() if patch else contextlib.nullcontext():
+            eng.capture_all([batch])
+            st = eng.profile_round(batch, context=context, iters=iters, repeats=repeats)
+        out.append({"attention": label, "target_ms": st["target"], "round_ms": st["round"]})
+        print(f"  verify forward B={batch} context={context} N={budget} {label}: target {st['target']:.2f} ms, "
+              f"round {st['round']:.2f} ms", flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 def table(rows: list[list], head: list[str]) -> str:
@@ -204,6 +267,9 @@ def main() -> int:
                          "run instead of measuring them (with --qwen3-8b)")
     ap.add_argument("--tree-attention", choices=["auto", "kdtree", "sdpa"], default="auto",
                     help="the verify forward's attention (Engine(tree_attention=...)) of the shipped pair's runs")
+    ap.add_argument("--verify-forward", type=int, nargs=3, metavar=("B", "CONTEXT", "N"),
+                    help="only the Qwen3-8B-shaped verify forward (target stage) at B requests of CONTEXT cached "
+                         "tokens and budget N: kdtree.tree_attention vs SDPA vs transformers' sdpa path")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
@@ -212,6 +278,16 @@ def main() -> int:
         return 2
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}")
+    if args.verify_forward:
+        b, ctx, n = args.verify_forward
+        res = verify_forward(b, ctx, n, args.repeats)
+        base = res[2]["target_ms"]
+        print(f"\n## Qwen3-8B-shaped verify forward (random weights), B = {b}, context {ctx}, {n + 1} rows a request\n")
+        print(table([[r["attention"], f"{r['target_ms']:.2f}", f"{base / r['target_ms']:.2f}x"] for r in res],
+                    ["attention", "target forward GPU ms (CUDA graph)", "speed-up vs transformers' path"]))
+        if args.out:
+            args.out.write_text(json.dumps({"device": dev, "verify_forward": res}, indent=1))
+        return 0
     _, target, drafter = load_pair(PAIR, "cuda", "bfloat16")
     prompts = held_out_prompts(max(args.batches) * args.requests_per_slot, args.prompt_tokens)
     max_length = max(512, args.prompt_tokens + args.new_tokens + 16)

@@ -14,6 +14,10 @@ previous iteration left in L2. Baselines run in the same process on the same inp
    greedy verify from target logits, KV compaction) under one CUDA graph vs the published
    path (torch top-k/logsumexp, host heap per request, masks on the host then copied,
    torch argmax over every node, the walk on the host, torch gather for compaction).
+4. tree attention (the verify forward's attention, one layer, 32 / 8 heads of 128, bf16,
+   B x prefix x rows from 1 x 4k x 9 to 16 x 16k x 257): kdtree vs SDPA with the tree
+   mask, transformers' sdpa path, SDPA on the prefix alone, and the floor
+   (tools/bench_tree_attention.py, which also runs alone).
 
 Run: ``nox -s bench-gpu`` (or ``PYTHONPATH=python python tools/bench_gpu.py``).
 """
@@ -233,7 +237,7 @@ def bench_round(gen, repeats: int, budget: int = 64) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["topk", "build", "round"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["topk", "build", "round", "attention"])
     parser.add_argument("--dump-topk", metavar="PREFIX",
                         help="write the GPU top-k of one peaked bf16 drafter batch (the round's shapes) to "
                              "PREFIX.lp (float32 [B, L, K]) and PREFIX.ids (int32), raw, for "
@@ -292,6 +296,11 @@ def main() -> None:
         print("|---|---|")
         for name, us in r["stages"].items():
             print(f"| {name} | {us:.1f} |")
+    if "attention" not in args.skip:
+        import bench_tree_attention
+
+        print("\n## tree attention (the verify forward's attention, one layer; tools/bench_tree_attention.py)")
+        bench_tree_attention.run(torch)
 
 
 if __name__ == "__main__":

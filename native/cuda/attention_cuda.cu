@@ -25,9 +25,7 @@
 
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTileM = kWarps * 16;  // query vectors a CTA
+constexpr int kTileM = 128;          // query vectors a CTA
 constexpr int kChunkAlign = 64;      // split boundaries (a multiple of every tile's keys)
 constexpr int kPad = 8;              // shared-memory row padding (elements): conflict-free fragment loads
 constexpr int64_t kMaxBudget = 262143;
@@ -147,18 +145,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
                  : "r"(a));
 }
 
-// Keys a K/V tile: 64 (32 for head_dim 256, whose output fragments fill the registers).
-template <int D> struct Tiling {
+// A kernel configuration: MT m16 tiles of query vectors a warp, kTileM / (16 MT) warps,
+// two shared K/V buffers of kN keys (32 for head_dim 256, whose output fragments fill the
+// registers).
+template <int D, int MT> struct Config {
+    static constexpr int kMT = MT;
+    static constexpr int kWarpsC = kTileM / (16 * MT);
+    static constexpr int kThreadsC = kWarpsC * 32;
     static constexpr int kN = D > 128 ? 32 : 64;
     static constexpr int kLD = D + kPad;  // shared row length (elements)
     static constexpr size_t smem_bytes(size_t elem) { return (size_t)(kTileM + 4 * kN) * kLD * elem; }
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D > 128 ? 1 : 2) attention_kernel(AttnParams c) {
+template <typename T, int D, typename C>
+__global__ void __launch_bounds__(C::kThreadsC, (D > 128 || C::kMT > 1) ? 1 : 2) attention_kernel(AttnParams c) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    constexpr int TN = Tiling<D>::kN;
-    constexpr int LD = Tiling<D>::kLD;
+    constexpr int MT = C::kMT;
+    constexpr int NT = C::kThreadsC;
+    constexpr int TN = C::kN;
+    constexpr int LD = C::kLD;
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sKV = sQ + kTileM * LD;  // two buffers of [K tile; V tile]
 
@@ -192,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 1 : 2) attention_kernel(At
 
     // Q tile -> shared (zeros past the real rows).
     constexpr int kVec = 8;  // 16-byte vectors of 8 elements
-    for (int idx = threadIdx.x; idx < kTileM * (D / kVec); idx += kThreads) {
+    for (int idx = threadIdx.x; idx < kTileM * (D / kVec); idx += NT) {
         const int r = idx / (D / kVec), cv = idx % (D / kVec);
         const int m = m0 + r;
         uint4 val = make_uint4(0, 0, 0, 0);
@@ -204,92 +209,101 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 1 : 2) attention_kernel(At
         *reinterpret_cast<uint4*>(sQ + r * LD + cv * kVec) = val;
     }
 
-    // This thread's two rows of the warp's 16: r_lo = warp*16 + gid, r_hi = r_lo + 8. A warp
-    // whose 16 rows are all past the real ones only helps load the tiles.
-    const int m_lo = m0 + warp * 16 + gid, m_hi = m_lo + 8;
-    const bool valid_lo = m_lo < m_real, valid_hi = m_hi < m_real;
-    const bool warp_live = m0 + warp * 16 < m_real;
-    const int row_lo = m_lo / group, row_hi = m_hi / group;
-    const uint32_t* vis_lo = c.vis + (b * c.rows + (valid_lo ? row_lo : 0)) * c.words;
-    const uint32_t* vis_hi = c.vis + (b * c.rows + (valid_hi ? row_hi : 0)) * c.words;
+    // The warp's query vectors: m16 tile t covers wm + 16 t .. + 15; this thread's rows of
+    // tile t are wm + 16 t + gid (lo) and + 8 (hi). A warp whose rows are all past the real
+    // ones only helps load the tiles.
+    const int wm = m0 + warp * 16 * MT;
+    const bool warp_live = wm < m_real;
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (raw scores) and sum
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) o[t][i][0] = o[t][i][1] = o[t][i][2] = o[t][i][3] = 0.f;
+    float mx[MT][2], l[MT][2];  // running max (raw scores) and sum of each row
+#pragma unroll
+    for (int t = 0; t < MT; t++) mx[t][0] = mx[t][1] = -INFINITY, l[t][0] = l[t][1] = 0.f;
 
     const bool any_row = m0 < m_real;
-    // K and V tiles go global -> shared by cp.async into two buffers: tile i + 1 loads
-    // while tile i is computed. Keys past k_end are zero-filled (never NaN under a zero
-    // weight). Each thread moves the same 16-byte column of kLoads rows every tile.
+    // K and V tiles go global -> shared by cp.async. Keys past k_end are zero-filled (never
+    // NaN under a zero weight).
+    // Each thread moves the same 16-byte column of kLoads rows every tile.
     constexpr int kCols = D / kVec;
-    constexpr int kLoads = TN * kCols / kThreads;
-    static_assert(TN * kCols % kThreads == 0, "whole tiles per thread");
+    constexpr int kLoads = TN * kCols / NT;
+    static_assert(TN * kCols % NT == 0, "whole tiles per thread");
     const int my_col = threadIdx.x % kCols, my_row = threadIdx.x / kCols;
-    constexpr int kRowStep = kThreads / kCols;
+    constexpr int kRowStep = NT / kCols;
     const bool paged = c.block_table != nullptr;
     const char* kbase = c.k + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
     const char* vbase = c.v + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
     const int64_t tok_bytes = c.c_token * (int64_t)sizeof(T);
     auto issue_tile = [&](int t0, int buf) {
-        T* dk = sKV + buf * 2 * TN * LD;
-        T* dv = dk + TN * LD;
+        if (t0 < k_end) {
+            T* dk = sKV + buf * 2 * TN * LD;
+            T* dv = dk + TN * LD;
 #pragma unroll
-        for (int it = 0; it < kLoads; it++) {
-            const int r = my_row + it * kRowStep;
-            const int t = t0 + r;
-            const bool live = t < k_end;
-            int64_t off = 0;
-            if (live) {
-                if (!paged) {
-                    off = (int64_t)t * tok_bytes;
-                } else {
-                    const int pg_size = (int)c.page_size;
-                    const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
-                    off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
+            for (int it = 0; it < kLoads; it++) {
+                const int r = my_row + it * kRowStep;
+                const int t = t0 + r;
+                const bool live = t < k_end;
+                int64_t off = 0;
+                if (live) {
+                    if (!paged) {
+                        off = (int64_t)t * tok_bytes;
+                    } else {
+                        const int pg_size = (int)c.page_size;
+                        const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
+                        off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
+                    }
                 }
+                cp_async16(dk + r * LD + my_col * kVec, kbase + off, live);
+                cp_async16(dv + r * LD + my_col * kVec, vbase + off, live);
             }
-            cp_async16(dk + r * LD + my_col * kVec, kbase + off, live);
-            cp_async16(dv + r * LD + my_col * kVec, vbase + off, live);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.commit_group;\n" ::);  // (empty past the end: wait_group 1 stays right)
     };
-    if (any_row && k_begin < k_end) issue_tile(k_begin, 0);
+    if (any_row) issue_tile(k_begin, 0);
 
     // ldmatrix addresses (element offsets in a tile): lane i gives row i % 8 of matrix i / 8.
     const int mat = lane / 8, mrow = lane % 8;
-    const int q_off = (warp * 16 + mrow + (mat & 1) * 8) * LD + (mat >> 1) * 8;  // A: rows lo/hi x k lo/hi
-    const int k_off = ((mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;              // B of two key groups
-    const int v_off = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;              // B^T of two d groups
+    const int q_off = (warp * 16 * MT + mrow + (mat & 1) * 8) * LD + (mat >> 1) * 8;  // A: rows lo/hi x k lo/hi
+    const int k_off = ((mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;                   // B of two key groups
+    const int v_off = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;                   // B^T of two d groups
     const float scale = c.scale_log2;
 
+    // Two buffers: tile i + 1 is requested before waiting for tile i (issue, wait, sync,
+    // compute, sync). Measured on an H200 (b9d4dff + the configurations of Config): this
+    // order beat waiting first, and three or four buffers at one CTA a SM lost to two
+    // CTAs a SM with two.
     int buf = 0;
     for (int t0 = k_begin; any_row && t0 < k_end; t0 += TN, buf ^= 1) {
-        if (t0 + TN < k_end) {
-            issue_tile(t0 + TN, buf ^ 1);
-            asm volatile("cp.async.wait_group 1;\n" ::);
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
-        }
+        issue_tile(t0 + TN, buf ^ 1);
+        asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();  // tile t0 (and, the first time, Q) visible to every warp
         if (warp_live) {
             const T* sK = sKV + buf * 2 * TN * LD;
             const T* sV = sK + TN * LD;
 
-            // S = Q K^T for the warp's 16 rows and the tile's keys (raw scores).
-            float sc[TN / 8][4];
+            // S = Q K^T for the warp's rows and the tile's keys (raw scores).
+            float sc[MT][TN / 8][4];
 #pragma unroll
-            for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+            for (int t = 0; t < MT; t++)
+#pragma unroll
+                for (int j = 0; j < TN / 8; j++) sc[t][j][0] = sc[t][j][1] = sc[t][j][2] = sc[t][j][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
-                uint32_t a[4];
-                ldmatrix_x4(a, sQ + q_off + kk * 16);
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int t = 0; t < MT; t++) ldmatrix_x4(a[t], sQ + q_off + t * 16 * LD + kk * 16);
 #pragma unroll
                 for (int j = 0; j < TN / 8; j += 2) {
                     uint32_t bf[4];
                     ldmatrix_x4(bf, sK + k_off + j * 8 * LD + kk * 16);
-                    Elem<T>::mma(sc[j], a, bf);
-                    Elem<T>::mma(sc[j + 1], a, bf + 2);
+#pragma unroll
+                    for (int t = 0; t < MT; t++) {
+                        Elem<T>::mma(sc[t][j], a[t], bf);
+                        Elem<T>::mma(sc[t][j + 1], a[t], bf + 2);
+                    }
                 }
             }
 
@@ -297,113 +311,133 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 1 : 2) attention_kernel(At
             // the tree part needs each row's visibility bits.
             if (t0 + TN > min(p, k_end)) {
 #pragma unroll
-                for (int j = 0; j < TN / 8; j++) {
+                for (int t = 0; t < MT; t++) {
+                    const int m_lo = wm + 16 * t + gid;
+                    const int r_lo = min(m_lo, m_real - 1) / group, r_hi = min(m_lo + 8, m_real - 1) / group;
+                    const uint32_t* vis_lo = c.vis + (b * c.rows + r_lo) * c.words;
+                    const uint32_t* vis_hi = c.vis + (b * c.rows + r_hi) * c.words;
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int key = t0 + j * 8 + tig * 2 + (e & 1);
-                        const bool hi = e >= 2;
-                        bool visible = key < k_end;
-                        if (visible && key >= p) {
-                            const int jj = key - p;
-                            const uint32_t w = (hi ? vis_hi : vis_lo)[jj >> 5];
-                            visible = (w >> (jj & 31)) & 1u;
+                    for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int key = t0 + j * 8 + tig * 2 + (e & 1);
+                            bool visible = key < k_end;
+                            if (visible && key >= p) {
+                                const int jj = key - p;
+                                const uint32_t w = (e >= 2 ? vis_hi : vis_lo)[jj >> 5];
+                                visible = (w >> (jj & 31)) & 1u;
+                            }
+                            if (!visible) sc[t][j][e] = -INFINITY;
                         }
-                        if (!visible) sc[j][e] = -INFINITY;
                     }
                 }
             }
 
             // Online softmax over the tile (rows lo: elements 0, 1; hi: 2, 3), in log2 units.
-            float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int j = 0; j < TN / 8; j++) {
-                tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
-                tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
-            }
-            float alpha[2], msub[2];
+            for (int t = 0; t < MT; t++) {
+                float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
-                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-                const float mnew = fmaxf(mx[h], tmax[h]);
-                // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
-                alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[h] - mnew) * scale);
-                msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
-                mx[h] = mnew;
-            }
-            float rsum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < TN / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int h = e >> 1;
-                    const float pv = exp2f(fmaf(sc[j][e], scale, -msub[h]));
-                    sc[j][e] = pv;
-                    rsum[h] += pv;
+                for (int j = 0; j < TN / 8; j++) {
+                    tmax[0] = fmaxf(tmax[0], fmaxf(sc[t][j][0], sc[t][j][1]));
+                    tmax[1] = fmaxf(tmax[1], fmaxf(sc[t][j][2], sc[t][j][3]));
                 }
-            }
-            l[0] = l[0] * alpha[0] + rsum[0];
-            l[1] = l[1] * alpha[1] + rsum[1];
+                float alpha[2], msub[2];
 #pragma unroll
-            for (int i = 0; i < D / 8; i++) {
-                o[i][0] *= alpha[0];
-                o[i][1] *= alpha[0];
-                o[i][2] *= alpha[1];
-                o[i][3] *= alpha[1];
+                for (int h = 0; h < 2; h++) {
+                    tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+                    tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+                    const float mnew = fmaxf(mx[t][h], tmax[h]);
+                    // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
+                    alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[t][h] - mnew) * scale);
+                    msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
+                    mx[t][h] = mnew;
+                }
+                float rsum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int h = e >> 1;
+                        const float pv = exp2f(fmaf(sc[t][j][e], scale, -msub[h]));
+                        sc[t][j][e] = pv;
+                        rsum[h] += pv;
+                    }
+                }
+                l[t][0] = l[t][0] * alpha[0] + rsum[0];
+                l[t][1] = l[t][1] * alpha[1] + rsum[1];
+#pragma unroll
+                for (int i = 0; i < D / 8; i++) {
+                    o[t][i][0] *= alpha[0];
+                    o[t][i][1] *= alpha[0];
+                    o[t][i][2] *= alpha[1];
+                    o[t][i][3] *= alpha[1];
+                }
             }
 
             // O += P V: P's accumulator layout is the A operand's, 16 keys at a time; V's
             // fragments come transposed by ldmatrix.trans, two d groups of 8 at a time.
 #pragma unroll
             for (int kk = 0; kk < TN / 16; kk++) {
-                uint32_t a[4];
-                a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
-                a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
-                a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int t = 0; t < MT; t++) {
+                    a[t][0] = Elem<T>::pack(sc[t][2 * kk][0], sc[t][2 * kk][1]);
+                    a[t][1] = Elem<T>::pack(sc[t][2 * kk][2], sc[t][2 * kk][3]);
+                    a[t][2] = Elem<T>::pack(sc[t][2 * kk + 1][0], sc[t][2 * kk + 1][1]);
+                    a[t][3] = Elem<T>::pack(sc[t][2 * kk + 1][2], sc[t][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int i = 0; i < D / 8; i += 2) {
                     uint32_t bf[4];
                     ldmatrix_x4_trans(bf, sV + v_off + kk * 16 * LD + i * 8);
-                    Elem<T>::mma(o[i], a, bf);
-                    Elem<T>::mma(o[i + 1], a, bf + 2);
+#pragma unroll
+                    for (int t = 0; t < MT; t++) {
+                        Elem<T>::mma(o[t][i], a[t], bf);
+                        Elem<T>::mma(o[t][i + 1], a[t], bf + 2);
+                    }
                 }
             }
         }
         __syncthreads();  // every warp is done with this buffer before it is loaded again
     }
+    asm volatile("cp.async.wait_group 0;\n" ::);  // no copy outlives the CTA
 
     // Row sums across the quad, then the rows' outputs.
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
+    for (int t = 0; t < MT; t++) {
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int m = h ? m_hi : m_lo;
-        if (m >= m_count) continue;  // past the last row of the KV head: not an output
-        const int64_t row = m / group, hq = hk * group + m % group;
-        const bool seen = (h ? valid_hi : valid_lo) && l[h] > 0.f;
-        const float inv = seen ? 1.f / l[h] : 0.f;
-        const float lse = seen ? (mx[h] * scale + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
-        if (direct) {
-            T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs;
+        for (int h = 0; h < 2; h++) {
+            l[t][h] += __shfl_xor_sync(0xffffffffu, l[t][h], 1);
+            l[t][h] += __shfl_xor_sync(0xffffffffu, l[t][h], 2);
+        }
 #pragma unroll
-            for (int i = 0; i < D / 8; i++) {
-                const int d = i * 8 + tig * 2;
-                *reinterpret_cast<uint32_t*>(dst + d) = Elem<T>::pack(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+        for (int h = 0; h < 2; h++) {
+            const int m = wm + 16 * t + gid + 8 * h;
+            if (m >= m_count) continue;  // past the last row of the KV head: not an output
+            const int64_t row = m / group, hq = hk * group + m % group;
+            const bool seen = m < m_real && l[t][h] > 0.f;
+            const float inv = seen ? 1.f / l[t][h] : 0.f;
+            const float lse = seen ? (mx[t][h] * scale + log2f(l[t][h])) * 0.69314718055994531f : -INFINITY;
+            if (direct) {
+                T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs;
+#pragma unroll
+                for (int i = 0; i < D / 8; i++) {
+                    const int d = i * 8 + tig * 2;
+                    *reinterpret_cast<uint32_t*>(dst + d) =
+                        Elem<T>::pack(o[t][i][2 * h] * inv, o[t][i][2 * h + 1] * inv);
+                }
+                if (c.lse != nullptr && tig == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
+            } else if (m < m_real) {
+                const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
+                float* dst = c.part_o + cell * D;
+#pragma unroll
+                for (int i = 0; i < D / 8; i++) {
+                    const int d = i * 8 + tig * 2;
+                    *reinterpret_cast<float2*>(dst + d) = make_float2(o[t][i][2 * h] * inv, o[t][i][2 * h + 1] * inv);
+                }
+                if (tig == 0) c.part_lse[cell] = lse;
             }
-            if (c.lse != nullptr && tig == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
-        } else if (m < m_real) {
-            const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
-            float* dst = c.part_o + cell * D;
-#pragma unroll
-            for (int i = 0; i < D / 8; i++) {
-                const int d = i * 8 + tig * 2;
-                *reinterpret_cast<float2*>(dst + d) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
-            }
-            if (tig == 0) c.part_lse[cell] = lse;
         }
     }
 }
@@ -496,16 +530,33 @@ size_t workspace_for(int64_t batch, int64_t rows, int64_t q_heads, int64_t head_
 
 bool misaligned(const void* ptr, size_t alignment) { return ((uintptr_t)ptr % alignment) != 0; }
 
-template <typename T, int D>
-kdt_status launch(const AttnParams& c, cudaStream_t stream) {
-    const size_t smem = Tiling<D>::smem_bytes(sizeof(T));
-    if (cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+template <typename T, int D, typename C>
+kdt_status launch_config(const AttnParams& c, cudaStream_t stream) {
+    const size_t smem = C::smem_bytes(sizeof(T));
+    if (cudaFuncSetAttribute(attention_kernel<T, D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
         cudaSuccess) {
         return kdt::launch_status("tree attention (shared memory size)");
     }
     const dim3 grid((unsigned)(c.batch * c.kv_heads * c.q_tiles), (unsigned)c.splits);
-    attention_kernel<T, D><<<grid, kThreads, smem, stream>>>(c);
-    kdt_status st = kdt::launch_status("tree attention");
+    attention_kernel<T, D, C><<<grid, C::kThreadsC, smem, stream>>>(c);
+    return kdt::launch_status("tree attention");
+}
+
+template <typename T, int D>
+kdt_status launch(const AttnParams& c, cudaStream_t stream) {
+    kdt_status st;
+    // Two m16 tiles a warp (four warps) halve the shared-memory reads of K and V per mma
+    // where a KV head has at least two tiles of query vectors; fewer vectors spread over
+    // eight warps of one tile each (the warps past the real rows skip the math).
+    const int forced = kdt::testing_attention_warp_tiles();  // (native/kdt_testing.h)
+    const bool two = forced ? forced == 2 : c.rows * c.group >= 2 * kTileM;
+    if constexpr (D > 128) {
+        st = launch_config<T, D, Config<D, 1>>(c, stream);
+    } else if (two) {
+        st = launch_config<T, D, Config<D, 2>>(c, stream);
+    } else {
+        st = launch_config<T, D, Config<D, 1>>(c, stream);
+    }
     if (st != KDT_OK || c.splits == 1) return st;
     merge_kernel<T, D><<<(unsigned)(c.batch * c.rows * c.q_heads), D, 0, stream>>>(c);
     return kdt::launch_status("tree attention merge");

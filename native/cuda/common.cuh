@@ -23,6 +23,7 @@ inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(s
 uint32_t testing_tree_paths();
 bool testing_topk_chunked();
 int testing_verify_cluster();
+int testing_attention_warp_tiles();
 
 // After a launch: KDT_OK, or KDT_ERR_CUDA naming `what` and the runtime's message.
 kdt_status launch_status(const char* what);

@@ -178,6 +178,17 @@ def bind(model: Any, cache: StaticKV) -> int:
     return found
 
 
+def unbind(model: Any) -> None:
+    """Drops ``model``'s references to an engine cache (bound by :func:`attach` /
+    :func:`bind`), so that a dropped engine's cache can be freed; an engine still in use
+    binds its cache again when it runs."""
+    for mod in model.modules():
+        if getattr(mod, "_kdtree_kv", None) is not None:
+            mod._kdtree_kv = None
+    model._kdtree_bound = None
+    model._kdtree_bound_count = 0
+
+
 def attach(model: Any, slots: int, capacity: int) -> StaticKV:
     """Allocates the static cache for ``model`` (``slots`` requests of ``capacity`` rows)
     and points every attention module at it; forwards inside :func:`engaged` then use the

@@ -43,6 +43,7 @@ prompt never stalls decoding for more than one chunk) and runs one round;
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -87,11 +88,13 @@ def _cache_bytes(cfg: Any, slots: int, rows: int, elem: int) -> int:
 
 
 def _free_bytes(torch: Any, device: Any) -> int | None:
-    """Free memory on ``device`` (CUDA: the driver's free bytes; CPU: available physical
-    memory), or None where it cannot be read."""
+    """Free memory on ``device`` (CUDA: the driver's free bytes plus what torch's caching
+    allocator holds unused, e.g. a dropped engine's cache; CPU: available physical memory),
+    or None where it cannot be read."""
     try:
         if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0])
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
         import os
 
         return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
@@ -378,6 +381,11 @@ class Engine:
             if dparam.dtype != self.dtype:
                 raise ValueError(f"the drafter is {dparam.dtype}, the target {self.dtype}: load both in one dtype")
         need = _cache_bytes(cfg, self.max_batch, self.capacity, param.element_size())
+        # An earlier engine on this model left its cache bound to the model's attention
+        # modules: unbound here, a dropped engine's cache is freed before this one's is
+        # counted and allocated (an engine still in use binds its own again when it runs).
+        attention.unbind(target)
+        gc.collect()
         free = _free_bytes(torch, self.device)
         if free is not None and need > free:
             raise ValueError(f"the target's K/V cache needs {need / 2**30:.2f} GiB (max_batch {self.max_batch} x "
