@@ -166,19 +166,22 @@ def test_rows_and_layouts(cuda, budget, layout):
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_warp_tilings_agree_bit_for_bit(cuda, dim):
-    # One or two m16 tiles of query vectors a warp (forced through native/kdt_testing.h):
-    # every row sees the same products in the same order, so the outputs are the same bits.
+    # One or two m16 tiles of query vectors a warp (forced through native/kdt_testing.h) on
+    # the same inputs: every row sees the same products in the same order, so the outputs
+    # are the same bits (the automatic choice, checked against float64 first, takes two
+    # here: 65 rows x 4 query heads a KV head).
     raw = _lib.load()
+    trees, q, k, v, prefix, auto = run_case(cuda, np.random.default_rng(5), dtype="bfloat16", batch=3, budget=64,
+                                            q_heads=8, kv_heads=2, dim=dim, prefixes=[0, 300, 700])
     outs = []
     for tiles in (1, 2):
         assert raw.kdt_testing_set_attention_warp_tiles(tiles) == 0
         try:
-            out = run_case(cuda, np.random.default_rng(5), dtype="bfloat16", batch=3, budget=64, q_heads=8,
-                           kv_heads=2, dim=dim, prefixes=[0, 300, 700])[-1]
+            outs.append(host(kdtree.tree_attention(q, k, v, trees, prefix, max_prefix=700)[0].float()))
         finally:
             raw.kdt_testing_set_attention_warp_tiles(0)
-        outs.append(host(out.float()))  # (bfloat16 widens exactly)
     assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(outs[1], host(auto.float()))
     assert raw.kdt_testing_set_attention_warp_tiles(3) != 0
 
 

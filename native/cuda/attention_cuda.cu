@@ -443,30 +443,54 @@ __global__ void __launch_bounds__(C::kThreadsC, (D > 128 || C::kMT > 1) ? 1 : 2)
 }
 
 // Combines the splits of one (request, row, query head) per block of D threads; padding
-// rows and failed requests get zeros and lse -inf.
+// rows and failed requests get zeros and lse -inf. The splits' lse values are read once,
+// in parallel (thread d takes splits d, d + D, ...), reduced in shared memory to the
+// weights exp(lse_s - lse); then thread d sums its output column over the splits, the
+// loads independent of each other.
+constexpr int kMaxSplits = 1024;
 template <typename T, int D>
 __global__ void __launch_bounds__(D) merge_kernel(AttnParams c) {
+    __shared__ float w[kMaxSplits];
+    __shared__ float red[D / 32];
     const int64_t cell = blockIdx.x;  // (b * R + row) * Hq + hq
     const int64_t hq = cell % c.q_heads;
     const int64_t row = (cell / c.q_heads) % c.rows;
     const int64_t b = cell / (c.q_heads * c.rows);
-    const int d = threadIdx.x;
+    const int d = threadIdx.x, lane = d % 32, wid = d / 32;
     const int32_t st = c.status[b];
     const int64_t n = st == KDT_OK ? c.num_nodes[b] : -1;
     float acc = 0.f, lse = -INFINITY;
-    if (row <= n) {
+    if (row <= n) {  // (the same for the whole block)
         const int64_t total = c.prefix[b] + n + 1;
         const int32_t used = (int32_t)((total + c.chunk - 1) / c.chunk);
         const int64_t stride = c.batch * c.rows * c.q_heads;
         float mx = -INFINITY;
-        for (int32_t s = 0; s < used; s++) mx = fmaxf(mx, c.part_lse[s * stride + cell]);
+        for (int32_t s = d; s < used; s += D) {
+            w[s] = c.part_lse[s * stride + cell];
+            mx = fmaxf(mx, w[s]);
+        }
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (lane == 0) red[wid] = mx;
+        __syncthreads();
+        mx = red[0];
+#pragma unroll
+        for (int i = 1; i < D / 32; i++) mx = fmaxf(mx, red[i]);
+        __syncthreads();  // red is reused for the sum
         if (mx != -INFINITY) {
             float sum = 0.f;
-            for (int32_t s = 0; s < used; s++) {
-                const float w = __expf(c.part_lse[s * stride + cell] - mx);
-                sum += w;
-                acc += w * c.part_o[(s * stride + cell) * D + d];
+            for (int32_t s = d; s < used; s += D) {
+                w[s] = __expf(w[s] - mx);
+                sum += w[s];
             }
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) red[wid] = sum;
+            __syncthreads();  // the weights and the partial sums are visible
+            sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < D / 32; i++) sum += red[i];
+            const float* po = c.part_o + cell * D + d;
+#pragma unroll 4
+            for (int32_t s = 0; s < used; s++) acc += w[s] * po[s * stride * D];
             acc /= sum;
             lse = mx + __logf(sum);
         }
@@ -488,7 +512,7 @@ void plan_splits(int64_t batch, int64_t rows, int64_t q_heads, int64_t kv_heads,
         sp = (kTargetCtas + ctas - 1) / ctas;
         const int64_t most = keys / kMinChunk;
         if (sp > most) sp = most;
-        if (sp > 1024) sp = 1024;
+        if (sp > kMaxSplits) sp = kMaxSplits;
         if (sp < 1) sp = 1;
     }
     int64_t ch = (keys + sp - 1) / sp;
