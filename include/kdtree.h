@@ -664,6 +664,49 @@ KDT_API kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t*
                                        const int32_t* accepted_nodes, const int32_t* accept_length,
                                        int64_t path_capacity, int32_t* request_status, void* stream);
 
+/* A paged KV cache: per layer one K and one V page pool; token t of request b, head h
+ * starts at element
+ *   block_table[b * block_table_stride + t / page_size] * page_stride + h * head_stride
+ *   + (t % page_size) * token_stride
+ * (head_dim contiguous), e.g. vLLM's / SGLang's [pages, page_size, H, D]:
+ * (page_size*H*D, D, H*D); FlashInfer's HND [pages, H, page_size, D]:
+ * (H*page_size*D, page_size*D, D). */
+typedef struct kdt_paged_kv_cache {
+    void* const* k_layers;      /* device array [num_layers] of device pointers to K pools     */
+    void* const* v_layers;      /* device array [num_layers] of device pointers to V pools, or NULL */
+    int64_t num_layers;         /* >= 0                                                        */
+    int32_t dtype;              /* KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16 or KDT_DTYPE_FLOAT32   */
+    int32_t reserved;           /* must be 0                                                   */
+    int64_t batch;              /* B >= 0                                                      */
+    int64_t heads;              /* >= 0                                                        */
+    int64_t head_dim;           /* D >= 0                                                      */
+    int64_t pages;              /* pages in each pool                                          */
+    int64_t page_size;          /* tokens a page, 1 .. 256                                     */
+    int64_t page_stride;        /* elements between pages                                      */
+    int64_t head_stride;        /* elements between heads                                      */
+    int64_t token_stride;       /* elements between the tokens (slots) of a page (>= head_dim) */
+    const int32_t* block_table; /* device int32 [B, block_table_stride]: page ids              */
+    int64_t block_table_stride; /* entries a request (>= 1)                                    */
+} kdt_paged_kv_cache;
+
+/*
+ * kdt_compact_kv_cuda on a paged cache: the accepted path's rows move from token p +
+ * accepted_nodes[b][j] to token p + j (j = 1 .. accept_length[b]), through the request's
+ * block table, all layers in one launch. The pages that hold tokens p + 1 .. p +
+ * accepted_nodes[b][accept_length[b]] must be the request's own (a page shared with
+ * another request in that range, or listed twice, is moved twice; not checked).
+ *
+ * request_status: as kdt_compact_kv_cuda, and KDT_ERR_OUT_OF_RANGE also for a token past
+ * block_table_stride * page_size or a page id (of a token read or written) outside
+ * [0, pages); such a request's cache is not touched.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (dtype, reserved,
+ * sizes, strides, page size, alignment), KDT_ERR_OVERFLOW, KDT_ERR_CUDA,
+ * KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_compact_kv_paged_cuda(const kdt_paged_kv_cache* cache, const int64_t* prefix_lengths,
+                                             const int32_t* accepted_nodes, const int32_t* accept_length,
+                                             int64_t path_capacity, int32_t* request_status, void* stream);
+
 /* ---- Tree attention (the verify forward's attention) -------------------------------- */
 
 /* Rows of queries or outputs for kdt_tree_attention_cuda: logical shape [B, R, H, D]

@@ -91,6 +91,12 @@ kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_
     return no_cuda("kdt_compact_kv_cuda");
 }
 
+kdt_status kdt_compact_kv_paged_cuda(const kdt_paged_kv_cache* cache, const int64_t* prefix_lengths,
+                                     const int32_t* accepted_nodes, const int32_t* accept_length,
+                                     int64_t path_capacity, int32_t* request_status, void* stream) {
+    return no_cuda("kdt_compact_kv_paged_cuda");
+}
+
 kdt_status kdt_testing_set_tree_paths(uint32_t paths) { return no_cuda("kdt_testing_set_tree_paths"); }
 
 kdt_status kdt_testing_set_topk_chunked(int32_t on) { return no_cuda("kdt_testing_set_topk_chunked"); }

@@ -100,7 +100,8 @@ def _pointee(ctype) -> object:
 SCALARS = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "size_t": ctypes.c_size_t,
            "uint64_t": ctypes.c_uint64, "float": ctypes.c_float}
 STRUCTS = {"kdt_trees": _lib.KdtTrees, "kdt_draft": _lib.KdtDraft, "kdt_kdtr_array": _lib.KdtKdtrArray,
-           "kdt_logits": _lib.KdtLogits, "kdt_kv_cache": _lib.KdtKvCache, "kdt_sampling": _lib.KdtSampling,
+           "kdt_logits": _lib.KdtLogits, "kdt_kv_cache": _lib.KdtKvCache,
+           "kdt_paged_kv_cache": _lib.KdtPagedKvCache, "kdt_sampling": _lib.KdtSampling,
            "kdt_attention_rows": _lib.KdtAttentionRows, "kdt_attention_cache": _lib.KdtAttentionCache}
 
 

@@ -209,6 +209,28 @@ class KdtKvCache(ctypes.Structure):
     ]
 
 
+class KdtPagedKvCache(ctypes.Structure):
+    """struct kdt_paged_kv_cache."""
+
+    _fields_ = [
+        ("k_layers", ctypes.c_void_p),
+        ("v_layers", ctypes.c_void_p),
+        ("num_layers", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("batch", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("pages", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("page_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("block_table", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int64),
+    ]
+
+
 class KdtAttentionRows(ctypes.Structure):
     """struct kdt_attention_rows."""
 
@@ -357,6 +379,10 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
     #     int32_t* request_status, void* stream)
     "kdt_compact_kv_cuda": ("status", [ctypes.POINTER(KdtKvCache), _vp, _vp, _vp, _i64, _vp, _vp]),
+    # kdt_status kdt_compact_kv_paged_cuda(const kdt_paged_kv_cache* cache, const int64_t* prefix_lengths,
+    #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
+    #     int32_t* request_status, void* stream)
+    "kdt_compact_kv_paged_cuda": ("status", [ctypes.POINTER(KdtPagedKvCache), _vp, _vp, _vp, _i64, _vp, _vp]),
     # kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget,
     #     int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_prefix, size_t* bytes)
     "kdt_tree_attention_cuda_workspace_bytes": ("status", [_i64, _i64, _i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),

@@ -625,6 +625,7 @@ def compact_kv(
     acceptance: Acceptance,
     *,
     layout: str = "bhsd",
+    block_table=None,
     errors: str = "raise",
     stream=None,
     out=None,
@@ -637,8 +638,17 @@ def compact_kv(
     Args:
         k_layers, v_layers: sequences of per-layer tensors (``v_layers`` may be None) of
             shape ``[B, H, S, D]`` (``layout="bhsd"``, Hugging Face) or ``[B, S, H, D]``
-            (``"bshd"``), all with the same shape, strides and dtype (float16, bfloat16 or
+            (``"bshd"``), or page pools ``[pages, page_size, H, D]`` (``"pshd"``: vLLM,
+            SGLang) or ``[pages, H, page_size, D]`` (``"phsd"``: FlashInfer's HND) read
+            through ``block_table``; all with the same shape, strides and dtype (float16, bfloat16 or
             float32, on the host and on the GPU), head_dim contiguous. The verify forward must have written tree row ``i`` at ``p + i``.
+        block_table: paged layouts only: int32 ``[B, pages a request]``, token ``t`` of
+            request ``b`` in page ``block_table[b, t // page_size]``, slot
+            ``t % page_size`` (page size 1 to 256). The pages that hold tokens ``p + 1``
+            to ``p + accepted_nodes[b][accept_length[b]]`` must be the request's own (a
+            page shared in that range is moved twice; not checked). A page id outside
+            the pool, for a token read or written, fails the request
+            (KDT_ERR_OUT_OF_RANGE).
         prefix_lengths: ``[B]`` ints >= 0.
         acceptance: the :class:`Acceptance` of the verify call.
         errors: as :func:`build_trees`. Per request: KDT_ERR_VALUE (path not starting at 0,
@@ -653,8 +663,9 @@ def compact_kv(
     Returns:
         ``request_status`` int32 ``[B]`` (KDT_OK or each request's status).
 
-    GPU tensors: one launch for all layers (``kdt_compact_kv_cuda``); host tensors (numpy
-    or CPU torch): a row copy per accepted node.
+    GPU tensors: one launch for all layers (``kdt_compact_kv_cuda``, paged
+    ``kdt_compact_kv_paged_cuda``); host tensors (numpy or CPU torch): a row copy per
+    accepted node.
 
     Raises TypeError when ``k_layers`` or ``v_layers`` is a single tensor, not a sequence.
     """
@@ -667,8 +678,9 @@ def compact_kv(
     v_layers = None if v_layers is None else list(v_layers)  # read once: a generator is consumed
     if k_layers and _device.is_device_array(k_layers[0]):
         return _gpu().compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
-                                 stream=stream, out=out)
+                                 stream=stream, out=out, block_table=block_table)
     checks.cpu_only(stream, errors, "compact_kv")
     if out is not None:
         raise checks.invalid("compact_kv: out= is for GPU tensors (host compaction returns a new status array)")
-    return host.compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors)
+    return host.compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
+                           block_table=block_table)

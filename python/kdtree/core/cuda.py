@@ -566,7 +566,7 @@ def _pointer_table(like, views: list[dev.DeviceArray]):
 
 
 def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, layout: str, errors, stream,
-               out=None):
+               out=None, block_table=None):
     checks.check_errors(errors)
     k_layers = list(k_layers)
     v_layers = None if v_layers is None else list(v_layers)
@@ -592,35 +592,65 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         if t.shape != first.shape or t.strides != first.strides or t.dtype != first.dtype:
             raise checks.shape_error(f"every K and V layer must share shape, strides and dtype; layer tensor {i} has "
                              f"{t.shape} {t.strides} {t.dtype}, the first {first.shape} {first.strides} {first.dtype}")
+    paged = layout in ("pshd", "phsd")
+    if paged != (block_table is not None) and layout in ("bhsd", "bshd", "pshd", "phsd"):
+        raise checks.invalid(f"layout {layout!r} {'needs' if paged else 'takes no'} block_table")
     if layout == "bhsd":
         (batch, heads, seq, dim), (bs, hs, ss, ds) = first.shape, first.strides
     elif layout == "bshd":
         (batch, seq, heads, dim), (bs, ss, hs, ds) = first.shape, first.strides
+    elif layout == "pshd":
+        (batch, seq, heads, dim), (bs, ss, hs, ds) = first.shape, first.strides  # (pages, page_size, ...)
+    elif layout == "phsd":
+        (batch, heads, seq, dim), (bs, hs, ss, ds) = first.shape, first.strides  # (pages, ..., page_size, ...)
     else:
-        raise checks.invalid(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        raise checks.invalid(f"layout must be 'bhsd', 'bshd', 'pshd' or 'phsd', got {layout!r}")
     if dim > 1 and ds != 1:
         raise checks.invalid(f"the head_dim axis must be contiguous, got strides {first.strides}")
     if (batch > 1 and bs == 0) or (heads > 1 and hs == 0) or (seq > 1 and ss == 0):
         raise checks.invalid(f"the cache tensors must not overlap themselves (zero strides {first.strides})")
+    if paged:
+        pages, page_size = batch, seq
+        if not 1 <= page_size <= 256:
+            raise checks.invalid(f"page size {page_size} is outside [1, 256]")
     lib = _lib.load()
     with dev.on_device(like):
         ktab = _pointer_table(like, kv)
         vtab = _pointer_table(like, vv) if vv else None
+        bt = None
+        if paged:
+            bt = _view(block_table, "block_table", "int32", 2, s, contiguous=False)
+            if bt.shape[1] < 1 or (bt.shape[0] > 1 and bt.strides[1] != 1):
+                raise checks.invalid(f"block_table must be [B, pages a request >= 1] with unit column stride, got "
+                                     f"{bt.shape} strides {bt.strides}")
+            batch = bt.shape[0]
         prefix, pv = _optional(prefix_lengths, "prefix_lengths", "int64", (batch,), like, s)
         acc = _view(acceptance.accepted_nodes, "accepted_nodes", "int32", 2, s)
         alen = _view(acceptance.accept_length, "accept_length", "int32", 1, s)
         if acc.shape[0] != batch or alen.shape[0] != batch:
             raise checks.shape_error(f"acceptance holds {acc.shape[0]} requests, the cache {batch}")
-        _same_device([*kv, *vv, pv, acc, alen])
-        cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, dev.view(vtab, "v").ptr if vtab is not None else None,
-                                len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads, seq, dim, bs, hs, ss)
+        _same_device([*kv, *vv, pv, acc, alen] + ([bt] if bt is not None else []))
+        vptr = dev.view(vtab, "v").ptr if vtab is not None else None
+        if paged:
+            bt_stride = bt.strides[0] if batch > 1 else bt.shape[1]
+            if bt_stride < bt.shape[1]:
+                raise checks.invalid(f"block_table: row stride {bt_stride} < {bt.shape[1]} pages a request")
+            pcache = _lib.KdtPagedKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _DTYPE_CODES[first.dtype], 0, batch,
+                                          heads, dim, pages, page_size, bs, hs, ss, bt.ptr, bt.shape[1])
+        else:
+            cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads,
+                                    seq, dim, bs, hs, ss)
         if out is None:
             status = dev.empty(like, (batch,), "int32")
         else:
             status = out
             _out_array(status, "out", "int32", (batch,), like, s)
-        lib.kdt_compact_kv_cuda(ctypes.byref(cache), pv.ptr, acc.ptr, alen.ptr, acc.shape[1],
-                                dev.view(status, "s").ptr, s)
+        if paged:
+            lib.kdt_compact_kv_paged_cuda(ctypes.byref(pcache), pv.ptr, acc.ptr, alen.ptr, acc.shape[1],
+                                          dev.view(status, "s").ptr, s)
+        else:
+            lib.kdt_compact_kv_cuda(ctypes.byref(cache), pv.ptr, acc.ptr, alen.ptr, acc.shape[1],
+                                    dev.view(status, "s").ptr, s)
         del prefix
     if errors == "raise":
         _raise_on_status(status, "compact_kv")

@@ -473,9 +473,12 @@ def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_comm
     return acc
 
 
-def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors):
-    if layout not in ("bhsd", "bshd"):
-        raise checks.invalid(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors, block_table=None):
+    paged = layout in ("pshd", "phsd")
+    if layout not in ("bhsd", "bshd", "pshd", "phsd"):
+        raise checks.invalid(f"layout must be 'bhsd', 'bshd', 'pshd' or 'phsd', got {layout!r}")
+    if paged != (block_table is not None):
+        raise checks.invalid(f"layout {layout!r} {'needs' if paged else 'takes no'} block_table")
     if not k_layers:
         raise checks.invalid("k_layers is empty")
     v_layers = None if v_layers is None else list(v_layers)
@@ -496,8 +499,18 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
         raise checks.invalid("k_layers and v_layers must be distinct tensors")
     accepted = checks.int_array(acceptance.accepted_nodes, "accepted_nodes")
     length = checks.int_array(acceptance.accept_length, "accept_length").reshape(-1)
-    batch = shape[0]
-    seq = shape[2] if layout == "bhsd" else shape[1]
+    if paged:
+        table = checks.int_array(block_table, "block_table")
+        if table.ndim != 2 or table.shape[1] < 1:
+            raise checks.shape_error(f"block_table must be [B, pages a request >= 1], got {table.shape}")
+        pages, page_size = shape[0], shape[1] if layout == "pshd" else shape[2]
+        if not 1 <= page_size <= 256:
+            raise checks.invalid(f"page size {page_size} (the cache's {'second' if layout == 'pshd' else 'third'} "
+                                 "axis) is outside [1, 256]")
+        batch, seq = table.shape[0], table.shape[1] * page_size
+    else:
+        batch = shape[0]
+        seq = shape[2] if layout == "bhsd" else shape[1]
     if accepted.ndim != 2 or accepted.shape[0] != batch or length.shape != (batch,):
         raise checks.shape_error(f"acceptance must hold {batch} requests (accepted_nodes [B, P], accept_length [B]), got "
                          f"{accepted.shape} and {length.shape}")
@@ -520,6 +533,14 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
         elif p < 0 or p + int(path[-1]) >= seq:
             error = checks.range_error(f"request {b}: prefix {p} + node {int(path[-1])} is outside the cache's "
                                        f"{seq} rows")
+        elif paged:
+            tokens = p + np.concatenate([path[1:], np.arange(1, m + 1)])
+            ids = table[b, tokens // page_size]
+            bad = np.flatnonzero((ids < 0) | (ids >= pages))
+            if bad.size:
+                error = checks.range_error(f"request {b}: block_table[{b}, {int(tokens[bad[0]] // page_size)}] = "
+                                           f"{int(ids[bad[0]])} (token {int(tokens[bad[0]])}) is outside the pool's "
+                                           f"{pages} pages")
         if error is not None:
             if errors == "raise":
                 raise error
@@ -532,9 +553,16 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
             src, dst = p + int(path[j]), p + j
             if src == dst:
                 continue
+            if paged:
+                (ps, ss), (pd, sd) = divmod(src, page_size), divmod(dst, page_size)
+                ps, pd = int(table[b, ps]), int(table[b, pd])
             for t in layers:
                 if layout == "bhsd":
                     t[b, :, dst, :] = t[b, :, src, :]
-                else:
+                elif layout == "bshd":
                     t[b, dst, :, :] = t[b, src, :, :]
+                elif layout == "pshd":
+                    t[pd, sd, :, :] = t[ps, ss, :, :]
+                else:
+                    t[pd, :, sd, :] = t[ps, :, ss, :]
     return status
