@@ -796,6 +796,37 @@ KDT_API kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t
                                            float* lse, int32_t* request_status, void* workspace,
                                            size_t workspace_bytes, void* stream);
 
+/* Workspace bytes of kdt_tree_attention_mla_cuda (0 when the keys are not split). Errors
+ * as kdt_tree_attention_cuda_workspace_bytes. */
+KDT_API kdt_status kdt_tree_attention_mla_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads,
+                                                               int64_t max_prefix, size_t* bytes);
+
+/*
+ * Tree attention for MLA (multi-head latent attention, absorbed form; DeepSeek-V3,
+ * Kimi-K2): one latent KV head of 576 values a token (the 512-value latent, then the 64
+ * rotary key values) and q_heads query heads, each an absorbed query of 576 values. The
+ * tree rule, prefix, padding rows, statuses, splitting and workspace are those of
+ * kdt_tree_attention_cuda; scores use all 576 values, and the output of a row and head is
+ * the softmax-weighted sum of the visible tokens' first 512 values:
+ *
+ *   out[b, i, h, :] = sum_j softmax_j(scale * q[b, i, h, :] . c[j, :]) c[j, 0:512]
+ *
+ * q:      [B, N+1, q_heads, 576] of `dtype`.
+ * cache:  the latent cache: kv_heads 1; k the 576-value rows (contiguous, e.g. [B, S, 576]:
+ *         outer_stride S*576, token_stride 576, head_stride 0; or paged, e.g. vLLM's
+ *         [pages, page_size, 576]); v NULL or equal to k (V is read from k).
+ * q_heads: 1 .. 4096 (16 to 128 in the published models).
+ * out:    [B, N+1, q_heads, 512] of `dtype`; lse as kdt_tree_attention_cuda.
+ * Returns (host-side) as kdt_tree_attention_cuda, and KDT_ERR_INVALID_ARGUMENT for
+ * kv_heads != 1.
+ */
+KDT_API kdt_status kdt_tree_attention_mla_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+                                               int64_t max_prefix, const kdt_attention_rows* q,
+                                               const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
+                                               float softmax_scale, kdt_attention_rows* out, float* lse,
+                                               int32_t* request_status, void* workspace, size_t workspace_bytes,
+                                               void* stream);
+
 /* ---- KDTR: the container of named arrays (docs/kdtr-format.md) --------------------- */
 
 /* Bytes per element of a dtype. KDT_ERR_UNSUPPORTED for an unknown code. */

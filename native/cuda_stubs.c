@@ -119,3 +119,21 @@ kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix
                                    void* stream) {
     return no_cuda("kdt_tree_attention_cuda");
 }
+
+kdt_status kdt_tree_attention_mla_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads,
+                                                       int64_t max_prefix, size_t* bytes) {
+    (void)batch;
+    (void)budget;
+    (void)q_heads;
+    (void)max_prefix;
+    (void)bytes;
+    return no_cuda("kdt_tree_attention_mla_cuda_workspace_bytes");
+}
+
+kdt_status kdt_tree_attention_mla_cuda(const kdt_trees* trees, const int64_t* prefix_lengths, int64_t max_prefix,
+                                       const kdt_attention_rows* q, const kdt_attention_cache* cache, int32_t dtype,
+                                       int64_t q_heads, float softmax_scale, kdt_attention_rows* out, float* lse,
+                                       int32_t* request_status, void* workspace, size_t workspace_bytes,
+                                       void* stream) {
+    return no_cuda("kdt_tree_attention_mla_cuda");
+}

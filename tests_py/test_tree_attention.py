@@ -102,7 +102,7 @@ def reference(q, k, v, num_nodes, prefix, vis, scale):
     batch, rows, hq, dim = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    out = np.zeros(q.shape)
+    out = np.zeros((batch, rows, hq, v.shape[-1]))
     lse = np.full((batch, rows, hq), -np.inf)
     for b in range(batch):
         p, n = int(prefix[b]), int(num_nodes[b])
@@ -114,7 +114,7 @@ def reference(q, k, v, num_nodes, prefix, vis, scale):
             m = s.max(-1, keepdims=True)
             w = np.exp(s - m)
             tot = w.sum(-1, keepdims=True)
-            out[b, i] = np.einsum("hgk,hkd->hgd", w / tot, vv).reshape(hq, dim)
+            out[b, i] = np.einsum("hgk,hkd->hgd", w / tot, vv).reshape(hq, v.shape[-1])
             lse[b, i] = (m + np.log(tot)).reshape(hq)
     return out, lse
 
@@ -253,3 +253,82 @@ def test_refused_arguments(cuda):
     with pytest.raises(kdtree.KdtreeError, match="head_dim 48"):
         kdtree.tree_attention(q[..., :48].contiguous(), k[..., :48].contiguous(), k[..., :48].contiguous(), trees,
                               pre)
+
+
+# ---- MLA: one latent KV head of 576 values (512 latent + 64 rotary), output 512 ----------
+
+MLA_SCALE = 1.0 / 192 ** 0.5  # DeepSeek-V3's 1 / sqrt(qk_nope + qk_rope head dims)
+
+
+def run_mla(cuda, rng, *, dtype, batch, budget, heads, prefixes, spare=5):
+    tdt = getattr(torch, dtype)
+    trees = random_trees(rng, batch, budget, cuda)
+    rows = budget + 1
+    seq = max(prefixes) + rows + spare
+    q = (torch.randn(batch, rows, heads, 576, device=cuda) * 0.5).to(tdt)
+    c = torch.randn(batch, seq, 576, device=cuda).to(tdt)
+    prefix = torch.tensor(prefixes, dtype=torch.int64, device=cuda)
+    out, lse, status = kdtree.tree_attention_mla(q, c, trees, prefix, softmax_scale=MLA_SCALE,
+                                                 max_prefix=max(prefixes), return_lse=True)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == (batch, rows, heads, 512)
+    vis = host(trees.visibility).astype(bool)
+    cf = host(c.float())[:, None]  # [B, 1, S, 576]: one KV head
+    ref, ref_lse = reference(host(q.float()), cf, cf[..., :512], host(trees.num_nodes), prefixes, vis, MLA_SCALE)
+    bound = 2 * EPS[dtype] * float(np.abs(cf[..., :512]).max())
+    err = np.abs(host(out.float()) - ref).max()
+    assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
+    g_lse = host(lse)
+    assert np.array_equal(np.isinf(g_lse), np.isinf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    assert np.abs(g_lse[fin] - ref_lse[fin]).max() <= 1e-3
+    assert host(status).tolist() == [0] * batch
+    return trees, q, c, prefix, out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("heads,budget", [(16, 16), (128, 4), (20, 40)])
+def test_mla_matches_float64_reference(cuda, dtype, heads, budget):
+    run_mla(cuda, np.random.default_rng(heads + budget), dtype=dtype, batch=3, budget=budget, heads=heads,
+            prefixes=[0, 37, 300])
+
+
+def test_mla_long_prefix_split_and_merge(cuda):
+    # Few CTAs (17 rows x 16 heads = 272 query vectors, 5 tiles of 64): the keys are split.
+    raw = _lib.load()
+    n = ctypes.c_size_t()
+    assert raw.kdt_tree_attention_mla_cuda_workspace_bytes(2, 16, 16, 9000, ctypes.byref(n)) == 0 and n.value > 0
+    run_mla(cuda, np.random.default_rng(3), dtype="bfloat16", batch=2, budget=16, heads=16, prefixes=[9000, 20])
+
+
+def test_mla_paged_gives_the_contiguous_bits(cuda):
+    rng = np.random.default_rng(4)
+    trees, q, c, prefix, want = run_mla(cuda, rng, dtype="bfloat16", batch=2, budget=8, heads=32,
+                                        prefixes=[500, 61], spare=40)
+    batch, seq, _ = c.shape
+    for page_size in (1, 64):
+        pages = -(-seq // page_size)
+        pool = batch * pages + 2
+        table = torch.from_numpy(rng.permutation(pool)[: batch * pages].astype(np.int32).reshape(batch, pages))
+        table = table.to(cuda)
+        cp = torch.nn.functional.pad(c, (0, 0, 0, pages * page_size - seq)).reshape(batch * pages, page_size, 576)
+        cpool = torch.zeros(pool, page_size, 576, dtype=c.dtype, device=cuda)
+        cpool[table.reshape(-1).long()] = cp
+        got, _, _ = kdtree.tree_attention_mla(q, cpool, trees, prefix, softmax_scale=MLA_SCALE, block_table=table,
+                                              max_prefix=500)
+        assert torch.equal(got, want), page_size
+
+
+def test_mla_refused_arguments(cuda):
+    rng = np.random.default_rng(6)
+    trees = random_trees(rng, 1, 4, cuda)
+    q = torch.zeros(1, 5, 16, 576, device=cuda, dtype=torch.bfloat16)
+    c = torch.zeros(1, 50, 576, device=cuda, dtype=torch.bfloat16)
+    pre = torch.zeros(1, dtype=torch.int64, device=cuda)
+    with pytest.raises(kdtree.KdtreeError, match="softmax_scale is required"):
+        kdtree.tree_attention_mla(q, c, trees, pre, softmax_scale=None)
+    with pytest.raises(kdtree.KdtreeError, match="576 values"):
+        kdtree.tree_attention_mla(q[..., :512], c[..., :512], trees, pre, softmax_scale=0.1)
+    with pytest.raises(kdtree.KdtreeError, match="latent_cache must be"):
+        kdtree.tree_attention_mla(q, c[:, :, None], trees, pre, softmax_scale=0.1)
+

@@ -301,6 +301,8 @@ def main() -> None:
 
         print("\n## tree attention (the verify forward's attention, one layer; tools/bench_tree_attention.py)")
         bench_tree_attention.run(torch)
+        print("\nMLA (absorbed; latent 512 + rotary 64, one KV head; bf16):")
+        bench_tree_attention.run_mla(torch)
 
 
 if __name__ == "__main__":

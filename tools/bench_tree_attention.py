@@ -141,6 +141,82 @@ def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines)
     return row
 
 
+MLA_SHAPES = [(64, 8192, 17, 128), (1, 32768, 17, 128), (16, 4096, 65, 16)]  # (B, prefix, rows, heads)
+
+
+def measure_mla(torch, rng, batch, prefix, rows, heads, bw, flops, baselines):
+    """One MLA shape (latent 512 + rotary 64, one KV head, bf16): kdtree.tree_attention_mla
+    against SDPA with the mask (GQA over the one latent head) and the floor."""
+    import torch.nn.functional as F
+
+    import kdtree
+
+    budget = rows - 1
+    width = min(budget, 8) or 1
+    depth = max(1, min(16, budget))
+    lp = np.sort(rng.standard_normal((batch, depth, width)).astype(np.float32), axis=-1)[..., ::-1] - 1
+    lp = np.ascontiguousarray(np.minimum(lp, -0.01))
+    ids = np.argsort(rng.random((batch, depth, 1000)), axis=-1)[..., :width].astype(np.int32)
+    trees = kdtree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget)
+    keys = prefix + rows
+    nbytes = batch * keys * 576 * 2
+    layers = max(1, min(32, -(-150_000_000 // nbytes)))
+    q = torch.randn(batch, rows, heads, 576, device="cuda", dtype=torch.bfloat16) * 0.3
+    cs = [torch.randn(batch, keys, 576, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    pre = torch.full((batch,), prefix, dtype=torch.int64, device="cuda")
+    out = torch.empty(batch, rows, heads, 512, device="cuda", dtype=torch.bfloat16)
+    fl = 2 * batch * rows * heads * keys * (576 + 512)
+    floor = max(nbytes / bw, fl / flops) * 1e6
+    scale = 1 / 192 ** 0.5
+    kdtree.tree_attention_mla(q, cs[0], trees, pre, softmax_scale=scale, max_prefix=prefix, out=out)
+    n = ctypes.c_size_t()
+    from kdtree import _native as _lib
+    _lib.load().kdt_tree_attention_mla_cuda_workspace_bytes(batch, budget, heads, prefix, ctypes.byref(n))
+    ws = torch.empty(max(n.value, 1), dtype=torch.uint8, device="cuda")
+
+    def ours():
+        for c in cs:
+            kdtree.tree_attention_mla(q, c, trees, pre, softmax_scale=scale, max_prefix=prefix, out=out, workspace=ws,
+                                      errors="status")
+
+    t = timed(torch, ours) * 1e3 / layers
+    row = {"B": batch, "prefix": prefix, "rows": rows, "heads": heads, "floor_us": floor, "kdtree_us": t,
+           "kdtree_tflops": fl / t / 1e6}
+    if baselines:
+        vis = trees.visibility.bool()
+        mask = torch.ones(batch, rows, keys, dtype=torch.bool, device="cuda")
+        mask[:, :, prefix:] = vis
+        qt, m4 = q.transpose(1, 2), mask[:, None]
+
+        def sdpa():
+            for c in cs:
+                k = c[:, None]
+                F.scaled_dot_product_attention(qt, k, k[..., :512], attn_mask=m4, scale=scale, enable_gqa=True)
+
+        try:
+            row["sdpa_us"] = timed(torch, sdpa) * 1e3 / layers
+        except Exception as e:  # a baseline that does not run here is reported, not fatal
+            row["sdpa_us"] = None
+            print(f"  MLA sdpa failed: {type(e).__name__}: {str(e)[:120]}")
+    return row
+
+
+def run_mla(torch, baselines=True) -> list[dict]:
+    """Every MLA shape: prints the markdown table and returns the numbers."""
+    rng = np.random.default_rng(1)
+    print("| B | prefix | rows | heads | floor us | kdtree us (x floor) | TFLOP/s | SDPA+mask us | kdtree vs SDPA |")
+    print("|" + "---|" * 9)
+    res = []
+    for batch, prefix, rows, heads in MLA_SHAPES:
+        r = measure_mla(torch, rng, batch, prefix, rows, heads, FLOOR_BPS, FLOOR_FLOPS, baselines)
+        res.append(r)
+        sd, t = r.get("sdpa_us"), r["kdtree_us"]
+        sd_s, vs = ("-", "-") if sd is None else (f"{sd:,.1f}", f"{sd / t:.1f}x")
+        print(f"| {batch} | {prefix:,} | {rows} | {heads} | {r['floor_us']:,.1f} | {t:,.1f} "
+              f"({t / r['floor_us']:.1f}x) | {r['kdtree_tflops']:.0f} | {sd_s} | {vs} |", flush=True)
+    return res
+
+
 def run(torch, hq=32, hkv=8, dim=128, baselines=True) -> dict:
     """Every shape of SHAPES: prints the markdown table and returns the numbers."""
     mbw, mflops = rates(torch)
@@ -174,10 +250,14 @@ def main() -> int:
     ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--mla", action=argparse.BooleanOptionalAction, default=True, help="also the MLA shapes")
     args = ap.parse_args()
     import torch
 
     res = run(torch, *args.heads, args.head_dim, args.baselines)
+    if args.mla:
+        print("\nMLA (absorbed; latent 512 + rotary 64, one KV head; bf16):")
+        res["mla"] = run_mla(torch, args.baselines)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
     return 0

@@ -442,6 +442,266 @@ __global__ void __launch_bounds__(C::kThreadsC, (D > 128 || C::kMT > 1) ? 1 : 2)
     }
 }
 
+// ---- MLA (absorbed multi-head latent attention) ------------------------------------------
+//
+// DeepSeek-V3 / Kimi-K2 layout: one latent KV head of kMlaDk = 576 values a token (the
+// 512-value latent c, then the 64 rotary key values); the query heads' absorbed queries have
+// 576 values too; V is the latent itself, the first kMlaDv = 512 values of each cached
+// token. A CTA takes 64 query vectors (m = row * heads + h) and 32-key tiles; its 8 warps
+// pair up on an m16 tile: warp w takes tile w % 4 and half w / 4 of the work: the half of
+// the 576 dims of Q K^T (the pair sums its two partial scores through shared memory, in the
+// same order in both warps, so both see the same scores and softmax) and the half of the
+// 512 output dims.
+constexpr int kMlaDk = 576;
+constexpr int kMlaDv = 512;
+constexpr int kMlaM = 64;
+constexpr int kMlaN = 32;
+constexpr int kMlaThreads = 256;
+constexpr int kMlaLD = kMlaDk + kPad;
+constexpr int kMlaTargetCtas = 132;  // one CTA a SM
+constexpr size_t kMlaSmem =
+    (size_t)(kMlaM + 2 * kMlaN) * kMlaLD * 2 + (size_t)(kMlaThreads / 32) * 16 * kMlaN * sizeof(float);
+
+template <typename T>
+__global__ void __launch_bounds__(kMlaThreads, 1) mla_kernel(AttnParams c) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int LD = kMlaLD, TN = kMlaN;
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + kMlaM * LD;  // two buffers of a K tile (V is its first 512 columns)
+    float* xs = reinterpret_cast<float*>(sK + 2 * TN * LD);  // [warp][16 x TN] partial scores
+
+    const int64_t tile = blockIdx.x % c.q_tiles;
+    const int64_t b = blockIdx.x / c.q_tiles;
+    const int32_t s = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane / 4, tig = lane % 4;
+    const int mt = warp & 3, half = warp >> 2;
+    const bool direct = c.splits == 1;
+
+    const int32_t st = c.status[b];
+    const int n = st == KDT_OK ? c.num_nodes[b] : -1;
+    const int p = st == KDT_OK ? (int)c.prefix[b] : 0;
+    const int total = st == KDT_OK ? p + n + 1 : 0;
+    const int k_begin = (int)min((int64_t)s * c.chunk, (int64_t)INT32_MAX);
+    const int k_end = (int)min((int64_t)total, (int64_t)k_begin + c.chunk);
+    const int group = (int)c.group;  // = q_heads (one KV head)
+    const int m0 = (int)tile * kMlaM;
+    const int m_count = (int)c.rows * group;
+    const int m_real = (n + 1) * group;
+    if (k_begin >= k_end) {
+        if (!direct || s != 0) return;
+    }
+
+    constexpr int kVec = 8;
+    constexpr int kCols = kMlaDk / kVec;  // 72 16-byte vectors a row
+    for (int idx = threadIdx.x; idx < kMlaM * kCols; idx += kMlaThreads) {
+        const int r = idx / kCols, cv = idx % kCols;
+        const int m = m0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (m < m_real) {
+            const int64_t row = m / group, hq = m % group;
+            val = *reinterpret_cast<const uint4*>(c.q + (b * c.q_bs + row * c.q_rs + hq * c.q_hs + cv * kVec) *
+                                                            (int64_t)sizeof(T));
+        }
+        *reinterpret_cast<uint4*>(sQ + r * LD + cv * kVec) = val;
+    }
+
+    const int wm = m0 + mt * 16;
+    const bool warp_live = wm < m_real;  // (the same for both warps of a pair)
+
+    float o[kMlaDv / 2 / 8][4];
+#pragma unroll
+    for (int i = 0; i < kMlaDv / 2 / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const bool any_row = m0 < m_real;
+    const bool paged = c.block_table != nullptr;
+    const char* kbase = c.k + (paged ? 0 : b * c.c_outer) * (int64_t)sizeof(T);
+    const int64_t tok_bytes = c.c_token * (int64_t)sizeof(T);
+    constexpr int kLoads = TN * kCols / kMlaThreads;  // 9
+    static_assert(TN * kCols % kMlaThreads == 0, "whole tiles per thread");
+    auto issue_tile = [&](int t0, int buf) {
+        if (t0 < k_end) {
+            T* dk = sK + buf * TN * LD;
+#pragma unroll
+            for (int it = 0; it < kLoads; it++) {
+                const int idx = threadIdx.x + it * kMlaThreads;
+                const int r = idx / kCols, cv = idx % kCols;
+                const int t = t0 + r;
+                const bool live = t < k_end;
+                int64_t off = 0;
+                if (live) {
+                    if (!paged) {
+                        off = (int64_t)t * tok_bytes;
+                    } else {
+                        const int pg_size = (int)c.page_size;
+                        const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
+                        off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
+                    }
+                }
+                cp_async16(dk + r * LD + cv * kVec, kbase + off + cv * kVec * (int64_t)sizeof(T), live);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    if (any_row) issue_tile(k_begin, 0);
+
+    const int mat = lane / 8, mrow = lane % 8;
+    const int q_off = (mt * 16 + mrow + (mat & 1) * 8) * LD + (mat >> 1) * 8;
+    const int k_off = ((mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;
+    const int v_off = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;
+    const int qk0 = half * (kMlaDk / 2);  // this warp's half of Q K^T's dims
+    const int dv0 = half * (kMlaDv / 2);  // and of the output's
+    const float scale = c.scale_log2;
+    float* my_xs = xs + warp * 16 * TN;
+    const float* pair_xs = xs + (warp ^ 4) * 16 * TN;
+
+    int buf = 0;
+    for (int t0 = k_begin; any_row && t0 < k_end; t0 += TN, buf ^= 1) {
+        issue_tile(t0 + TN, buf ^ 1);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();  // tile t0 (and, the first time, Q) visible to every warp
+        const T* tK = sK + buf * TN * LD;
+        float sc[TN / 8][4];
+#pragma unroll
+        for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        if (warp_live) {
+#pragma unroll 6
+            for (int kk = 0; kk < kMlaDk / 2 / 16; kk++) {
+                uint32_t a[4];
+                ldmatrix_x4(a, sQ + q_off + qk0 + kk * 16);
+#pragma unroll
+                for (int j = 0; j < TN / 8; j += 2) {
+                    uint32_t bf[4];
+                    ldmatrix_x4(bf, tK + k_off + j * 8 * LD + qk0 + kk * 16);
+                    Elem<T>::mma(sc[j], a, bf);
+                    Elem<T>::mma(sc[j + 1], a, bf + 2);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TN / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) my_xs[(j * 4 + e) * 32 + lane] = sc[j][e];
+        }
+        __syncthreads();  // both halves' partial scores are in shared memory
+        if (warp_live) {
+            // The pair's sum, the low half's partial first in both warps (the same bits).
+#pragma unroll
+            for (int j = 0; j < TN / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float other = pair_xs[(j * 4 + e) * 32 + lane];
+                    sc[j][e] = half == 0 ? sc[j][e] + other : other + sc[j][e];
+                }
+            if (t0 + TN > min(p, k_end)) {
+                const int m_lo = wm + gid;
+                const int r_lo = min(m_lo, m_real - 1) / group, r_hi = min(m_lo + 8, m_real - 1) / group;
+                const uint32_t* vis_lo = c.vis + (b * c.rows + r_lo) * c.words;
+                const uint32_t* vis_hi = c.vis + (b * c.rows + r_hi) * c.words;
+#pragma unroll
+                for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int key = t0 + j * 8 + tig * 2 + (e & 1);
+                        bool visible = key < k_end;
+                        if (visible && key >= p) {
+                            const int jj = key - p;
+                            const uint32_t w = (e >= 2 ? vis_hi : vis_lo)[jj >> 5];
+                            visible = (w >> (jj & 31)) & 1u;
+                        }
+                        if (!visible) sc[j][e] = -INFINITY;
+                    }
+                }
+            }
+            float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int j = 0; j < TN / 8; j++) {
+                tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
+                tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
+            }
+            float alpha[2], msub[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+                const float mnew = fmaxf(mx[h], tmax[h]);
+                alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[h] - mnew) * scale);
+                msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
+                mx[h] = mnew;
+            }
+            float rsum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float pv = exp2f(fmaf(sc[j][e], scale, -msub[e >> 1]));
+                    sc[j][e] = pv;
+                    rsum[e >> 1] += pv;
+                }
+            }
+            l[0] = l[0] * alpha[0] + rsum[0];
+            l[1] = l[1] * alpha[1] + rsum[1];
+#pragma unroll
+            for (int i = 0; i < kMlaDv / 2 / 8; i++) {
+                o[i][0] *= alpha[0];
+                o[i][1] *= alpha[0];
+                o[i][2] *= alpha[1];
+                o[i][3] *= alpha[1];
+            }
+#pragma unroll
+            for (int kk = 0; kk < TN / 16; kk++) {
+                uint32_t a[4];
+                a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
+                a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
+                a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+                for (int i = 0; i < kMlaDv / 2 / 8; i += 2) {
+                    uint32_t bf[4];
+                    ldmatrix_x4_trans(bf, tK + v_off + kk * 16 * LD + dv0 + i * 8);
+                    Elem<T>::mma(o[i], a, bf);
+                    Elem<T>::mma(o[i + 1], a, bf + 2);
+                }
+            }
+        }
+        __syncthreads();  // the tile's buffer and the partial scores are free again
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int m = wm + gid + 8 * h;
+        if (m >= m_count) continue;
+        const int64_t row = m / group, hq = m % group;
+        const bool seen = m < m_real && l[h] > 0.f;
+        const float inv = seen ? 1.f / l[h] : 0.f;
+        const float lse = seen ? (mx[h] * scale + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
+        if (direct) {
+            T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs + dv0;
+#pragma unroll
+            for (int i = 0; i < kMlaDv / 2 / 8; i++) {
+                const int d = i * 8 + tig * 2;
+                *reinterpret_cast<uint32_t*>(dst + d) = Elem<T>::pack(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+            }
+            if (c.lse != nullptr && tig == 0 && half == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
+        } else if (m < m_real) {
+            const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
+            float* dst = c.part_o + cell * kMlaDv + dv0;
+#pragma unroll
+            for (int i = 0; i < kMlaDv / 2 / 8; i++) {
+                const int d = i * 8 + tig * 2;
+                *reinterpret_cast<float2*>(dst + d) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+            }
+            if (tig == 0 && half == 0) c.part_lse[cell] = lse;
+        }
+    }
+}
+
 // Combines the splits of one (request, row, query head) per block of D threads; padding
 // rows and failed requests get zeros and lse -inf. The splits' lse values are read once,
 // in parallel (thread d takes splits d, d + D, ...), reduced in shared memory to the
@@ -501,15 +761,16 @@ __global__ void __launch_bounds__(D) merge_kernel(AttnParams c) {
 }
 
 // The split plan: how many chunks the keys of the longest request are cut into.
+// tile_m: query vectors a CTA; target: CTAs that fill the GPU (two or one a SM).
 void plan_splits(int64_t batch, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t max_prefix,
-                 int32_t* splits, int64_t* chunk) {
+                 int32_t* splits, int64_t* chunk, int64_t tile_m = kTileM, int64_t target = kTargetCtas) {
     const int64_t group = q_heads / kv_heads;
-    const int64_t tiles = (rows * group + kTileM - 1) / kTileM;
+    const int64_t tiles = (rows * group + tile_m - 1) / tile_m;
     const int64_t ctas = batch * kv_heads * tiles;
     const int64_t keys = max_prefix + rows;
     int64_t sp = 1;
-    if (ctas > 0 && ctas < kTargetCtas && keys > 2 * kMinChunk) {  // (no requests: nothing to split)
-        sp = (kTargetCtas + ctas - 1) / ctas;
+    if (ctas > 0 && ctas < target && keys > 2 * kMinChunk) {  // (no requests: nothing to split)
+        sp = (target + ctas - 1) / ctas;
         const int64_t most = keys / kMinChunk;
         if (sp > most) sp = most;
         if (sp > kMaxSplits) sp = kMaxSplits;
@@ -522,6 +783,7 @@ void plan_splits(int64_t batch, int64_t rows, int64_t q_heads, int64_t kv_heads,
     *chunk = ch;
 }
 
+// head_dim 0: MLA (fixed dims, checked by its caller).
 kdt_status check_sizes(int64_t batch, int64_t budget, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                        int64_t max_prefix) {
     if (batch < 0 || batch > INT32_MAX) {
@@ -536,7 +798,7 @@ kdt_status check_sizes(int64_t batch, int64_t budget, int64_t q_heads, int64_t k
                         "q_heads (%lld) must be a multiple of kv_heads (%lld), both in [1, 4096]",
                         (long long)q_heads, (long long)kv_heads);
     }
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+    if (head_dim != 0 && head_dim != 64 && head_dim != 128 && head_dim != 256) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "head_dim %lld is not 64, 128 or 256", (long long)head_dim);
     }
     if (max_prefix < 0 || max_prefix > kMaxPrefix) {
@@ -586,6 +848,20 @@ kdt_status launch(const AttnParams& c, cudaStream_t stream) {
     return kdt::launch_status("tree attention merge");
 }
 
+template <typename T>
+kdt_status launch_mla(const AttnParams& c, cudaStream_t stream) {
+    if (cudaFuncSetAttribute(mla_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMlaSmem) !=
+        cudaSuccess) {
+        return kdt::launch_status("MLA tree attention (shared memory size)");
+    }
+    const dim3 grid((unsigned)(c.batch * c.q_tiles), (unsigned)c.splits);
+    mla_kernel<T><<<grid, kMlaThreads, kMlaSmem, stream>>>(c);
+    kdt_status st = kdt::launch_status("MLA tree attention");
+    if (st != KDT_OK || c.splits == 1) return st;
+    merge_kernel<T, kMlaDv><<<(unsigned)(c.batch * c.rows * c.q_heads), kMlaDv, 0, stream>>>(c);
+    return kdt::launch_status("MLA tree attention merge");
+}
+
 }  // namespace
 
 extern "C" kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads,
@@ -601,12 +877,16 @@ extern "C" kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int
     return kdt_ok();
 }
 
-extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
-                                              int64_t max_prefix, const kdt_attention_rows* q,
-                                              const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
-                                              int64_t head_dim, float softmax_scale, kdt_attention_rows* out,
-                                              float* lse, int32_t* request_status, void* workspace,
-                                              size_t workspace_bytes, void* stream) {
+namespace {
+
+// The host-side checks and the launch parameters of both entry points (head_dim 0: MLA,
+// 576 / 512 values, one KV head). Sets *empty for a batch of 0 (nothing to launch).
+kdt_status setup(const kdt_trees* trees, const int64_t* prefix_lengths, int64_t max_prefix,
+                 const kdt_attention_rows* q, const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
+                 int64_t head_dim, float softmax_scale, kdt_attention_rows* out, float* lse,
+                 int32_t* request_status, void* workspace, size_t workspace_bytes, AttnParams* params, bool* empty) {
+    const bool mla = head_dim == 0;
+    *empty = false;
     if (trees == NULL || q == NULL || cache == NULL || out == NULL) {
         return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
                         trees == NULL ? "trees" : q == NULL ? "q" : cache == NULL ? "cache" : "out");
@@ -620,6 +900,10 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
     if (st != KDT_OK) return st;
     if (!(softmax_scale > 0.f) || softmax_scale > 1e30f) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "softmax_scale %g must be finite and > 0", (double)softmax_scale);
+    }
+    if (mla && cache->kv_heads != 1) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "MLA: cache->kv_heads %lld must be 1 (one latent head)",
+                        (long long)cache->kv_heads);
     }
     const bool paged = cache->block_table != NULL;
     if (paged) {
@@ -649,13 +933,16 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
                             i < 3 ? "q" : i < 6 ? "out" : "cache", (long long)strides[i]);
         }
     }
-    if (B == 0) return kdt_ok();
+    if (B == 0) {
+        *empty = true;
+        return kdt_ok();
+    }
     if (trees->num_nodes == NULL || trees->visibility_bits == NULL) {
         return kdt_fail(KDT_ERR_NULL_POINTER, "trees->%s is NULL",
                         trees->num_nodes == NULL ? "num_nodes" : "visibility_bits");
     }
     if (prefix_lengths == NULL || request_status == NULL || q->data == NULL || out->data == NULL ||
-        cache->k == NULL || cache->v == NULL) {
+        cache->k == NULL || (cache->v == NULL && !mla)) {
         return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
                         prefix_lengths == NULL   ? "prefix_lengths"
                         : request_status == NULL ? "request_status"
@@ -665,7 +952,7 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
                                                  : "cache->v");
     }
     if (misaligned(q->data, 16) || misaligned(out->data, 16) || misaligned(cache->k, 16) ||
-        misaligned(cache->v, 16)) {
+        (!mla && misaligned(cache->v, 16))) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "q->data, out->data, cache->k and cache->v must be 16-byte aligned");
     }
     if (misaligned(prefix_lengths, 8) || misaligned(trees->num_nodes, 4) || misaligned(trees->visibility_bits, 4) ||
@@ -676,8 +963,12 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
     }
     int32_t splits;
     int64_t chunk;
-    plan_splits(B, R, q_heads, cache->kv_heads, max_prefix, &splits, &chunk);
-    const size_t need = workspace_for(B, R, q_heads, head_dim, splits);
+    if (mla) {
+        plan_splits(B, R, q_heads, 1, max_prefix, &splits, &chunk, kMlaM, kMlaTargetCtas);
+    } else {
+        plan_splits(B, R, q_heads, cache->kv_heads, max_prefix, &splits, &chunk);
+    }
+    const size_t need = workspace_for(B, R, q_heads, mla ? kMlaDv : head_dim, splits);
     if (need > 0 && (workspace == NULL || workspace_bytes < need)) {
         return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL,
                         "workspace: %zu bytes needed for %d splits of the keys, %zu given "
@@ -685,7 +976,8 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
                         need, (int)splits, workspace == NULL ? (size_t)0 : workspace_bytes);
     }
 
-    AttnParams c{};
+    AttnParams& c = *params;
+    c = AttnParams{};
     c.q = static_cast<const char*>(q->data);
     c.q_bs = q->batch_stride;
     c.q_rs = q->row_stride;
@@ -696,7 +988,7 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
     c.o_hs = out->head_stride;
     c.lse = lse;
     c.k = static_cast<const char*>(cache->k);
-    c.v = static_cast<const char*>(cache->v);
+    c.v = static_cast<const char*>(mla ? cache->k : cache->v);
     c.c_outer = cache->outer_stride;
     c.c_head = cache->head_stride;
     c.c_token = cache->token_stride;
@@ -710,7 +1002,8 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
     c.kv_heads = cache->kv_heads;
     c.group = q_heads / cache->kv_heads;
     c.words = (R + 31) / 32;
-    c.q_tiles = (R * c.group + kTileM - 1) / kTileM;
+    const int64_t tile_m = mla ? kMlaM : kTileM;
+    c.q_tiles = (R * c.group + tile_m - 1) / tile_m;
     c.num_nodes = trees->num_nodes;
     c.vis = trees->visibility_bits;
     c.prefix = prefix_lengths;
@@ -730,8 +1023,27 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
         return kdt_fail(KDT_ERR_OVERFLOW, "too many (request, head, row) cells for one launch");
     }
 
+    return KDT_OK;
+}
+
+}  // namespace
+
+extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+                                              int64_t max_prefix, const kdt_attention_rows* q,
+                                              const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
+                                              int64_t head_dim, float softmax_scale, kdt_attention_rows* out,
+                                              float* lse, int32_t* request_status, void* workspace,
+                                              size_t workspace_bytes, void* stream) {
+    if (head_dim == 0) {  // (0 selects MLA inside setup)
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "head_dim 0 is not 64, 128 or 256");
+    }
+    AttnParams c;
+    bool empty;
+    kdt_status st = setup(trees, prefix_lengths, max_prefix, q, cache, dtype, q_heads, head_dim, softmax_scale, out,
+                          lse, request_status, workspace, workspace_bytes, &c, &empty);
+    if (st != KDT_OK || empty) return st;
     const cudaStream_t s = kdt::as_stream(stream);
-    check_kernel<<<(unsigned)B, 128, 0, s>>>(c);
+    check_kernel<<<(unsigned)c.batch, 128, 0, s>>>(c);
     st = kdt::launch_status("tree attention check");
     if (st != KDT_OK) return st;
     if (dtype == KDT_DTYPE_BFLOAT16) {
@@ -743,6 +1055,38 @@ extern "C" kdt_status kdt_tree_attention_cuda(const kdt_trees* trees, const int6
              : head_dim == 128 ? launch<__half, 128>(c, s)
                                : launch<__half, 256>(c, s);
     }
+    if (st != KDT_OK) return st;
+    return kdt_ok();
+}
+
+extern "C" kdt_status kdt_tree_attention_mla_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads,
+                                                                  int64_t max_prefix, size_t* bytes) {
+    if (bytes == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "bytes is NULL");
+    const kdt_status st = check_sizes(batch, budget, q_heads, 1, 0, max_prefix);
+    if (st != KDT_OK) return st;
+    int32_t splits;
+    int64_t chunk;
+    plan_splits(batch, budget + 1, q_heads, 1, max_prefix, &splits, &chunk, kMlaM, kMlaTargetCtas);
+    *bytes = batch == 0 ? 0 : workspace_for(batch, budget + 1, q_heads, kMlaDv, splits);
+    return kdt_ok();
+}
+
+extern "C" kdt_status kdt_tree_attention_mla_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+                                                  int64_t max_prefix, const kdt_attention_rows* q,
+                                                  const kdt_attention_cache* cache, int32_t dtype, int64_t q_heads,
+                                                  float softmax_scale, kdt_attention_rows* out, float* lse,
+                                                  int32_t* request_status, void* workspace, size_t workspace_bytes,
+                                                  void* stream) {
+    AttnParams c;
+    bool empty;
+    kdt_status st = setup(trees, prefix_lengths, max_prefix, q, cache, dtype, q_heads, 0, softmax_scale, out, lse,
+                          request_status, workspace, workspace_bytes, &c, &empty);
+    if (st != KDT_OK || empty) return st;
+    const cudaStream_t s = kdt::as_stream(stream);
+    check_kernel<<<(unsigned)c.batch, 128, 0, s>>>(c);
+    st = kdt::launch_status("tree attention check");
+    if (st != KDT_OK) return st;
+    st = dtype == KDT_DTYPE_BFLOAT16 ? launch_mla<__nv_bfloat16>(c, s) : launch_mla<__half>(c, s);
     if (st != KDT_OK) return st;
     return kdt_ok();
 }

@@ -394,6 +394,16 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "kdt_tree_attention_cuda": (
         "status", [_trees_p, _vp, _i64, ctypes.POINTER(KdtAttentionRows), ctypes.POINTER(KdtAttentionCache), _i32,
                    _i64, _i64, _f32, ctypes.POINTER(KdtAttentionRows), _vp, _vp, _vp, _sz, _vp]),
+    # kdt_status kdt_tree_attention_mla_cuda_workspace_bytes(int64_t batch, int64_t budget,
+    #     int64_t q_heads, int64_t max_prefix, size_t* bytes)
+    "kdt_tree_attention_mla_cuda_workspace_bytes": ("status", [_i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),
+    # kdt_status kdt_tree_attention_mla_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
+    #     int64_t max_prefix, const kdt_attention_rows* q, const kdt_attention_cache* cache,
+    #     int32_t dtype, int64_t q_heads, float softmax_scale, kdt_attention_rows* out, float* lse,
+    #     int32_t* request_status, void* workspace, size_t workspace_bytes, void* stream)
+    "kdt_tree_attention_mla_cuda": (
+        "status", [_trees_p, _vp, _i64, ctypes.POINTER(KdtAttentionRows), ctypes.POINTER(KdtAttentionCache), _i32,
+                   _i64, _f32, ctypes.POINTER(KdtAttentionRows), _vp, _vp, _vp, _sz, _vp]),
     # kdt_status kdt_dtype_size(int32_t dtype, size_t* bytes)
     "kdt_dtype_size": ("status", [_i32, ctypes.POINTER(_sz)]),
     # kdt_status kdt_kdtr_open(const char* path, kdt_kdtr_file** out)

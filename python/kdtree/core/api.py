@@ -618,6 +618,70 @@ def tree_attention(
                                  errors=errors, stream=stream, out=out, lse=lse, workspace=workspace)
 
 
+def tree_attention_mla(
+    q,
+    latent_cache,
+    trees: TreeBatch,
+    prefix_lengths,
+    *,
+    softmax_scale: float,
+    block_table=None,
+    max_prefix: int | None = None,
+    return_lse: bool = False,
+    errors: str = "raise",
+    stream=None,
+    out=None,
+    lse=None,
+    workspace=None,
+):
+    """:func:`tree_attention` for MLA (multi-head latent attention in its absorbed form,
+    DeepSeek-V3 / Kimi-K2; ``kdt_tree_attention_mla_cuda``): one latent KV head of 576
+    values a token (the 512 latent values, then the 64 rotary key values), shared by every
+    query head; scores over all 576 values, output the weighted sum of the visible tokens'
+    first 512 values. The tree rule, padding rows, statuses and splitting are
+    :func:`tree_attention`'s.
+
+    Args:
+        q: CUDA float16 / bfloat16 ``[B, N+1, q_heads, 576]``: each head's absorbed query
+            (the no-rotary part multiplied into the latent space, then the rotary part).
+        latent_cache: the same dtype: ``[B, S, 576]`` (contiguous) or, with
+            ``block_table``, ``[pages, page_size, 576]`` (vLLM's and FlashMLA's paged
+            layout, page_size 1 to 256). The verify forward must have written the tree
+            rows' latents as tokens ``p .. p + N``.
+        softmax_scale: required: the model's scale (for DeepSeek-V3 ``1 /
+            sqrt(192)`` times its YaRN ``mscale^2``), not ``1 / sqrt(576)``.
+        trees, prefix_lengths, block_table, max_prefix, return_lse, errors, stream,
+            workspace: as :func:`tree_attention` (the workspace query is
+            ``kdt_tree_attention_mla_cuda_workspace_bytes``).
+        out, lse: preallocated ``[B, N+1, q_heads, 512]`` (the dtype of q) and float32
+            ``[B, N+1, q_heads]``.
+
+    Returns:
+        ``(out, lse, request_status)`` as :func:`tree_attention`, ``out`` of 512 values a
+        head.
+
+    Raises:
+        KdtreeError: host arrays, dtypes, shapes (576 values a head and token), strides,
+        a failed request (with ``errors="raise"``).
+    """
+    if not _device.is_device_array(q):
+        raise checks.invalid("tree_attention_mla runs on the GPU: q and latent_cache must be CUDA arrays "
+                             f"(got {type(q).__name__})")
+    if not isinstance(trees, TreeBatch):
+        raise checks.type_error(f"trees must be a TreeBatch (build_trees' output), got {type(trees).__name__}")
+    if not _device.is_device_array(latent_cache) or len(getattr(latent_cache, "shape", ())) != 3:
+        raise checks.shape_error("latent_cache must be a CUDA array [B, S, 576] or, paged, [pages, page_size, 576]; "
+                                 f"got {type(latent_cache).__name__} of shape {getattr(latent_cache, 'shape', None)}")
+    if softmax_scale is None:
+        raise checks.invalid("tree_attention_mla: softmax_scale is required (the model's scale, e.g. 1 / sqrt(192) "
+                             "x mscale^2 for DeepSeek-V3; not 1 / sqrt(576))")
+    cache4 = latent_cache[:, :, None]  # one latent KV head
+    layout = "pshd" if block_table is not None else "bshd"
+    return _gpu().tree_attention(q, cache4, cache4, trees, prefix_lengths, layout=layout, block_table=block_table,
+                                 max_prefix=max_prefix, softmax_scale=softmax_scale, return_lse=return_lse,
+                                 errors=errors, stream=stream, out=out, lse=lse, workspace=workspace, mla=True)
+
+
 def compact_kv(
     k_layers,
     v_layers,

@@ -672,8 +672,11 @@ def _rows_struct(v: dev.DeviceArray, name: str) -> _lib.KdtAttentionRows:
     return _lib.KdtAttentionRows(v.ptr, *st)
 
 
+MLA_DK, MLA_DV = 576, 512  # kdt_tree_attention_mla_cuda: latent + rotary values a token, latent values
+
+
 def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, layout, block_table, max_prefix,
-                   softmax_scale, return_lse, errors, stream, out, lse, workspace):
+                   softmax_scale, return_lse, errors, stream, out, lse, workspace, mla=False):
     checks.check_errors(errors)
     if layout is None:
         layout = "pshd" if block_table is not None else "bhsd"
@@ -707,6 +710,10 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
         (cb, heads, seq, cd), (os_, hs, ts, ds) = kv.shape, kv.strides
     if cd != dim:
         raise checks.shape_error(f"k_cache head_dim {cd} != q head_dim {dim}")
+    if mla and dim != MLA_DK:
+        raise checks.shape_error(f"MLA: q and the latent cache must have {MLA_DK} values a head and token (512 latent + "
+                                 f"64 rotary), got {dim}")
+    out_dim = MLA_DV if mla else dim
     if cd > 1 and ds != 1:
         raise checks.invalid(f"k_cache: head_dim must be contiguous, got strides {kv.strides}")
     if not paged and cb != batch:
@@ -739,13 +746,17 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
         prefix, pv = _optional(prefix_lengths, "prefix_lengths", "int64", (batch,), q, s)
         _same_device([qv, kv, vv, pv, *tviews] + ([bt] if bt is not None else []))
         nbytes = ctypes.c_size_t()
-        lib.kdt_tree_attention_cuda_workspace_bytes(batch, trees.budget, q_heads, heads, dim, max_prefix,
-                                                    ctypes.byref(nbytes))
+        if mla:
+            lib.kdt_tree_attention_mla_cuda_workspace_bytes(batch, trees.budget, q_heads, max_prefix,
+                                                            ctypes.byref(nbytes))
+        else:
+            lib.kdt_tree_attention_cuda_workspace_bytes(batch, trees.budget, q_heads, heads, dim, max_prefix,
+                                                        ctypes.byref(nbytes))
         if out is None:
-            out = dev.empty(q, (batch, rows, q_heads, dim), qv.dtype)
+            out = dev.empty(q, (batch, rows, q_heads, out_dim), qv.dtype)
         ov = _view(out, "out", qv.dtype, 4, s, contiguous=False)
-        if ov.shape != qv.shape:
-            raise checks.shape_error(f"out must have shape {qv.shape}, got {ov.shape}")
+        if ov.shape != (batch, rows, q_heads, out_dim):
+            raise checks.shape_error(f"out must have shape {(batch, rows, q_heads, out_dim)}, got {ov.shape}")
         if return_lse or lse is not None:
             if lse is None:
                 lse = dev.empty(q, (batch, rows, q_heads), "float32")
@@ -768,9 +779,16 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
                                        hs if heads > 1 else 0, ts if seq > 1 else 0, capacity, bt_ptr, bt_stride,
                                        page_size)
         qs, os2 = _rows_struct(qv, "q"), _rows_struct(ov, "out")
-        lib.kdt_tree_attention_cuda(ctypes.byref(tstruct), pv.ptr, max_prefix, ctypes.byref(qs), ctypes.byref(cache),
-                                    _DTYPE_CODES[qv.dtype], q_heads, dim, float(softmax_scale), ctypes.byref(os2),
-                                    lse_ptr, dev.view(status, "s").ptr, ws_ptr, ws_bytes, s)
+        if mla:
+            lib.kdt_tree_attention_mla_cuda(ctypes.byref(tstruct), pv.ptr, max_prefix, ctypes.byref(qs),
+                                            ctypes.byref(cache), _DTYPE_CODES[qv.dtype], q_heads,
+                                            float(softmax_scale), ctypes.byref(os2), lse_ptr,
+                                            dev.view(status, "s").ptr, ws_ptr, ws_bytes, s)
+        else:
+            lib.kdt_tree_attention_cuda(ctypes.byref(tstruct), pv.ptr, max_prefix, ctypes.byref(qs),
+                                        ctypes.byref(cache), _DTYPE_CODES[qv.dtype], q_heads, dim,
+                                        float(softmax_scale), ctypes.byref(os2), lse_ptr, dev.view(status, "s").ptr,
+                                        ws_ptr, ws_bytes, s)
         del prefix, ws
     if errors == "raise":
         _raise_on_status(status, "tree_attention")
