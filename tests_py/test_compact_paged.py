@@ -110,8 +110,12 @@ def test_gpu_paged_gives_the_cpu_bits(cuda, dtype, layout, page_size):
     kdtree.compact_kv(cpu[:3], cpu[3:], prefix, acc, layout=layout, block_table=table)
     gacc = kdtree.Acceptance(torch.from_numpy(acc.accepted_nodes).to(cuda),
                              torch.from_numpy(acc.accept_length).to(cuda), torch.from_numpy(acc.bonus_token).to(cuda))
+    # The table is a slice of a wider one (rows 3 entries apart more than it holds), as an
+    # engine's preallocated block table is.
+    wide = torch.full((table.shape[0], table.shape[1] + 3), -1, dtype=torch.int32, device=cuda)
+    wide[:, : table.shape[1]] = torch.from_numpy(table).to(cuda)
     status = kdtree.compact_kv(gpu[:3], gpu[3:], torch.from_numpy(prefix).to(cuda), gacc, layout=layout,
-                               block_table=torch.from_numpy(table).to(cuda))
+                               block_table=wide[:, : table.shape[1]])
     assert status.cpu().tolist() == [0] * len(PATHS)
     for c, g in zip(cpu, gpu, strict=True):
         np.testing.assert_array_equal(g.float().cpu().numpy(), c)

@@ -117,16 +117,21 @@ __global__ void check_kernel(AttnParams c) {
         verdict = st;
     }
     __syncthreads();
-    if (verdict == KDT_OK && c.block_table != nullptr) {
-        // Every page the request reads must be a page of the pool.
+    // Every page the request reads must be a page of the pool. The condition is read before
+    // the barrier, so the whole block takes the same branch; failures go to another flag.
+    __shared__ int32_t bad_page;
+    const bool scan = verdict == KDT_OK && c.block_table != nullptr;
+    if (threadIdx.x == 0) bad_page = 0;
+    __syncthreads();
+    if (scan) {
         const int64_t pages = (c.prefix[b] + c.num_nodes[b]) / c.page_size + 1;
         for (int64_t i = threadIdx.x; i < pages; i += blockDim.x) {
             const int32_t pg = c.block_table[b * c.bt_stride + i];
-            if (pg < 0 || (int64_t)pg >= c.capacity) verdict = KDT_ERR_OUT_OF_RANGE;  // benign race: same value
+            if (pg < 0 || (int64_t)pg >= c.capacity) bad_page = 1;  // benign race: same value
         }
-        __syncthreads();
     }
-    if (threadIdx.x == 0) c.status[b] = verdict;
+    __syncthreads();
+    if (threadIdx.x == 0) c.status[b] = bad_page ? KDT_ERR_OUT_OF_RANGE : verdict;
 }
 
 // ---- the attention kernel ---------------------------------------------------------------
@@ -811,7 +816,9 @@ kdt_status check_sizes(int64_t batch, int64_t budget, int64_t q_heads, int64_t k
 size_t workspace_for(int64_t batch, int64_t rows, int64_t q_heads, int64_t head_dim, int32_t splits) {
     if (splits <= 1) return 0;
     const size_t cells = (size_t)splits * (size_t)batch * (size_t)rows * (size_t)q_heads;
-    return cells * (size_t)(head_dim + 1) * sizeof(float) + 256;
+    // + 512: up to 255 bytes to align the workspace pointer to 256 and up to 252 to align
+    // the partial outputs after the lse values (64 cells).
+    return cells * (size_t)(head_dim + 1) * sizeof(float) + 512;
 }
 
 bool misaligned(const void* ptr, size_t alignment) { return ((uintptr_t)ptr % alignment) != 0; }
@@ -905,14 +912,17 @@ kdt_status setup(const kdt_trees* trees, const int64_t* prefix_lengths, int64_t 
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "MLA: cache->kv_heads %lld must be 1 (one latent head)",
                         (long long)cache->kv_heads);
     }
+    if (mla && cache->v != NULL && cache->v != cache->k) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "MLA: cache->v must be NULL or cache->k (V is the latent, read from k)");
+    }
     const bool paged = cache->block_table != NULL;
     if (paged) {
         if (cache->page_size < 1 || cache->page_size > 256) {
             return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->page_size %lld is outside [1, 256]",
                             (long long)cache->page_size);
         }
-        if (cache->block_table_stride < 1) {
-            return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->block_table_stride %lld must be >= 1",
+        if (cache->block_table_stride < 1 || cache->block_table_stride > ((int64_t)1 << 40)) {
+            return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->block_table_stride %lld is outside [1, 2^40]",
                             (long long)cache->block_table_stride);
         }
     } else if (cache->page_size != 0 || cache->block_table_stride != 0) {

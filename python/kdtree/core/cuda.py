@@ -620,7 +620,7 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         bt = None
         if paged:
             bt = _view(block_table, "block_table", "int32", 2, s, contiguous=False)
-            if bt.shape[1] < 1 or (bt.shape[0] > 1 and bt.strides[1] != 1):
+            if bt.shape[1] < 1 or (bt.shape[1] > 1 and bt.strides[1] != 1):
                 raise checks.invalid(f"block_table must be [B, pages a request >= 1] with unit column stride, got "
                                      f"{bt.shape} strides {bt.strides}")
             batch = bt.shape[0]
@@ -636,7 +636,7 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
             if bt_stride < bt.shape[1]:
                 raise checks.invalid(f"block_table: row stride {bt_stride} < {bt.shape[1]} pages a request")
             pcache = _lib.KdtPagedKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _DTYPE_CODES[first.dtype], 0, batch,
-                                          heads, dim, pages, page_size, bs, hs, ss, bt.ptr, bt.shape[1])
+                                          heads, dim, pages, page_size, bs, hs, ss, bt.ptr, bt_stride)
         else:
             cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads,
                                     seq, dim, bs, hs, ss)
