@@ -691,8 +691,8 @@ typedef struct kdt_paged_kv_cache {
 
 /*
  * kdt_compact_kv_cuda on a paged cache: the accepted path's rows move from token p +
- * accepted_nodes[b][j] to token p + j (j = 1 .. accept_length[b]), through the request's
- * block table, all layers in one launch. The pages that hold tokens p + 1 .. p +
+ * accepted_nodes[b][j] to token p + j (j = 0 .. accept_length[b]; j = 0, the root, is
+ * already in place), through the request's block table, all layers in one launch. The pages that hold tokens p + 1 .. p +
  * accepted_nodes[b][accept_length[b]] must be the request's own (a page shared with
  * another request in that range, or listed twice, is moved twice; not checked).
  *

@@ -86,6 +86,13 @@ def test_host_paged_arguments_are_checked():
         kdtree.compact_kv(pools[:3], pools[3:], prefix, acc, layout="pshd")
     with pytest.raises(kdtree.KdtreeError, match="takes no block_table"):
         kdtree.compact_kv(pools[:3], pools[3:], prefix, acc, layout="bhsd", block_table=table)
+    with pytest.raises(kdtree.KdtreeError, match="block_table must be an int32 array"):
+        kdtree.compact_kv(pools[:3], pools[3:], prefix, acc, layout="pshd", block_table=table.astype(np.int64))
+    with pytest.raises(kdtree.KdtreeError, match="the block_table's"):
+        kdtree.compact_kv(pools[:3], pools[3:], prefix, acc, layout="pshd", block_table=table[:3])
+    with pytest.raises(kdtree.KdtreeError, match="acceptance must be an Acceptance"):
+        kdtree.compact_kv(pools[:3], pools[3:], prefix, (acc.accepted_nodes, acc.accept_length), layout="pshd",
+                          block_table=table)
     big = [np.zeros((4, 300, 2, 16), np.float32) for _ in range(2)]
     with pytest.raises(kdtree.KdtreeError, match="outside \\[1, 256\\]"):
         kdtree.compact_kv(big[:1], big[1:], prefix, acc, layout="pshd", block_table=table)

@@ -733,6 +733,10 @@ def compact_kv(
 
     Raises TypeError when ``k_layers`` or ``v_layers`` is a single tensor, not a sequence.
     """
+    if not (hasattr(acceptance, "accepted_nodes") and hasattr(acceptance, "accept_length")):
+        raise checks.type_error(f"acceptance must be an Acceptance (a verify call's result, or "
+                                f"kdtree.Acceptance(accepted_nodes, accept_length, bonus_token)), got "
+                                f"{type(acceptance).__name__}")
     for name, layers in (("k_layers", k_layers), ("v_layers", v_layers)):
         if hasattr(layers, "ndim") and hasattr(layers, "shape"):  # one array, not a sequence of them
             raise checks.type_error(f"{name} must be a sequence of per-layer tensors (one [B, H, S, D] or [B, S, H, D] "

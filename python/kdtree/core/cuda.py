@@ -628,7 +628,8 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         acc = _view(acceptance.accepted_nodes, "accepted_nodes", "int32", 2, s)
         alen = _view(acceptance.accept_length, "accept_length", "int32", 1, s)
         if acc.shape[0] != batch or alen.shape[0] != batch:
-            raise checks.shape_error(f"acceptance holds {acc.shape[0]} requests, the cache {batch}")
+            raise checks.shape_error(f"acceptance holds {acc.shape[0]} requests, the "
+                                     f"{'block_table' if paged else 'cache'} {batch}")
         _same_device([*kv, *vv, pv, acc, alen] + ([bt] if bt is not None else []))
         vptr = dev.view(vtab, "v").ptr if vtab is not None else None
         if paged:

@@ -500,6 +500,9 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
     accepted = checks.int_array(acceptance.accepted_nodes, "accepted_nodes")
     length = checks.int_array(acceptance.accept_length, "accept_length").reshape(-1)
     if paged:
+        if checks.dtype_name(getattr(block_table, "dtype", None)) != "int32":
+            raise checks.type_error(f"block_table must be an int32 array (as on the GPU), got "
+                                    f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
         table = checks.int_array(block_table, "block_table")
         if table.ndim != 2 or table.shape[1] < 1:
             raise checks.shape_error(f"block_table must be [B, pages a request >= 1], got {table.shape}")
@@ -512,8 +515,8 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
         batch = shape[0]
         seq = shape[2] if layout == "bhsd" else shape[1]
     if accepted.ndim != 2 or accepted.shape[0] != batch or length.shape != (batch,):
-        raise checks.shape_error(f"acceptance must hold {batch} requests (accepted_nodes [B, P], accept_length [B]), got "
-                         f"{accepted.shape} and {length.shape}")
+        raise checks.shape_error(f"acceptance must hold {batch} requests (the {'block_table' if paged else 'cache'}'s; "
+                                 f"accepted_nodes [B, P], accept_length [B]), got {accepted.shape} and {length.shape}")
     dtypes = {checks.dtype_name(getattr(t, "dtype", None)) for t in layers}
     if len(dtypes) != 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
         raise checks.type_error(f"KV layers must all be float16, bfloat16 or float32 (as on the GPU), got "
