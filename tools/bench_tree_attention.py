@@ -68,6 +68,19 @@ def rates(torch):
     return bw, 2 * 8192 ** 3 / (ms * 1e-3)
 
 
+def bench_trees(torch, rng, batch, budget):
+    """GPU draft trees of `budget` nodes from random drafter log-probs (depth up to 16,
+    width up to 8)."""
+    import kdtree
+
+    width = min(budget, 8) or 1
+    depth = max(1, min(16, budget))
+    lp = np.sort(rng.standard_normal((batch, depth, width)).astype(np.float32), axis=-1)[..., ::-1] - 1
+    lp = np.ascontiguousarray(np.minimum(lp, -0.01))
+    ids = np.argsort(rng.random((batch, depth, 1000)), axis=-1)[..., :width].astype(np.int32)
+    return kdtree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget)
+
+
 def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines):
     """One shape: kdtree's time, the baselines' and the floor (us)."""
     import torch.nn.functional as F
@@ -76,12 +89,7 @@ def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines)
     from kdtree import _native as _lib
 
     budget = rows - 1
-    width = min(budget, 8) or 1
-    depth = max(1, min(16, budget))
-    lp = np.sort(rng.standard_normal((batch, depth, width)).astype(np.float32), axis=-1)[..., ::-1] - 1
-    lp = np.ascontiguousarray(np.minimum(lp, -0.01))
-    ids = np.argsort(rng.random((batch, depth, 1000)), axis=-1)[..., :width].astype(np.int32)
-    trees = kdtree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget)
+    trees = bench_trees(torch, rng, batch, budget)
     keys = prefix + rows
     nbytes = 2 * batch * hkv * keys * dim * 2
     layers = max(1, min(32, -(-150_000_000 // nbytes)))
@@ -152,12 +160,7 @@ def measure_mla(torch, rng, batch, prefix, rows, heads, bw, flops, baselines):
     import kdtree
 
     budget = rows - 1
-    width = min(budget, 8) or 1
-    depth = max(1, min(16, budget))
-    lp = np.sort(rng.standard_normal((batch, depth, width)).astype(np.float32), axis=-1)[..., ::-1] - 1
-    lp = np.ascontiguousarray(np.minimum(lp, -0.01))
-    ids = np.argsort(rng.random((batch, depth, 1000)), axis=-1)[..., :width].astype(np.int32)
-    trees = kdtree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget)
+    trees = bench_trees(torch, rng, batch, budget)
     keys = prefix + rows
     nbytes = batch * keys * 576 * 2
     layers = max(1, min(32, -(-150_000_000 // nbytes)))
