@@ -81,10 +81,15 @@ KDT_API kdt_status kdt_testing_set_topk_chunked(int32_t on);
  * KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
 KDT_API kdt_status kdt_testing_set_verify_cluster(int32_t blocks);
 
-/* tiles = 1 or 2: kdt_tree_attention_cuda gives each warp that many m16 tiles of query
- * vectors (8 or 4 warps a CTA; head_dim 256 always 1); 0: automatic (2 from 256 query
- * vectors a KV head). Returns KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
+/* tiles = 1 or 2: kdt_tree_attention_cuda takes its mma.sync kernel (the one for GPUs
+ * without wgmma) and gives each warp that many m16 tiles of query vectors (8 or 4 warps a
+ * CTA; head_dim 256 always 1); 0: automatic (2 from 256 query vectors a KV head). Returns
+ * KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
 KDT_API kdt_status kdt_testing_set_attention_warp_tiles(int32_t tiles);
+
+/* on != 0: kdt_tree_attention_cuda takes its mma.sync kernel on every device (by default
+ * head dims 64 and 128 take the wgmma kernel on sm_90 when the library has sm_90a code). */
+KDT_API kdt_status kdt_testing_set_attention_mma_sync(int32_t on);
 
 #ifdef __cplusplus
 }

@@ -84,6 +84,16 @@ def cuda(cuda_device):
     return cuda_device
 
 
+@pytest.fixture(params=["auto", "mma.sync"])
+def kernel(request, cuda):
+    """The GQA kernel a test runs: the automatic choice (wgmma on sm_90 with the library's
+    sm_90a code) and the mma.sync kernel of other GPUs, forced through native/kdt_testing.h."""
+    raw = _lib.load()
+    raw.kdt_testing_set_attention_mma_sync(1 if request.param == "mma.sync" else 0)
+    yield request.param
+    raw.kdt_testing_set_attention_mma_sync(0)
+
+
 def host(x):
     return x.detach().cpu().numpy()
 
@@ -150,7 +160,7 @@ def run_case(cuda, rng, *, dtype, batch, budget, q_heads, kv_heads, dim, prefixe
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (16, 2)])
-def test_matches_float64_reference(cuda, dtype, dim, q_heads, kv_heads):
+def test_matches_float64_reference(kernel, cuda, dtype, dim, q_heads, kv_heads):
     rng = np.random.default_rng(dim + 7 * q_heads)
     run_case(cuda, rng, dtype=dtype, batch=3, budget=16, q_heads=q_heads, kv_heads=kv_heads, dim=dim,
              prefixes=[0, 37, 300])
@@ -158,7 +168,7 @@ def test_matches_float64_reference(cuda, dtype, dim, q_heads, kv_heads):
 
 @pytest.mark.parametrize("budget", [0, 8, 64, 256])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_rows_and_layouts(cuda, budget, layout):
+def test_rows_and_layouts(kernel, cuda, budget, layout):
     rng = np.random.default_rng(budget)
     run_case(cuda, rng, dtype="bfloat16", batch=2, budget=budget, q_heads=8, kv_heads=2, dim=128,
              prefixes=[5, 130], layout=layout)
@@ -166,13 +176,17 @@ def test_rows_and_layouts(cuda, budget, layout):
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_warp_tilings_agree_bit_for_bit(cuda, dim):
-    # One or two m16 tiles of query vectors a warp (forced through native/kdt_testing.h) on
-    # the same inputs: every row sees the same products in the same order, so the outputs
-    # are the same bits (the automatic choice, checked against float64 first, takes two
-    # here: 65 rows x 4 query heads a KV head).
+    # The mma.sync kernel with one or two m16 tiles of query vectors a warp (forced through
+    # native/kdt_testing.h) on the same inputs: every row sees the same products in the same
+    # order, so the outputs are the same bits (its automatic layout, checked against float64
+    # first, takes two here: 65 rows x 4 query heads a KV head).
     raw = _lib.load()
-    trees, q, k, v, prefix, auto = run_case(cuda, np.random.default_rng(5), dtype="bfloat16", batch=3, budget=64,
-                                            q_heads=8, kv_heads=2, dim=dim, prefixes=[0, 300, 700])
+    raw.kdt_testing_set_attention_mma_sync(1)
+    try:
+        trees, q, k, v, prefix, auto = run_case(cuda, np.random.default_rng(5), dtype="bfloat16", batch=3,
+                                                budget=64, q_heads=8, kv_heads=2, dim=dim, prefixes=[0, 300, 700])
+    finally:
+        raw.kdt_testing_set_attention_mma_sync(0)
     outs = []
     for tiles in (1, 2):
         assert raw.kdt_testing_set_attention_warp_tiles(tiles) == 0
@@ -185,7 +199,7 @@ def test_warp_tilings_agree_bit_for_bit(cuda, dim):
     assert raw.kdt_testing_set_attention_warp_tiles(3) != 0
 
 
-def test_long_ragged_prefixes_split_and_merge(cuda):
+def test_long_ragged_prefixes_split_and_merge(kernel, cuda):
     # One request's worth of CTAs: the keys are split (workspace > 0), ragged prefixes leave
     # some splits empty for the shorter requests, and prefix 0 has only tree keys.
     rng = np.random.default_rng(11)
@@ -193,7 +207,7 @@ def test_long_ragged_prefixes_split_and_merge(cuda):
              prefixes=[0, 1000, 32768])
 
 
-def test_paged_cache_gives_the_contiguous_bits(cuda):
+def test_paged_cache_gives_the_contiguous_bits(kernel, cuda):
     rng = np.random.default_rng(5)
     trees, q, k, v, prefix, want = run_case(cuda, rng, dtype="bfloat16", batch=3, budget=32, q_heads=8, kv_heads=2,
                                             dim=128, prefixes=[3, 700, 2000], spare=100)
@@ -217,7 +231,7 @@ def test_paged_cache_gives_the_contiguous_bits(cuda):
         assert torch.equal(got, want), (page_size, layout)
 
 
-def test_failed_requests_and_padding_rows_are_zeros(cuda):
+def test_failed_requests_and_padding_rows_are_zeros(kernel, cuda):
     rng = np.random.default_rng(3)
     trees = random_trees(rng, 3, 16, cuda)
     q = torch.randn(3, 17, 4, 64, device=cuda, dtype=torch.bfloat16)

@@ -3,7 +3,9 @@
 
 For each shape (B requests, prefix P cached tokens each, R = N + 1 tree rows, 32 query and
 8 KV heads of 128 unless stated, bfloat16): kdtree.tree_attention; SDPA with the dense
-boolean tree mask (GQA through enable_gqa); transformers' sdpa path (K/V repeated to the
+boolean tree mask (GQA through enable_gqa); kdtree's mma.sync kernel, the path of GPUs
+without wgmma (forced through a test-only switch; on an H200 the automatic choice is the
+wgmma kernel); transformers' sdpa path (K/V repeated to the
 query heads, an additive mask); SDPA on the prefix alone with no mask (what a kernel
 without the tree does, flash backend where it applies); and the floor: the larger of the
 K/V bytes at 3.85 TB/s and the attention FLOPs (4 x query heads x rows x keys x head_dim)
@@ -116,6 +118,15 @@ def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines)
     t_ours = timed(torch, ours) * 1e3 / layers
     row = {"B": batch, "prefix": prefix, "rows": rows, "layers": layers, "floor_us": floor, "kdtree_us": t_ours,
            "kdtree_tflops": fl / t_ours / 1e6, "kdtree_TBps": nbytes / t_ours / 1e6}
+    # The mma.sync kernel (the path of GPUs without wgmma), forced through the test-only
+    # switch of native/kdt_testing.h, beside the automatic choice.
+    raw = _lib.load()
+    if hasattr(raw, "kdt_testing_set_attention_mma_sync"):
+        raw.kdt_testing_set_attention_mma_sync(1)
+        try:
+            row["mma_sync_us"] = timed(torch, ours) * 1e3 / layers
+        finally:
+            raw.kdt_testing_set_attention_mma_sync(0)
     if baselines:
         vis = trees.visibility.bool()  # [B, R, R]
         mask = torch.ones(batch, rows, keys, dtype=torch.bool, device="cuda")
@@ -228,9 +239,9 @@ def run(torch, hq=32, hkv=8, dim=128, baselines=True) -> dict:
           f"{mflops / 1e12:.0f} TFLOP/s; the floor uses {bw / 1e12:.2f} TB/s and {flops / 1e12:.0f} TFLOP/s")
     results = []
     rng = np.random.default_rng(0)
-    print("| B | prefix | rows | floor us | kdtree us (x floor) | kdtree TFLOP/s, TB/s | SDPA+mask us | "
-          "transformers path us | prefix-only SDPA us | kdtree vs SDPA |")
-    print("|" + "---|" * 10)
+    print("| B | prefix | rows | floor us | kdtree us (x floor) | kdtree TFLOP/s, TB/s | mma.sync kernel us | "
+          "SDPA+mask us | transformers path us | prefix-only SDPA us | kdtree vs SDPA |")
+    print("|" + "---|" * 11)
 
     def f(x):
         return "-" if x is None else f"{x:,.1f}"
@@ -241,7 +252,8 @@ def run(torch, hq=32, hkv=8, dim=128, baselines=True) -> dict:
         results.append(row)
         vs = f"{row['sdpa_us'] / t_ours:.1f}x" if row.get("sdpa_us") else "-"
         print(f"| {batch} | {prefix:,} | {rows} | {floor:.1f} | {t_ours:,.1f} ({t_ours / floor:.1f}x) | "
-              f"{row['kdtree_tflops']:.0f}, {row['kdtree_TBps']:.2f} | {f(row.get('sdpa_us'))} | "
+              f"{row['kdtree_tflops']:.0f}, {row['kdtree_TBps']:.2f} | {f(row.get('mma_sync_us'))} | "
+              f"{f(row.get('sdpa_us'))} | "
               f"{f(row.get('transformers_us'))} | {f(row.get('prefix_only_us'))} | {vs} |", flush=True)
     return {"device": torch.cuda.get_device_name(), "copy_Bps": mbw, "bf16_flops": mflops, "floor_Bps": bw,
             "floor_flops": flops, "heads": [hq, hkv], "head_dim": dim, "shapes": results}

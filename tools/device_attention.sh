@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tree-attention kernel on the device, in one call: build this tree's libkdtree
-# (sm_90) and, for the A/B, an older one; benchmark both (tools/bench_tree_attention.py,
+# (sm_90a) and, for the A/B, an older one (sm_90); benchmark both (tools/bench_tree_attention.py,
 # the old one without baselines); the float64-reference tests; optionally the sanitizers.
 # Usage: tools/device_attention.sh [build] [bench] [tests] [sanitize] [engine]
 #   old sources: $KDT_AB_OLD (a .tar.gz of the older tree; default build-gpu/ab-old.tar.gz,
@@ -21,7 +21,7 @@ for step in "${steps[@]}"; do
   case $step in
   build)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
       -DKDTREE_WERROR=ON > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
     cmake --build build-gpu -j 12 --target kdtree > "$OUT/build.log" 2>&1 &
     new_pid=$!

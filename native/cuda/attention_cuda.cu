@@ -134,6 +134,137 @@ __global__ void check_kernel(AttnParams c) {
     if (threadIdx.x == 0) c.status[b] = bad_page ? KDT_ERR_OUT_OF_RANGE : verdict;
 }
 
+// ---- the tile steps every kernel shares ------------------------------------------------
+//
+// A score tile in registers has the accumulator layout of mma m16n8 (and of each warp's
+// 16 rows of a wgmma m64): element sc[j][e] of a thread is row m_lo (e < 2) or m_lo + 8
+// (e >= 2) and key t0 + 8 j + 2 tig + (e & 1).
+
+// Sets to -inf the scores of keys at or past k_end and of tree keys (>= p) that the row
+// does not see (bit key - p of its visibility row; rows past the real ones read the last
+// real row's bits, their outputs are never used).
+template <int TN>
+__device__ __forceinline__ void mask_tile(float (&sc)[TN / 8][4], const AttnParams& c, int64_t b, int m_lo, int m_real,
+                                          int group, int t0, int p, int k_end, int tig) {
+    const int r_lo = min(m_lo, m_real - 1) / group, r_hi = min(m_lo + 8, m_real - 1) / group;
+    const uint32_t* vis_lo = c.vis + (b * c.rows + r_lo) * c.words;
+    const uint32_t* vis_hi = c.vis + (b * c.rows + r_hi) * c.words;
+#pragma unroll
+    for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = t0 + j * 8 + tig * 2 + (e & 1);
+            bool visible = key < k_end;
+            if (visible && key >= p) {
+                const int jj = key - p;
+                const uint32_t w = (e >= 2 ? vis_hi : vis_lo)[jj >> 5];
+                visible = (w >> (jj & 31)) & 1u;
+            }
+            if (!visible) sc[j][e] = -INFINITY;
+        }
+    }
+}
+
+// The online softmax step of FlashAttention-2 over one tile, in log2 units: updates the two
+// rows' running max mx (raw scores) and sum l (this thread's keys; the quad's sum is taken
+// at the end), turns the scores into weights exp2((s - mx) * scale) and rescales the
+// output accumulator o by exp2((mx_old - mx) * scale).
+template <int TN, int NO>
+__device__ __forceinline__ void softmax_tile(float (&sc)[TN / 8][4], float (&mx)[2], float (&l)[2], float (&o)[NO][4],
+                                             float scale) {
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < TN / 8; j++) {
+        tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
+        tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
+    }
+    float alpha[2], msub[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+        tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+        const float mnew = fmaxf(mx[h], tmax[h]);
+        // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
+        alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[h] - mnew) * scale);
+        msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
+        mx[h] = mnew;
+    }
+    float rsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < TN / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float pv = exp2f(fmaf(sc[j][e], scale, -msub[e >> 1]));
+            sc[j][e] = pv;
+            rsum[e >> 1] += pv;
+        }
+    }
+    l[0] = l[0] * alpha[0] + rsum[0];
+    l[1] = l[1] * alpha[1] + rsum[1];
+#pragma unroll
+    for (int i = 0; i < NO; i++) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1];
+        o[i][3] *= alpha[1];
+    }
+}
+
+// The A fragment of keys 16 kk .. 16 kk + 15 of P (the weights of a score tile), for
+// mma m16n8k16 and wgmma m64 (A from registers): the accumulator layout, two n8 tiles.
+template <typename T, int TN>
+__device__ __forceinline__ void pack_p(const float (&sc)[TN / 8][4], int kk, uint32_t (&a)[4]) {
+    a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
+    a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
+    a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+    a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+}
+
+// The end of a tile of query vectors: this thread's two rows m_lo and m_lo + 8 (of KV head
+// hk) get the quad's row sums, then their output columns d0 + 8 i + 2 tig (+1) of dv: the
+// normalised output and lse straight to out (one split), or to the split's partial output
+// and lse (real rows only). Rows past the real ones (padding rows, a failed request) are
+// written as zeros with lse -inf; query vectors past m_count are not rows. lse_writer: the
+// thread that writes the row's lse among warps sharing its columns.
+template <typename T, int NO>
+__device__ __forceinline__ void write_rows(const AttnParams& c, const float (&o)[NO][4], const float (&mx)[2],
+                                           float (&l)[2], int64_t b, int64_t hk, int m_lo, int m_count, int m_real,
+                                           int s, int d0, int dv, bool lse_writer, int tig) {
+    const int group = (int)c.group;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int m = m_lo + 8 * h;
+        if (m >= m_count) continue;
+        const int64_t row = m / group, hq = hk * group + m % group;
+        const bool seen = m < m_real && l[h] > 0.f;
+        const float inv = seen ? 1.f / l[h] : 0.f;
+        const float lse = seen ? (mx[h] * c.scale_log2 + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
+        if (c.splits == 1) {
+            T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs + d0;
+#pragma unroll
+            for (int i = 0; i < NO; i++) {
+                const int d = i * 8 + tig * 2;
+                *reinterpret_cast<uint32_t*>(dst + d) = Elem<T>::pack(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+            }
+            if (c.lse != nullptr && tig == 0 && lse_writer) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
+        } else if (m < m_real) {
+            const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
+            float* dst = c.part_o + cell * dv + d0;
+#pragma unroll
+            for (int i = 0; i < NO; i++) {
+                const int d = i * 8 + tig * 2;
+                *reinterpret_cast<float2*>(dst + d) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+            }
+            if (tig == 0 && lse_writer) c.part_lse[cell] = lse;
+        }
+    }
+}
+
 // ---- the attention kernel ---------------------------------------------------------------
 
 // Fragments of mma.m16n8k16 from shared memory (row addresses 16-byte aligned).
@@ -312,72 +443,12 @@ __global__ void __launch_bounds__(C::kThreadsC, (D > 128 || C::kMT > 1) ? 1 : 2)
                 }
             }
 
-            // Masking, only where the tile reaches the tree or the end of the split's keys:
-            // the tree part needs each row's visibility bits.
-            if (t0 + TN > min(p, k_end)) {
-#pragma unroll
-                for (int t = 0; t < MT; t++) {
-                    const int m_lo = wm + 16 * t + gid;
-                    const int r_lo = min(m_lo, m_real - 1) / group, r_hi = min(m_lo + 8, m_real - 1) / group;
-                    const uint32_t* vis_lo = c.vis + (b * c.rows + r_lo) * c.words;
-                    const uint32_t* vis_hi = c.vis + (b * c.rows + r_hi) * c.words;
-#pragma unroll
-                    for (int j = 0; j < TN / 8; j++) {
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const int key = t0 + j * 8 + tig * 2 + (e & 1);
-                            bool visible = key < k_end;
-                            if (visible && key >= p) {
-                                const int jj = key - p;
-                                const uint32_t w = (e >= 2 ? vis_hi : vis_lo)[jj >> 5];
-                                visible = (w >> (jj & 31)) & 1u;
-                            }
-                            if (!visible) sc[t][j][e] = -INFINITY;
-                        }
-                    }
-                }
-            }
-
-            // Online softmax over the tile (rows lo: elements 0, 1; hi: 2, 3), in log2 units.
+            // Masking, only where the tile reaches the tree or the end of the split's keys;
+            // then the online softmax (rows lo: elements 0, 1; hi: 2, 3).
 #pragma unroll
             for (int t = 0; t < MT; t++) {
-                float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-                for (int j = 0; j < TN / 8; j++) {
-                    tmax[0] = fmaxf(tmax[0], fmaxf(sc[t][j][0], sc[t][j][1]));
-                    tmax[1] = fmaxf(tmax[1], fmaxf(sc[t][j][2], sc[t][j][3]));
-                }
-                float alpha[2], msub[2];
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
-                    tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-                    const float mnew = fmaxf(mx[t][h], tmax[h]);
-                    // No visible key yet (mnew = -inf): nothing to rescale, every weight 0.
-                    alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[t][h] - mnew) * scale);
-                    msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
-                    mx[t][h] = mnew;
-                }
-                float rsum[2] = {0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < TN / 8; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int h = e >> 1;
-                        const float pv = exp2f(fmaf(sc[t][j][e], scale, -msub[h]));
-                        sc[t][j][e] = pv;
-                        rsum[h] += pv;
-                    }
-                }
-                l[t][0] = l[t][0] * alpha[0] + rsum[0];
-                l[t][1] = l[t][1] * alpha[1] + rsum[1];
-#pragma unroll
-                for (int i = 0; i < D / 8; i++) {
-                    o[t][i][0] *= alpha[0];
-                    o[t][i][1] *= alpha[0];
-                    o[t][i][2] *= alpha[1];
-                    o[t][i][3] *= alpha[1];
-                }
+                if (t0 + TN > min(p, k_end)) mask_tile<TN>(sc[t], c, b, wm + 16 * t + gid, m_real, group, t0, p, k_end, tig);
+                softmax_tile<TN, D / 8>(sc[t], mx[t], l[t], o[t], scale);
             }
 
             // O += P V: P's accumulator layout is the A operand's, 16 keys at a time; V's
@@ -386,12 +457,7 @@ __global__ void __launch_bounds__(C::kThreadsC, (D > 128 || C::kMT > 1) ? 1 : 2)
             for (int kk = 0; kk < TN / 16; kk++) {
                 uint32_t a[MT][4];
 #pragma unroll
-                for (int t = 0; t < MT; t++) {
-                    a[t][0] = Elem<T>::pack(sc[t][2 * kk][0], sc[t][2 * kk][1]);
-                    a[t][1] = Elem<T>::pack(sc[t][2 * kk][2], sc[t][2 * kk][3]);
-                    a[t][2] = Elem<T>::pack(sc[t][2 * kk + 1][0], sc[t][2 * kk + 1][1]);
-                    a[t][3] = Elem<T>::pack(sc[t][2 * kk + 1][2], sc[t][2 * kk + 1][3]);
-                }
+                for (int t = 0; t < MT; t++) pack_p<T, TN>(sc[t], kk, a[t]);
 #pragma unroll
                 for (int i = 0; i < D / 8; i += 2) {
                     uint32_t bf[4];
@@ -410,41 +476,7 @@ __global__ void __launch_bounds__(C::kThreadsC, (D > 128 || C::kMT > 1) ? 1 : 2)
 
     // Row sums across the quad, then the rows' outputs.
 #pragma unroll
-    for (int t = 0; t < MT; t++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            l[t][h] += __shfl_xor_sync(0xffffffffu, l[t][h], 1);
-            l[t][h] += __shfl_xor_sync(0xffffffffu, l[t][h], 2);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int m = wm + 16 * t + gid + 8 * h;
-            if (m >= m_count) continue;  // past the last row of the KV head: not an output
-            const int64_t row = m / group, hq = hk * group + m % group;
-            const bool seen = m < m_real && l[t][h] > 0.f;
-            const float inv = seen ? 1.f / l[t][h] : 0.f;
-            const float lse = seen ? (mx[t][h] * scale + log2f(l[t][h])) * 0.69314718055994531f : -INFINITY;
-            if (direct) {
-                T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs;
-#pragma unroll
-                for (int i = 0; i < D / 8; i++) {
-                    const int d = i * 8 + tig * 2;
-                    *reinterpret_cast<uint32_t*>(dst + d) =
-                        Elem<T>::pack(o[t][i][2 * h] * inv, o[t][i][2 * h + 1] * inv);
-                }
-                if (c.lse != nullptr && tig == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
-            } else if (m < m_real) {
-                const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
-                float* dst = c.part_o + cell * D;
-#pragma unroll
-                for (int i = 0; i < D / 8; i++) {
-                    const int d = i * 8 + tig * 2;
-                    *reinterpret_cast<float2*>(dst + d) = make_float2(o[t][i][2 * h] * inv, o[t][i][2 * h + 1] * inv);
-                }
-                if (tig == 0) c.part_lse[cell] = lse;
-            }
-        }
-    }
+    for (int t = 0; t < MT; t++) write_rows<T, D / 8>(c, o[t], mx[t], l[t], b, hk, wm + 16 * t + gid, m_count, m_real, s, 0, D, true, tig);
 }
 
 // ---- MLA (absorbed multi-head latent attention) ------------------------------------------
@@ -598,68 +630,12 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_kernel(AttnParams c) {
                     const float other = pair_xs[(j * 4 + e) * 32 + lane];
                     sc[j][e] = half == 0 ? sc[j][e] + other : other + sc[j][e];
                 }
-            if (t0 + TN > min(p, k_end)) {
-                const int m_lo = wm + gid;
-                const int r_lo = min(m_lo, m_real - 1) / group, r_hi = min(m_lo + 8, m_real - 1) / group;
-                const uint32_t* vis_lo = c.vis + (b * c.rows + r_lo) * c.words;
-                const uint32_t* vis_hi = c.vis + (b * c.rows + r_hi) * c.words;
-#pragma unroll
-                for (int j = 0; j < TN / 8; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int key = t0 + j * 8 + tig * 2 + (e & 1);
-                        bool visible = key < k_end;
-                        if (visible && key >= p) {
-                            const int jj = key - p;
-                            const uint32_t w = (e >= 2 ? vis_hi : vis_lo)[jj >> 5];
-                            visible = (w >> (jj & 31)) & 1u;
-                        }
-                        if (!visible) sc[j][e] = -INFINITY;
-                    }
-                }
-            }
-            float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int j = 0; j < TN / 8; j++) {
-                tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
-                tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
-            }
-            float alpha[2], msub[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
-                tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-                const float mnew = fmaxf(mx[h], tmax[h]);
-                alpha[h] = mnew == -INFINITY ? 1.f : exp2f((mx[h] - mnew) * scale);
-                msub[h] = mnew == -INFINITY ? 0.f : mnew * scale;
-                mx[h] = mnew;
-            }
-            float rsum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < TN / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float pv = exp2f(fmaf(sc[j][e], scale, -msub[e >> 1]));
-                    sc[j][e] = pv;
-                    rsum[e >> 1] += pv;
-                }
-            }
-            l[0] = l[0] * alpha[0] + rsum[0];
-            l[1] = l[1] * alpha[1] + rsum[1];
-#pragma unroll
-            for (int i = 0; i < kMlaDv / 2 / 8; i++) {
-                o[i][0] *= alpha[0];
-                o[i][1] *= alpha[0];
-                o[i][2] *= alpha[1];
-                o[i][3] *= alpha[1];
-            }
+            if (t0 + TN > min(p, k_end)) mask_tile<TN>(sc, c, b, wm + gid, m_real, group, t0, p, k_end, tig);
+            softmax_tile<TN, kMlaDv / 2 / 8>(sc, mx, l, o, scale);
 #pragma unroll
             for (int kk = 0; kk < TN / 16; kk++) {
                 uint32_t a[4];
-                a[0] = Elem<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
-                a[1] = Elem<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
-                a[2] = Elem<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                a[3] = Elem<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+                pack_p<T, TN>(sc, kk, a);
 #pragma unroll
                 for (int i = 0; i < kMlaDv / 2 / 8; i += 2) {
                     uint32_t bf[4];
@@ -672,40 +648,260 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_kernel(AttnParams c) {
         __syncthreads();  // the tile's buffer and the partial scores are free again
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int m = wm + gid + 8 * h;
-        if (m >= m_count) continue;
-        const int64_t row = m / group, hq = m % group;
-        const bool seen = m < m_real && l[h] > 0.f;
-        const float inv = seen ? 1.f / l[h] : 0.f;
-        const float lse = seen ? (mx[h] * scale + log2f(l[h])) * 0.69314718055994531f : -INFINITY;
-        if (direct) {
-            T* dst = reinterpret_cast<T*>(c.out) + b * c.o_bs + row * c.o_rs + hq * c.o_hs + dv0;
-#pragma unroll
-            for (int i = 0; i < kMlaDv / 2 / 8; i++) {
-                const int d = i * 8 + tig * 2;
-                *reinterpret_cast<uint32_t*>(dst + d) = Elem<T>::pack(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
-            }
-            if (c.lse != nullptr && tig == 0 && half == 0) c.lse[(b * c.rows + row) * c.q_heads + hq] = lse;
-        } else if (m < m_real) {
-            const int64_t cell = (((int64_t)s * c.batch + b) * c.rows + row) * c.q_heads + hq;
-            float* dst = c.part_o + cell * kMlaDv + dv0;
-#pragma unroll
-            for (int i = 0; i < kMlaDv / 2 / 8; i++) {
-                const int d = i * 8 + tig * 2;
-                *reinterpret_cast<float2*>(dst + d) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
-            }
-            if (tig == 0 && half == 0) c.part_lse[cell] = lse;
-        }
-    }
+    write_rows<T, kMlaDv / 2 / 8>(c, o, mx, l, b, 0, wm + gid, m_count, m_real, s, dv0, kMlaDv, half == 0, tig);
 }
+
+// ---- Hopper (sm_90a): warpgroup MMA --------------------------------------------------------
+//
+// attention_kernel's work split and results with wgmma, the tensor-core path of sm_90a: a
+// CTA's 128 query vectors are two warpgroups of 64 rows (warp w has rows 16 w .. 16 w + 15,
+// in the m16n8 accumulator layout, so the tile steps above apply unchanged). S = Q K^T
+// takes both operands from shared memory; O += P V takes P from registers and V from
+// shared memory, N-major. Q, K and V sit in shared memory in the 128-byte swizzled layout
+// wgmma reads: blocks of 64 columns (128 bytes a row), the 16-byte chunk c of row r at
+// chunk c ^ (r % 8), every block 1024-byte aligned. K/V tiles of 64 keys load by cp.async
+// through kStages buffers; one barrier a tile.
+#if defined(KDT_CUDA_SM90A)
+namespace sm90 {
+
+constexpr int kN = 64;         // keys a tile
+constexpr int kThreads = 256;  // two warpgroups
+constexpr int kStages = 2;
+
+template <int D> struct Layout {
+    static constexpr int kQBytes = kTileM * D * 2;
+    static constexpr int kTileBytes = kN * D * 2;  // a K or V tile
+    static constexpr size_t kSmem = 1024 + kQBytes + (size_t)kStages * 2 * kTileBytes;  // + alignment slack
+};
+
+// Byte offset of 16-byte chunk `chunk` (of D / 8) of row r in a swizzled [rows x D] tile.
+__device__ __forceinline__ int swizzled(int r, int chunk, int rows) {
+    return (chunk >> 3) * rows * 128 + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
+}
+
+// The shared-memory matrix descriptor of wgmma: start address, leading and stride byte
+// offsets (>> 4), 128-byte swizzle.
+__device__ __forceinline__ uint64_t descriptor(const void* smem, uint32_t lbo, uint32_t sbo) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (UINT64_C(1) << 62);
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Registers an asynchronous wgmma writes are read only after wait_all: this keeps the
+// compiler from moving their reads above it.
+template <int N>
+__device__ __forceinline__ void hold(float (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(r[i][e])::"memory");
+}
+
+// d (+)= A B for a 64 x 64 x 16 step, float32 accumulators in the m16n8 layout: ss takes A
+// and B (both K-major) from shared memory, accumulate = 0 overwriting d; rs takes A from
+// registers and B N-major (transposed) from shared memory, accumulating into the n8 tiles
+// k .. k + 7 of d (k a compile-time constant after unrolling).
+#define KDT_WGMMA_D32(d, k) \
+    "+f"(d[(k) + 0][0]), "+f"(d[(k) + 0][1]), "+f"(d[(k) + 0][2]), "+f"(d[(k) + 0][3]), \
+    "+f"(d[(k) + 1][0]), "+f"(d[(k) + 1][1]), "+f"(d[(k) + 1][2]), "+f"(d[(k) + 1][3]), \
+    "+f"(d[(k) + 2][0]), "+f"(d[(k) + 2][1]), "+f"(d[(k) + 2][2]), "+f"(d[(k) + 2][3]), \
+    "+f"(d[(k) + 3][0]), "+f"(d[(k) + 3][1]), "+f"(d[(k) + 3][2]), "+f"(d[(k) + 3][3]), \
+    "+f"(d[(k) + 4][0]), "+f"(d[(k) + 4][1]), "+f"(d[(k) + 4][2]), "+f"(d[(k) + 4][3]), \
+    "+f"(d[(k) + 5][0]), "+f"(d[(k) + 5][1]), "+f"(d[(k) + 5][2]), "+f"(d[(k) + 5][3]), \
+    "+f"(d[(k) + 6][0]), "+f"(d[(k) + 6][1]), "+f"(d[(k) + 6][2]), "+f"(d[(k) + 6][3]), \
+    "+f"(d[(k) + 7][0]), "+f"(d[(k) + 7][1]), "+f"(d[(k) + 7][2]), "+f"(d[(k) + 7][3])
+#define KDT_WGMMA_SS(TY)                                                                        \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+    " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+#define KDT_WGMMA_RS(TY)                                                                        \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+    " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
+        asm volatile(KDT_WGMMA_SS("f16") : KDT_WGMMA_D32(d, 0) : "l"(a), "l"(b), "r"(accumulate));
+    }
+    template <int NO>
+    static __device__ __forceinline__ void rs(float (&d)[NO][4], int k, const uint32_t (&a)[4], uint64_t b) {
+        asm volatile(KDT_WGMMA_RS("f16") : KDT_WGMMA_D32(d, k) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
+        asm volatile(KDT_WGMMA_SS("bf16") : KDT_WGMMA_D32(d, 0) : "l"(a), "l"(b), "r"(accumulate));
+    }
+    template <int NO>
+    static __device__ __forceinline__ void rs(float (&d)[NO][4], int k, const uint32_t (&a)[4], uint64_t b) {
+        asm volatile(KDT_WGMMA_RS("bf16") : KDT_WGMMA_D32(d, k) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    }
+};
+#undef KDT_WGMMA_SS
+#undef KDT_WGMMA_RS
+#undef KDT_WGMMA_D32
+
+}  // namespace sm90
+#endif
+
+#if defined(KDT_CUDA_SM90A)
+template <typename T, int D>
+__global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnParams c) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = sm90::Layout<D>;
+    constexpr int TN = sm90::kN;
+    constexpr int S = sm90::kStages;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // The swizzle repeats every 1024 bytes of shared address: align the tiles to it.
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    unsigned char* sQ = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned char* sKV = sQ + L::kQBytes;  // S buffers of [K tile; V tile]
+
+    const int64_t tile = blockIdx.x % c.q_tiles;
+    const int64_t bh = blockIdx.x / c.q_tiles;
+    const int64_t hk = bh % c.kv_heads;
+    const int64_t b = bh / c.kv_heads;
+    const int32_t s = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane / 4, tig = lane % 4;
+    const int wg = warp / 4;
+
+    const int32_t st = c.status[b];
+    const int n = st == KDT_OK ? c.num_nodes[b] : -1;
+    const int p = st == KDT_OK ? (int)c.prefix[b] : 0;
+    const int total = st == KDT_OK ? p + n + 1 : 0;
+    const int k_begin = (int)min((int64_t)s * c.chunk, (int64_t)INT32_MAX);
+    const int k_end = (int)min((int64_t)total, (int64_t)k_begin + c.chunk);
+    const int group = (int)c.group;
+    const int m0 = (int)tile * kTileM;
+    const int m_count = (int)c.rows * group;
+    const int m_real = (n + 1) * group;
+    if (k_begin >= k_end) {
+        if (c.splits != 1 || s != 0) return;
+    }
+
+    constexpr int kVec = 8;
+    constexpr int kCols = D / kVec;
+    for (int idx = threadIdx.x; idx < kTileM * kCols; idx += sm90::kThreads) {
+        const int r = idx / kCols, cv = idx % kCols;
+        const int m = m0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (m < m_real) {
+            const int64_t row = m / group, hq = hk * group + m % group;
+            val = *reinterpret_cast<const uint4*>(c.q + (b * c.q_bs + row * c.q_rs + hq * c.q_hs + cv * kVec) *
+                                                            (int64_t)sizeof(T));
+        }
+        *reinterpret_cast<uint4*>(sQ + sm90::swizzled(r, cv, kTileM)) = val;
+    }
+
+    // The warpgroup's 64 rows start at m0 + 64 wg; this warp's 16 at m0 + 16 warp.
+    const bool wg_live = m0 + 64 * wg < m_real;
+    const int wm = m0 + warp * 16;
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const bool any_row = m0 < m_real;
+    constexpr int kLoads = TN * kCols / sm90::kThreads;
+    static_assert(TN * kCols % sm90::kThreads == 0, "whole tiles per thread");
+    const int my_col = threadIdx.x % kCols, my_row = threadIdx.x / kCols;
+    constexpr int kRowStep = sm90::kThreads / kCols;
+    const bool paged = c.block_table != nullptr;
+    const char* kbase = c.k + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+    const char* vbase = c.v + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+    const int64_t tok_bytes = c.c_token * (int64_t)sizeof(T);
+    auto issue_tile = [&](int t0, int buf) {
+        if (t0 < k_end) {
+            unsigned char* dk = sKV + buf * 2 * L::kTileBytes;
+            unsigned char* dv = dk + L::kTileBytes;
+#pragma unroll
+            for (int it = 0; it < kLoads; it++) {
+                const int r = my_row + it * kRowStep;
+                const int t = t0 + r;
+                const bool live = t < k_end;
+                int64_t off = 0;
+                if (live) {
+                    if (!paged) {
+                        off = (int64_t)t * tok_bytes;
+                    } else {
+                        const int pg_size = (int)c.page_size;
+                        const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
+                        off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
+                    }
+                }
+                const int so = sm90::swizzled(r, my_col, TN);
+                cp_async16(dk + so, kbase + off, live);
+                cp_async16(dv + so, vbase + off, live);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+#pragma unroll
+    for (int i = 0; i < S - 1; i++) {
+        if (any_row) issue_tile(k_begin + i * TN, i);
+    }
+
+    const float scale = c.scale_log2;
+    const unsigned char* qa = sQ + wg * 64 * 128;  // the warpgroup's rows in each 64-column block
+    int buf = 0;
+    for (int t0 = k_begin; any_row && t0 < k_end; t0 += TN) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+        // cp.async and the Q stores write through the generic proxy; wgmma reads through the
+        // async proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();  // tile t0 is in; every warp is done with the buffer loaded next
+        issue_tile(t0 + (S - 1) * TN, (buf + S - 1) % S);
+        if (wg_live) {
+            const unsigned char* sK = sKV + buf * 2 * L::kTileBytes;
+            const unsigned char* sV = sK + L::kTileBytes;
+            float sc[TN / 8][4];
+#pragma unroll
+            for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+            sm90::fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                const uint64_t da = sm90::descriptor(qa + (kk >> 2) * kTileM * 128 + (kk & 3) * 32, 16, 1024);
+                const uint64_t db = sm90::descriptor(sK + (kk >> 2) * TN * 128 + (kk & 3) * 32, 16, 1024);
+                sm90::Mma<T>::ss(sc, da, db, kk > 0);
+            }
+            sm90::commit();
+            sm90::wait_all();
+            sm90::hold(sc);
+
+            if (t0 + TN > min(p, k_end)) mask_tile<TN>(sc, c, b, wm + gid, m_real, group, t0, p, k_end, tig);
+            softmax_tile<TN, D / 8>(sc, mx, l, o, scale);
+            uint32_t a[TN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < TN / 16; kk++) pack_p<T, TN>(sc, kk, a[kk]);
+
+            // O += P V, 64 output columns (one swizzled block of V) a step. Within a block,
+            // the 8-key groups are 1024 bytes apart.
+            sm90::fence();
+#pragma unroll
+            for (int kk = 0; kk < TN / 16; kk++) {
+#pragma unroll
+                for (int nb = 0; nb < D / 64; nb++) {
+                    const uint64_t dvd = sm90::descriptor(sV + nb * TN * 128 + kk * 16 * 128, 1024, 1024);
+                    sm90::Mma<T>::rs(o, nb * 8, a[kk], dvd);
+                }
+            }
+            sm90::commit();
+            sm90::wait_all();
+            sm90::hold(o);
+        }
+        buf = (buf + 1) % S;
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    write_rows<T, D / 8>(c, o, mx, l, b, hk, wm + gid, m_count, m_real, s, 0, D, true, tig);
+#else
+    // Built without sm_90a code for this device (the launcher takes this kernel only where
+    // it is): fail every request of the CTA rather than leave its rows unwritten.
+    if (threadIdx.x == 0) c.status[blockIdx.x / c.q_tiles / c.kv_heads] = KDT_ERR_UNSUPPORTED;
+#endif
+}
+#endif
 
 // Combines the splits of one (request, row, query head) per block of D threads; padding
 // rows and failed requests get zeros and lse -inf. The splits' lse values are read once,
@@ -835,15 +1031,49 @@ kdt_status launch_config(const AttnParams& c, cudaStream_t stream) {
     return kdt::launch_status("tree attention");
 }
 
+#if defined(KDT_CUDA_SM90A)
+// Whether the current device runs the sm_90a code of this library (compute capability 9.0).
+bool wgmma_device() {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();  // (the launch that follows reports a lasting failure)
+        return false;
+    }
+    return major == 9 && minor == 0;
+}
+
+template <typename T, int D>
+kdt_status launch_sm90(const AttnParams& c, cudaStream_t stream) {
+    const size_t smem = sm90::Layout<D>::kSmem;
+    if (cudaFuncSetAttribute(attention_sm90_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+        cudaSuccess) {
+        return kdt::launch_status("tree attention (shared memory size)");
+    }
+    const dim3 grid((unsigned)(c.batch * c.kv_heads * c.q_tiles), (unsigned)c.splits);
+    attention_sm90_kernel<T, D><<<grid, sm90::kThreads, smem, stream>>>(c);
+    return kdt::launch_status("tree attention");
+}
+#endif
+
 template <typename T, int D>
 kdt_status launch(const AttnParams& c, cudaStream_t stream) {
-    kdt_status st;
+    kdt_status st = KDT_OK;
     // Two m16 tiles a warp (four warps) halve the shared-memory reads of K and V per mma
     // where a KV head has at least two tiles of query vectors; fewer vectors spread over
     // eight warps of one tile each (the warps past the real rows skip the math).
     const int forced = kdt::testing_attention_warp_tiles();  // (native/kdt_testing.h)
     const bool two = forced ? forced == 2 : c.rows * c.group >= 2 * kTileM;
-    if constexpr (D > 128) {
+    bool wgmma = false;
+#if defined(KDT_CUDA_SM90A)
+    wgmma = D <= 128 && forced == 0 && !kdt::testing_attention_mma_sync() && wgmma_device();
+#endif
+    if (wgmma) {
+#if defined(KDT_CUDA_SM90A)
+        if constexpr (D <= 128) st = launch_sm90<T, D>(c, stream);
+#endif
+    } else if constexpr (D > 128) {
         st = launch_config<T, D, Config<D, 1>>(c, stream);
     } else if (two) {
         st = launch_config<T, D, Config<D, 2>>(c, stream);
