@@ -167,18 +167,18 @@ __device__ __forceinline__ void mask_tile(float (&sc)[TN / 8][4], const AttnPara
 
 // The online softmax step of FlashAttention-2 over one tile, in log2 units: updates the two
 // rows' running max mx (raw scores) and sum l (this thread's keys; the quad's sum is taken
-// at the end), turns the scores into weights exp2((s - mx) * scale) and rescales the
-// output accumulator o by exp2((mx_old - mx) * scale).
-template <int TN, int NO>
-__device__ __forceinline__ void softmax_tile(float (&sc)[TN / 8][4], float (&mx)[2], float (&l)[2], float (&o)[NO][4],
-                                             float scale) {
+// at the end), turns the scores into weights exp2((s - mx) * scale) and returns in alpha
+// the factors exp2((mx_old - mx) * scale) the output accumulator is to be rescaled by.
+template <int TN>
+__device__ __forceinline__ void softmax_weights(float (&sc)[TN / 8][4], float (&mx)[2], float (&l)[2],
+                                                float (&alpha)[2], float scale) {
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < TN / 8; j++) {
         tmax[0] = fmaxf(tmax[0], fmaxf(sc[j][0], sc[j][1]));
         tmax[1] = fmaxf(tmax[1], fmaxf(sc[j][2], sc[j][3]));
     }
-    float alpha[2], msub[2];
+    float msub[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
@@ -201,6 +201,10 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[TN / 8][4], float (&mx)
     }
     l[0] = l[0] * alpha[0] + rsum[0];
     l[1] = l[1] * alpha[1] + rsum[1];
+}
+
+template <int NO>
+__device__ __forceinline__ void rescale(float (&o)[NO][4], const float (&alpha)[2]) {
 #pragma unroll
     for (int i = 0; i < NO; i++) {
         o[i][0] *= alpha[0];
@@ -208,6 +212,15 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[TN / 8][4], float (&mx)
         o[i][2] *= alpha[1];
         o[i][3] *= alpha[1];
     }
+}
+
+// The whole step: weights, then the output rescaled.
+template <int TN, int NO>
+__device__ __forceinline__ void softmax_tile(float (&sc)[TN / 8][4], float (&mx)[2], float (&l)[2], float (&o)[NO][4],
+                                             float scale) {
+    float alpha[2];
+    softmax_weights<TN>(sc, mx, l, alpha, scale);
+    rescale(o, alpha);
 }
 
 // The A fragment of keys 16 kk .. 16 kk + 15 of P (the weights of a score tile), for
@@ -660,20 +673,27 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_kernel(AttnParams c) {
 // shared memory, N-major. Q, K and V sit in shared memory in the 128-byte swizzled layout
 // wgmma reads: blocks of 64 columns (128 bytes a row), the 16-byte chunk c of row r at
 // chunk c ^ (r % 8), every block 1024-byte aligned. K/V tiles of 64 keys load by cp.async
-// through kStages buffers; one barrier a tile.
+// into Layout::kStages buffers; one barrier a tile.
 #if defined(KDT_CUDA_SM90A)
 namespace sm90 {
 
 constexpr int kN = 64;         // keys a tile
 constexpr int kThreads = 256;  // two warpgroups
-constexpr int kStages = 2;
 
+// Shared memory: Q, then kStages buffers of a K and a V tile; as many buffers (at most 6)
+// as fit in 200 KB, so that up to kStages - 2 tiles load while the warpgroups work.
 template <int D> struct Layout {
     static constexpr int kQBytes = kTileM * D * 2;
     static constexpr int kTileBytes = kN * D * 2;  // a K or V tile
+    static constexpr int kStages = (200 * 1024 - kQBytes) / (2 * kTileBytes) < 6
+                                       ? (200 * 1024 - kQBytes) / (2 * kTileBytes)
+                                       : 6;
+    static_assert(kStages >= 3, "the pipeline needs three buffers");
     static constexpr size_t kSmem = 1024 + kQBytes + (size_t)kStages * 2 * kTileBytes;  // + alignment slack
 };
 
+// The device helpers exist in the sm_90a pass only (other passes build an empty kernel).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Byte offset of 16-byte chunk `chunk` (of D / 8) of row r in a swizzled [rows x D] tile.
 __device__ __forceinline__ int swizzled(int r, int chunk, int rows) {
     return (chunk >> 3) * rows * 128 + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
@@ -689,8 +709,13 @@ __device__ __forceinline__ uint64_t descriptor(const void* smem, uint32_t lbo, u
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Registers an asynchronous wgmma writes are read only after wait_all: this keeps the
+// Waits until at most N committed groups of this warpgroup are pending (groups complete in
+// order).
+template <int N>
+__device__ __forceinline__ void wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Registers an asynchronous wgmma writes are read only after its wait: this keeps the
 // compiler from moving their reads above it.
 template <int N>
 __device__ __forceinline__ void hold(float (&r)[N][4]) {
@@ -741,6 +766,7 @@ template <> struct Mma<__nv_bfloat16> {
 #undef KDT_WGMMA_SS
 #undef KDT_WGMMA_RS
 #undef KDT_WGMMA_D32
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace sm90
 #endif
@@ -751,7 +777,7 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using L = sm90::Layout<D>;
     constexpr int TN = sm90::kN;
-    constexpr int S = sm90::kStages;
+    constexpr int S = L::kStages;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The swizzle repeats every 1024 bytes of shared address: align the tiles to it.
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -796,7 +822,9 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
     }
 
     // The warpgroup's 64 rows start at m0 + 64 wg; this warp's 16 at m0 + 16 warp.
-    const bool wg_live = m0 + 64 * wg < m_real;
+    // (Broadcast from lane 0 so that the compiler sees the branches around wgmma as
+    // warp-uniform; otherwise it serialises the asynchronous products.)
+    const bool wg_live = __shfl_sync(0xffffffffu, m0 + 64 * wg < m_real, 0);
     const int wm = m0 + warp * 16;
     float o[D / 8][4];
 #pragma unroll
@@ -838,60 +866,114 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
+    // Software pipeline (FlashAttention-3's overlap within a warpgroup): while P(i) V(i)
+    // runs on the tensor cores, the warpgroup takes the softmax of tile i + 1, whose
+    // scores S(i + 1) were issued just before. S buffers: tile i's V, tile i + 1's K and
+    // tiles i + 2 .. i + S - 1 loading; a buffer is reloaded only after the barrier that
+    // follows every warpgroup's wait for the P V product that read it.
+    const int ntiles = __shfl_sync(0xffffffffu, any_row ? (k_end - k_begin + TN - 1) / TN : 0, 0);
+    if (any_row) {
 #pragma unroll
-    for (int i = 0; i < S - 1; i++) {
-        if (any_row) issue_tile(k_begin + i * TN, i);
+        for (int i = 0; i < S - 1; i++) issue_tile(k_begin + i * TN, i);
     }
-
     const float scale = c.scale_log2;
     const unsigned char* qa = sQ + wg * 64 * 128;  // the warpgroup's rows in each 64-column block
-    int buf = 0;
-    for (int t0 = k_begin; any_row && t0 < k_end; t0 += TN) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
-        // cp.async and the Q stores write through the generic proxy; wgmma reads through the
-        // async proxy.
+    float sc[TN / 8][4];
+#pragma unroll
+    for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    uint32_t a[TN / 16][4];
+    // S(i) = Q K(i)^T into sc (asynchronous; one committed group).
+    auto issue_scores = [&](int buf) {
+        const unsigned char* sK = sKV + buf * 2 * L::kTileBytes;
+        sm90::hold(sc);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint64_t da = sm90::descriptor(qa + (kk >> 2) * kTileM * 128 + (kk & 3) * 32, 16, 1024);
+            const uint64_t db = sm90::descriptor(sK + (kk >> 2) * TN * 128 + (kk & 3) * 32, 16, 1024);
+            sm90::Mma<T>::ss(sc, da, db, kk > 0);
+        }
+        sm90::commit();
+    };
+    // O += P(i) V(i), 64 output columns (one swizzled block of V) a step; within a block
+    // the 8-key groups are 1024 bytes apart (asynchronous; one committed group).
+    auto issue_pv = [&](int buf) {
+        const unsigned char* sV = sKV + buf * 2 * L::kTileBytes + L::kTileBytes;
+        sm90::hold(o);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < TN / 16; kk++) {
+#pragma unroll
+            for (int nb = 0; nb < D / 64; nb++) {
+                const uint64_t dvd = sm90::descriptor(sV + nb * TN * 128 + kk * 16 * 128, 1024, 1024);
+                sm90::Mma<T>::rs(o, nb * 8, a[kk], dvd);
+            }
+        }
+        sm90::commit();
+    };
+    // The scores of tile t0 are in sc: mask them, then the weights (alpha: the rescale the
+    // output still owes).
+    auto weights = [&](int t0, float (&alpha)[2]) {
+        sm90::hold(sc);
+        if (__shfl_sync(0xffffffffu, t0 + TN > min(p, k_end), 0)) {
+            mask_tile<TN>(sc, c, b, wm + gid, m_real, group, t0, p, k_end, tig);
+        }
+        softmax_weights<TN>(sc, mx, l, alpha, scale);
+        sm90::hold(sc);  // the weights are computed here, before the wait that follows
+    };
+    auto pack = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < TN / 16; kk++) pack_p<T, TN>(sc, kk, a[kk]);
+    };
+
+    // Tile i + 1 is in (this thread's copies waited for, then the barrier), every warpgroup
+    // is done with the buffer tile i + S - 1 goes to, and that tile is on its way. The
+    // barrier is the non-aligned form: the warpgroups past the real rows reach it from
+    // another branch (they only load).
+    auto next_tile = [&](int i, bool first) {
+        if (first) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+        } else {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 3));
+        }
+        // cp.async and the Q stores write through the generic proxy; wgmma reads through
+        // the async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // tile t0 is in; every warp is done with the buffer loaded next
-        issue_tile(t0 + (S - 1) * TN, (buf + S - 1) % S);
-        if (wg_live) {
-            const unsigned char* sK = sKV + buf * 2 * L::kTileBytes;
-            const unsigned char* sV = sK + L::kTileBytes;
-            float sc[TN / 8][4];
-#pragma unroll
-            for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-            sm90::fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                const uint64_t da = sm90::descriptor(qa + (kk >> 2) * kTileM * 128 + (kk & 3) * 32, 16, 1024);
-                const uint64_t db = sm90::descriptor(sK + (kk >> 2) * TN * 128 + (kk & 3) * 32, 16, 1024);
-                sm90::Mma<T>::ss(sc, da, db, kk > 0);
-            }
-            sm90::commit();
-            sm90::wait_all();
-            sm90::hold(sc);
-
-            if (t0 + TN > min(p, k_end)) mask_tile<TN>(sc, c, b, wm + gid, m_real, group, t0, p, k_end, tig);
-            softmax_tile<TN, D / 8>(sc, mx, l, o, scale);
-            uint32_t a[TN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < TN / 16; kk++) pack_p<T, TN>(sc, kk, a[kk]);
-
-            // O += P V, 64 output columns (one swizzled block of V) a step. Within a block,
-            // the 8-key groups are 1024 bytes apart.
-            sm90::fence();
-#pragma unroll
-            for (int kk = 0; kk < TN / 16; kk++) {
-#pragma unroll
-                for (int nb = 0; nb < D / 64; nb++) {
-                    const uint64_t dvd = sm90::descriptor(sV + nb * TN * 128 + kk * 16 * 128, 1024, 1024);
-                    sm90::Mma<T>::rs(o, nb * 8, a[kk], dvd);
-                }
-            }
-            sm90::commit();
-            sm90::wait_all();
+        asm volatile("barrier.sync 0;\n" ::: "memory");
+        if (!first) issue_tile(k_begin + (i + S - 1) * TN, (i + S - 1) % S);
+    };
+    // No branch inside the pipelined loop (a branch around a wgmma or its accumulators
+    // makes the compiler serialise the products): the warpgroups with real rows run it,
+    // the others only keep the loads and barriers in step.
+    if (wg_live) {
+        if (ntiles > 0) {
+            float alpha[2];
+            next_tile(-1, true);  // tile 0
+            issue_scores(0);
+            sm90::wait<0>();
+            weights(k_begin, alpha);  // (o is still zero: no rescale)
+            pack();
+        }
+        for (int i = 0; i + 1 < ntiles; i++) {
+            float alpha[2];
+            next_tile(i, false);
+            issue_scores((i + 1) % S);
+            issue_pv(i % S);
+            sm90::wait<1>();  // S(i + 1) (committed before P(i) V(i))
+            weights(k_begin + (i + 1) * TN, alpha);
+            sm90::wait<0>();
+            sm90::hold(o);
+            rescale(o, alpha);
+            pack();
+        }
+        if (ntiles > 0) {
+            issue_pv((ntiles - 1) % S);
+            sm90::wait<0>();
             sm90::hold(o);
         }
-        buf = (buf + 1) % S;
+    } else {
+        if (ntiles > 0) next_tile(-1, true);
+        for (int i = 0; i + 1 < ntiles; i++) next_tile(i, false);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     write_rows<T, D / 8>(c, o, mx, l, b, hk, wm + gid, m_count, m_real, s, 0, D, true, tig);
