@@ -165,6 +165,14 @@ __device__ __forceinline__ void mask_tile(float (&sc)[TN / 8][4], const AttnPara
     }
 }
 
+// 2^x by the special-function unit alone (results below 2^-126 flush to 0: a weight that
+// small is nothing beside the row's largest, which is 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // The online softmax step of FlashAttention-2 over one tile, in log2 units: updates the two
 // rows' running max mx (raw scores) and sum l (this thread's keys; the quad's sum is taken
 // at the end), turns the scores into weights exp2((s - mx) * scale) and returns in alpha
@@ -194,7 +202,7 @@ __device__ __forceinline__ void softmax_weights(float (&sc)[TN / 8][4], float (&
     for (int j = 0; j < TN / 8; j++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const float pv = exp2f(fmaf(sc[j][e], scale, -msub[e >> 1]));
+            const float pv = fast_exp2(fmaf(sc[j][e], scale, -msub[e >> 1]));
             sc[j][e] = pv;
             rsum[e >> 1] += pv;
         }
@@ -772,7 +780,7 @@ template <> struct Mma<__nv_bfloat16> {
 #endif
 
 #if defined(KDT_CUDA_SM90A)
-template <typename T, int D>
+template <typename T, int D, bool PAGED>
 __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnParams c) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using L = sm90::Layout<D>;
@@ -836,32 +844,35 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
     static_assert(TN * kCols % sm90::kThreads == 0, "whole tiles per thread");
     const int my_col = threadIdx.x % kCols, my_row = threadIdx.x / kCols;
     constexpr int kRowStep = sm90::kThreads / kCols;
-    const bool paged = c.block_table != nullptr;
-    const char* kbase = c.k + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
-    const char* vbase = c.v + ((paged ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+    // A thread moves the same 16-byte column of kLoads rows (kRowStep apart) of every tile;
+    // their shared-memory offsets are the same in every buffer. A contiguous cache's rows
+    // are a fixed stride apart; a paged one's come through the block table.
+    const char* kbase = c.k + ((PAGED ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+    const char* vbase = c.v + ((PAGED ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
     const int64_t tok_bytes = c.c_token * (int64_t)sizeof(T);
+    int soff[kLoads];
+#pragma unroll
+    for (int it = 0; it < kLoads; it++) soff[it] = sm90::swizzled(my_row + it * kRowStep, my_col, TN);
     auto issue_tile = [&](int t0, int buf) {
         if (t0 < k_end) {
             unsigned char* dk = sKV + buf * 2 * L::kTileBytes;
             unsigned char* dv = dk + L::kTileBytes;
+            const int t_first = t0 + my_row;
+            const int64_t first = (int64_t)t_first * tok_bytes;
 #pragma unroll
             for (int it = 0; it < kLoads; it++) {
-                const int r = my_row + it * kRowStep;
-                const int t = t0 + r;
+                const int t = t_first + it * kRowStep;
                 const bool live = t < k_end;
                 int64_t off = 0;
-                if (live) {
-                    if (!paged) {
-                        off = (int64_t)t * tok_bytes;
-                    } else {
-                        const int pg_size = (int)c.page_size;
-                        const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
-                        off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
-                    }
+                if constexpr (!PAGED) {
+                    off = live ? first + (int64_t)(it * kRowStep) * tok_bytes : 0;
+                } else if (live) {
+                    const int pg_size = (int)c.page_size;
+                    const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
+                    off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
                 }
-                const int so = sm90::swizzled(r, my_col, TN);
-                cp_async16(dk + so, kbase + off, live);
-                cp_async16(dv + so, vbase + off, live);
+                cp_async16(dk + soff[it], kbase + off, live);
+                cp_async16(dv + soff[it], vbase + off, live);
             }
         }
         asm volatile("cp.async.commit_group;\n" ::);
@@ -1126,15 +1137,15 @@ bool wgmma_device() {
     return major == 9 && minor == 0;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool PAGED>
 kdt_status launch_sm90(const AttnParams& c, cudaStream_t stream) {
     const size_t smem = sm90::Layout<D>::kSmem;
-    if (cudaFuncSetAttribute(attention_sm90_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
-        cudaSuccess) {
+    if (cudaFuncSetAttribute(attention_sm90_kernel<T, D, PAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)smem) != cudaSuccess) {
         return kdt::launch_status("tree attention (shared memory size)");
     }
     const dim3 grid((unsigned)(c.batch * c.kv_heads * c.q_tiles), (unsigned)c.splits);
-    attention_sm90_kernel<T, D><<<grid, sm90::kThreads, smem, stream>>>(c);
+    attention_sm90_kernel<T, D, PAGED><<<grid, sm90::kThreads, smem, stream>>>(c);
     return kdt::launch_status("tree attention");
 }
 #endif
@@ -1153,7 +1164,9 @@ kdt_status launch(const AttnParams& c, cudaStream_t stream) {
 #endif
     if (wgmma) {
 #if defined(KDT_CUDA_SM90A)
-        if constexpr (D <= 128) st = launch_sm90<T, D>(c, stream);
+        if constexpr (D <= 128) {
+            st = c.block_table != nullptr ? launch_sm90<T, D, true>(c, stream) : launch_sm90<T, D, false>(c, stream);
+        }
 #endif
     } else if constexpr (D > 128) {
         st = launch_config<T, D, Config<D, 1>>(c, stream);
