@@ -680,22 +680,22 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_kernel(AttnParams c) {
 // takes both operands from shared memory; O += P V takes P from registers and V from
 // shared memory, N-major. Q, K and V sit in shared memory in the 128-byte swizzled layout
 // wgmma reads: blocks of 64 columns (128 bytes a row), the 16-byte chunk c of row r at
-// chunk c ^ (r % 8), every block 1024-byte aligned. K/V tiles of 64 keys load by cp.async
+// chunk c ^ (r % 8), every block 1024-byte aligned. K/V tiles of kN keys load by cp.async
 // into Layout::kStages buffers; one barrier a tile.
 #if defined(KDT_CUDA_SM90A)
 namespace sm90 {
 
-constexpr int kN = 64;         // keys a tile
+constexpr int kN = 128;        // keys a tile
 constexpr int kThreads = 256;  // two warpgroups
+constexpr int kSmemMax = 227 * 1024;  // a CTA's shared memory on sm_90
 
 // Shared memory: Q, then kStages buffers of a K and a V tile; as many buffers (at most 6)
-// as fit in 200 KB, so that up to kStages - 2 tiles load while the warpgroups work.
+// as fit, so that up to kStages - 2 tiles load while the warpgroups work.
 template <int D> struct Layout {
     static constexpr int kQBytes = kTileM * D * 2;
     static constexpr int kTileBytes = kN * D * 2;  // a K or V tile
-    static constexpr int kStages = (200 * 1024 - kQBytes) / (2 * kTileBytes) < 6
-                                       ? (200 * 1024 - kQBytes) / (2 * kTileBytes)
-                                       : 6;
+    static constexpr int kFit = (kSmemMax - 1024 - kQBytes) / (2 * kTileBytes);
+    static constexpr int kStages = kFit < 6 ? kFit : 6;
     static_assert(kStages >= 3, "the pipeline needs three buffers");
     static constexpr size_t kSmem = 1024 + kQBytes + (size_t)kStages * 2 * kTileBytes;  // + alignment slack
 };
@@ -733,8 +733,9 @@ __device__ __forceinline__ void hold(float (&r)[N][4]) {
         for (int e = 0; e < 4; e++) asm volatile("" : "+f"(r[i][e])::"memory");
 }
 
-// d (+)= A B for a 64 x 64 x 16 step, float32 accumulators in the m16n8 layout: ss takes A
-// and B (both K-major) from shared memory, accumulate = 0 overwriting d; rs takes A from
+// d (+)= A B for a 64 x N x 16 step, float32 accumulators in the m16n8 layout: ss (N 64 or
+// 128) takes A and B (both K-major) from shared memory, accumulate = 0 overwriting d; rs
+// (N 64) takes A from
 // registers and B N-major (transposed) from shared memory, accumulating into the n8 tiles
 // k .. k + 7 of d (k a compile-time constant after unrolling).
 #define KDT_WGMMA_D32(d, k) \
@@ -746,6 +747,21 @@ __device__ __forceinline__ void hold(float (&r)[N][4]) {
     "+f"(d[(k) + 5][0]), "+f"(d[(k) + 5][1]), "+f"(d[(k) + 5][2]), "+f"(d[(k) + 5][3]), \
     "+f"(d[(k) + 6][0]), "+f"(d[(k) + 6][1]), "+f"(d[(k) + 6][2]), "+f"(d[(k) + 6][3]), \
     "+f"(d[(k) + 7][0]), "+f"(d[(k) + 7][1]), "+f"(d[(k) + 7][2]), "+f"(d[(k) + 7][3])
+#define KDT_WGMMA_D64(d) \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+    "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+    "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
+    "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+    "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), \
+    "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+    "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+#define KDT_WGMMA_SS128(TY)                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
+    " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
 #define KDT_WGMMA_SS(TY)                                                                        \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
@@ -757,6 +773,9 @@ template <> struct Mma<__half> {
     static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
         asm volatile(KDT_WGMMA_SS("f16") : KDT_WGMMA_D32(d, 0) : "l"(a), "l"(b), "r"(accumulate));
     }
+    static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b, int accumulate) {
+        asm volatile(KDT_WGMMA_SS128("f16") : KDT_WGMMA_D64(d) : "l"(a), "l"(b), "r"(accumulate));
+    }
     template <int NO>
     static __device__ __forceinline__ void rs(float (&d)[NO][4], int k, const uint32_t (&a)[4], uint64_t b) {
         asm volatile(KDT_WGMMA_RS("f16") : KDT_WGMMA_D32(d, k) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
@@ -766,12 +785,17 @@ template <> struct Mma<__nv_bfloat16> {
     static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
         asm volatile(KDT_WGMMA_SS("bf16") : KDT_WGMMA_D32(d, 0) : "l"(a), "l"(b), "r"(accumulate));
     }
+    static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b, int accumulate) {
+        asm volatile(KDT_WGMMA_SS128("bf16") : KDT_WGMMA_D64(d) : "l"(a), "l"(b), "r"(accumulate));
+    }
     template <int NO>
     static __device__ __forceinline__ void rs(float (&d)[NO][4], int k, const uint32_t (&a)[4], uint64_t b) {
         asm volatile(KDT_WGMMA_RS("bf16") : KDT_WGMMA_D32(d, k) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
     }
 };
 #undef KDT_WGMMA_SS
+#undef KDT_WGMMA_SS128
+#undef KDT_WGMMA_D64
 #undef KDT_WGMMA_RS
 #undef KDT_WGMMA_D32
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
