@@ -60,7 +60,7 @@ for step in "${steps[@]}"; do
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
     prepare_old
     # Both trees configure and build at once (the old one only the library and the bench).
-    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DKDTREE_BUILD_BENCHMARKS=ON \
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real -DKDTREE_BUILD_BENCHMARKS=ON \
       -DKDTREE_WERROR=ON > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
     cmake --build build-gpu -j "$JOBS" > "$OUT/build.log" 2>&1 &
     new_pid=$!

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The batched engine on the device machine, in one call: build libkdtree for sm_90, install
+# The batched engine on the device machine, in one call: build libkdtree for sm_90a, install
 # the pinned transformers wheel carried in .whl/, then the steps named (default: smoke tests
 # bench). Logs under $OUT.
 #   smoke   one short generate per mode (first failure printed whole)
@@ -23,7 +23,7 @@ fi
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 if [ ! -f build-gpu/libkdtree.so ]; then
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-real -DKDTREE_CUDA=ON \
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real -DKDTREE_CUDA=ON \
     -DKDTREE_BUILD_TESTS=${KDT_NATIVE_TESTS:-OFF} > "$OUT/build.log" 2>&1 &&
   cmake --build build-gpu -j16 >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdt-out}
 mkdir -p "$OUT"
 [ -x build-gpu/kdtree_bench_cuda ] || {
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DKDTREE_BUILD_BENCHMARKS=ON > "$OUT/cmake.log" 2>&1
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real -DKDTREE_BUILD_BENCHMARKS=ON > "$OUT/cmake.log" 2>&1
   cmake --build build-gpu -j 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 }
 # parallel: the automatic dispatch; heap: the one-thread heap forced (native/kdt_testing.h).

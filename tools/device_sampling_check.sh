@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of per-request sampled verification (kdt_verify_sample_batch_cuda), in one
 # device call (a few minutes on an H200):
-#   build     this tree with CUDA for sm_90 only (-DKDTREE_WERROR=ON): the library and the
+#   build     this tree with CUDA for sm_90a only (-DKDTREE_WERROR=ON): the library and the
 #             native verify test; ptxas's register / spill report of native/cuda/verify_cuda.cu
 #   native    test_verify_cuda (and its --verify-cluster 1 / 2 variants) through ctest
 #   python    tests_py/test_sampling_graph.py and tests_py/test_gpu.py (torch with CUDA), then
@@ -26,7 +26,7 @@ for step in "${steps[@]}"; do
   build)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
     if cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKDTREE_WERROR=ON -DKDTREE_CUDA=ON \
-         -DCMAKE_CUDA_ARCHITECTURES=90-real > "$OUT/configure.log" 2>&1 &&
+         -DCMAKE_CUDA_ARCHITECTURES=90a-real > "$OUT/configure.log" 2>&1 &&
        cmake --build "$BUILD" -j"$JOBS" --target kdtree test_verify_cuda > "$OUT/build.log" 2>&1; then
       note "build: OK"
     else
