@@ -763,8 +763,11 @@ KDT_API kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_
  *   lse[b, i, h]    = log sum_j exp(scale * q . k[j])   (natural log)
  *
  * with k, v the request's KV head h / (q_heads / kv_heads). float16 or bfloat16 in and out,
- * float32 products, softmax and accumulation (mma.sync m16n8k16); the weights are rounded
- * to the input dtype before the product with V, as FlashAttention does.
+ * float32 products, softmax and accumulation (wgmma on compute capability 9.0 for head dims
+ * 64 and 128 where the library has sm_90a code, mma.sync m16n8k16 elsewhere; the two sum in
+ * different orders, so their outputs may differ in the last bits, both within the bound
+ * of docs/api.md); the weights are rounded to the input dtype before the product with V,
+ * as FlashAttention does.
  *
  * trees:          device arrays: batch B, budget N, num_nodes and visibility_bits
  *                 (required; the builder's [B, N+1, ceil((N+1)/32)] words).
