@@ -7,7 +7,8 @@ boolean tree mask (GQA through enable_gqa); kdtree's mma.sync kernel, the path o
 without wgmma (forced through a test-only switch; on an H200 the automatic choice is the
 wgmma kernel); transformers' sdpa path (K/V repeated to the
 query heads, an additive mask); SDPA on the prefix alone with no mask (what a kernel
-without the tree does, flash backend where it applies); and the floor: the larger of the
+without the tree does, flash backend where it applies); with --flex, FlexAttention
+(torch.compile'd, a block mask from the visibility); and the floor: the larger of the
 K/V bytes at 3.85 TB/s and the attention FLOPs (4 x query heads x rows x keys x head_dim)
 at 790 TFLOP/s (a 1 GiB device copy and an 8192^3 bf16 matmul measured on an H200; this
 run's own rates are printed beside them). Medians of CUDA-event timings over
@@ -83,7 +84,30 @@ def bench_trees(torch, rng, batch, budget):
     return kdtree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget)
 
 
-def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines):
+def flex_baseline(torch, q, ks, vs, vis, prefix):
+    """FlexAttention (torch.compile'd) with a block mask from the tree's visibility: a
+    function running it over every layer, or the exception that stopped it compiling."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, rows = vis.shape[0], vis.shape[1]
+    keys = ks[0].shape[2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = (kv_idx - prefix).clamp(0, rows - 1)
+        return (kv_idx < prefix) | vis[b, q_idx, j]
+
+    block_mask = create_block_mask(mask_mod, B=batch, H=None, Q_LEN=rows, KV_LEN=keys, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    qt = q.transpose(1, 2)
+
+    def flex():
+        for kl, vl in zip(ks, vs, strict=True):
+            compiled(qt, kl, vl, block_mask=block_mask, enable_gqa=True)
+
+    return flex
+
+
+def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines, flex=False):
     """One shape: kdtree's time, the baselines' and the floor (us)."""
     import torch.nn.functional as F
 
@@ -151,7 +175,14 @@ def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines)
             for kl, vl in zip(ks, vs, strict=True):
                 F.scaled_dot_product_attention(qt, kl[:, :, :prefix], vl[:, :, :prefix], enable_gqa=True)
 
-        for name, fn in (("sdpa_us", sdpa), ("transformers_us", hf_path), ("prefix_only_us", prefix_only)):
+        methods = [("sdpa_us", sdpa), ("transformers_us", hf_path), ("prefix_only_us", prefix_only)]
+        if flex:
+            try:
+                methods.append(("flex_us", flex_baseline(torch, q, ks, vs, vis, prefix)))
+            except Exception as e:  # (the block mask is built once, outside the timing)
+                row["flex_us"] = None
+                print(f"  flex_us failed: {type(e).__name__}: {str(e)[:120]}")
+        for name, fn in methods:
             try:
                 row[name] = timed(torch, fn) * 1e3 / layers
             except Exception as e:  # a baseline that does not run here is reported, not fatal
@@ -231,7 +262,7 @@ def run_mla(torch, baselines=True) -> list[dict]:
     return res
 
 
-def run(torch, hq=32, hkv=8, dim=128, baselines=True) -> dict:
+def run(torch, hq=32, hkv=8, dim=128, baselines=True, flex=False) -> dict:
     """Every shape of SHAPES: prints the markdown table and returns the numbers."""
     mbw, mflops = rates(torch)
     bw, flops = FLOOR_BPS, FLOOR_FLOPS
@@ -240,21 +271,22 @@ def run(torch, hq=32, hkv=8, dim=128, baselines=True) -> dict:
     results = []
     rng = np.random.default_rng(0)
     print("| B | prefix | rows | floor us | kdtree us (x floor) | kdtree TFLOP/s, TB/s | mma.sync kernel us | "
-          "SDPA+mask us | transformers path us | prefix-only SDPA us | kdtree vs SDPA |")
-    print("|" + "---|" * 11)
+          "SDPA+mask us | transformers path us | prefix-only SDPA us | FlexAttention us | kdtree vs SDPA |")
+    print("|" + "---|" * 12)
 
     def f(x):
         return "-" if x is None else f"{x:,.1f}"
 
     for batch, prefix, rows in SHAPES:
-        row = measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines)
+        row = measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines, flex)
         t_ours, floor = row["kdtree_us"], row["floor_us"]
         results.append(row)
         vs = f"{row['sdpa_us'] / t_ours:.1f}x" if row.get("sdpa_us") else "-"
         print(f"| {batch} | {prefix:,} | {rows} | {floor:.1f} | {t_ours:,.1f} ({t_ours / floor:.1f}x) | "
               f"{row['kdtree_tflops']:.0f}, {row['kdtree_TBps']:.2f} | {f(row.get('mma_sync_us'))} | "
               f"{f(row.get('sdpa_us'))} | "
-              f"{f(row.get('transformers_us'))} | {f(row.get('prefix_only_us'))} | {vs} |", flush=True)
+              f"{f(row.get('transformers_us'))} | {f(row.get('prefix_only_us'))} | {f(row.get('flex_us'))} | {vs} |",
+              flush=True)
     return {"device": torch.cuda.get_device_name(), "copy_Bps": mbw, "bf16_flops": mflops, "floor_Bps": bw,
             "floor_flops": flops, "heads": [hq, hkv], "head_dim": dim, "shapes": results}
 
@@ -266,10 +298,13 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--mla", action=argparse.BooleanOptionalAction, default=True, help="also the MLA shapes")
+    ap.add_argument("--flex", action="store_true",
+                    help="also FlexAttention with a block mask (torch.compile per shape: minutes; a shape that "
+                         "does not compile is reported as failed)")
     args = ap.parse_args()
     import torch
 
-    res = run(torch, *args.heads, args.head_dim, args.baselines)
+    res = run(torch, *args.heads, args.head_dim, args.baselines, args.flex)
     if args.mla:
         print("\nMLA (absorbed; latent 512 + rotary 64, one KV head; bf16):")
         res["mla"] = run_mla(torch, args.baselines)
