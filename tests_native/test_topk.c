@@ -140,9 +140,85 @@ static void strided_and_errors(void) {
     CHECK_STATUS(kdt_topk_logprobs_cpu(x, -1, 3, 3, 1, lp2, ids2), KDT_ERR_INVALID_ARGUMENT);
 }
 
+/* The fixture cases split into T vocabulary shards (uneven, each holding at least k):
+ * kdt_topk_shard_cpu on each, kdt_topk_merge_cpu of the stacked summaries; the ids equal
+ * kdt_topk_logprobs_cpu's and the log-probs are within one float32 ulp of them. */
+static void sharded_cases(void) {
+    kdt_kdtr_file* f = fixture_open("topk_cases.kdtr");
+    kdt_kdtr_array count_a = fixture_get(f, KDT_DTYPE_INT64, "count");
+    const int64_t count = *(const int64_t*)count_a.data;
+    int64_t merged = 0;
+    for (int64_t c = 0; c < count; c++) {
+        kdt_kdtr_array x = fixture_get(f, KDT_DTYPE_FLOAT32, "%lld.logits", (long long)c);
+        const int64_t k = fixture_i64(f, "%lld.%s", c, "k");
+        const int64_t rows = x.shape[0], vocab = x.shape[1];
+        for (int64_t shards = 2; shards <= 4; shards++) {
+            if (k < 1 || vocab / shards < k + 1) continue; /* (shards of vocab / shards +- 1 entries) */
+            int64_t edges[5];
+            for (int64_t t = 0; t <= shards; t++) edges[t] = t == shards ? vocab : t * (vocab / shards) + (t % 2);
+            float* slg = malloc((size_t)(shards * rows * k) * sizeof(float));
+            int32_t* sid = malloc((size_t)(shards * rows * k) * sizeof(int32_t));
+            float* smx = malloc((size_t)(shards * rows) * sizeof(float));
+            double* sse = malloc((size_t)(shards * rows) * sizeof(double));
+            float* lp = malloc((size_t)(rows * k) * sizeof(float));
+            float* want_lp = malloc((size_t)(rows * k) * sizeof(float));
+            int32_t* ids = malloc((size_t)(rows * k) * sizeof(int32_t));
+            int32_t* want_ids = malloc((size_t)(rows * k) * sizeof(int32_t));
+            for (int64_t t = 0; t < shards; t++) {
+                CHECK_OK(kdt_topk_shard_cpu((const float*)x.data + edges[t], rows, edges[t + 1] - edges[t], vocab,
+                                            edges[t], k, slg + t * rows * k, sid + t * rows * k, smx + t * rows,
+                                            sse + t * rows));
+            }
+            CHECK_OK(kdt_topk_merge_cpu(slg, sid, smx, sse, shards, rows, k, vocab, lp, ids));
+            CHECK_OK(kdt_topk_logprobs_cpu((const float*)x.data, rows, vocab, vocab, k, want_lp, want_ids));
+            int ok = memcmp(ids, want_ids, (size_t)(rows * k) * sizeof(int32_t)) == 0;
+            for (int64_t i = 0; i < rows * k; i++) ok = ok && within_ulp(lp[i], want_lp[i]);
+            if (!ok) {
+                fprintf(stderr, "topk case %lld, %lld shards: the merge differs from the gathered top-k\n",
+                        (long long)c, (long long)shards);
+                harness_failures++;
+            }
+            merged++;
+            free(slg);
+            free(sid);
+            free(smx);
+            free(sse);
+            free(lp);
+            free(want_lp);
+            free(ids);
+            free(want_ids);
+        }
+    }
+    printf("topk: %lld sharded merges of the reference cases match\n", (long long)merged);
+    CHECK(merged > 0);
+    kdt_kdtr_close(f);
+
+    /* Errors: an unsorted list names shard, row and entry; outputs stay untouched. */
+    float lg[4] = {3.0f, 1.0f, 2.0f, 5.0f};
+    int32_t id[4] = {0, 1, 2, 3};
+    float mx[2] = {3.0f, 5.0f};
+    double se[2] = {1.2, 1.1};
+    float out[2] = {9.0f, 9.0f};
+    int32_t oid[2] = {9, 9};
+    CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 2, 1, 2, 4, out, oid), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("shard 1, row 0, entry 1");
+    CHECK(out[0] == 9.0f && oid[0] == 9);
+    lg[2] = 5.0f;
+    lg[3] = 2.0f;
+    CHECK_OK(kdt_topk_merge_cpu(lg, id, mx, se, 2, 1, 2, 4, out, oid));
+    CHECK_EQ(oid[0], 2);
+    CHECK_EQ(oid[1], 0);
+    CHECK(fabs(out[0] - (0.0 - log(1.1 + 1.2 * exp(-2.0)))) < 1e-6);
+    CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 0, 1, 2, 4, out, oid), KDT_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(kdt_topk_merge_cpu(lg, id, NULL, se, 2, 1, 2, 4, out, oid), KDT_ERR_NULL_POINTER);
+    CHECK_STATUS(kdt_topk_shard_cpu(lg, 1, 4, 4, 0, 5, out, oid, mx, se), KDT_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(kdt_topk_shard_cpu(lg, 1, 4, 4, INT32_MAX, 1, out, oid, mx, se), KDT_ERR_INVALID_ARGUMENT);
+}
+
 int main(void) {
     fixture_cases();
     extreme_logits();
     strided_and_errors();
+    sharded_cases();
     HARNESS_EXIT();
 }

@@ -16,6 +16,8 @@ from .core.api import (
     compact_kv,
     empty_trees,
     topk_logprobs,
+    topk_merge,
+    topk_shard,
     tree_attention,
     tree_attention_mask,
     tree_attention_mla,
@@ -23,7 +25,7 @@ from .core.api import (
     verify_greedy_from_logits,
     verify_sample_from_logits,
 )
-from .core.types import Acceptance, TopK, TreeBatch, TreeMask
+from .core.types import Acceptance, TopK, TopKShard, TreeBatch, TreeMask
 
 __version__ = "0.2.0"
 
@@ -64,6 +66,7 @@ __all__ = [
     "KdtreeTypeError",
     "LibraryNotFoundError",
     "TopK",
+    "TopKShard",
     "TreeBatch",
     "TreeMask",
     "build_trees",
@@ -76,6 +79,8 @@ __all__ = [
     "library_path",
     "library_version",
     "topk_logprobs",
+    "topk_merge",
+    "topk_shard",
     "tree_attention",
     "tree_attention_mla",
     "tree_attention_mask",

@@ -30,7 +30,7 @@ import numpy as np
 from . import checks, host
 from . import device as _device
 from .host import empty_trees
-from .types import Acceptance, TopK, TreeBatch, TreeMask
+from .types import Acceptance, TopK, TopKShard, TreeBatch, TreeMask
 
 __all__ = [
     "build_trees",
@@ -247,6 +247,54 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None, out=Non
     if not isinstance(out, TopK):
         raise checks.type_error(f"out must be a TopK, got {type(out).__name__}")
     return _copy_host_out(result, out, ("logprobs", "ids", "row_status"), "topk_logprobs")
+
+
+def topk_shard(logits, k: int, vocab_offset: int) -> TopKShard:
+    """One vocabulary shard's summary of each row, for :func:`topk_merge` (tensor
+    parallelism: the drafter's LM head split by vocabulary over T devices).
+
+    Args:
+        logits: ``[..., V_shard]`` float16, bfloat16, float32 or float64 host array: the
+            logits of vocabulary entries ``vocab_offset .. vocab_offset + V_shard - 1``.
+        k: 0 <= k <= V_shard: every shard gives k entries (so each shard holds at least k).
+        vocab_offset: the shard's first global token id (>= 0; offset + V_shard <= 2^31).
+
+    Returns:
+        :class:`TopKShard` ``(logits float32 [..., k], ids int32 [..., k], max float32 [...],
+        sumexp float64 [...])``: the shard's k largest logits as they are (best first, ties
+        by lower id) with global ids, its max logit and its sum of ``exp(logit - max)``
+        (Neumaier-compensated float64; max -inf and sum 0 for a row that is all -inf here).
+        ``kdt_topk_shard_cpu``.
+
+    Raises:
+        KdtreeError: NaN or +inf logits (naming the row and the shard's column), k or the
+        offset out of range.
+    """
+    return host.topk_shard(logits, k, vocab_offset)
+
+
+def topk_merge(shard_logits, shard_ids, shard_max, shard_sumexp, vocab: int) -> TopK:
+    """The global top-k log-probs from T shards' :func:`topk_shard` outputs, stacked on a
+    leading axis (``[T, ..., k]``, ``[T, ...]``); the shards hold disjoint vocabulary ranges
+    covering ``vocab`` entries.
+
+    The ids and their order (ties: lower id) are exactly those of :func:`topk_logprobs` on
+    the gathered rows. The log-sum-exp is combined exactly from the shards' max and sums
+    (``m = max_t max_t``, ``sum = sum_t sumexp_t * exp(max_t - m)``, float64), so a log-prob
+    can differ from the gathered row's only where its float64 value lies within ~1e-16 of a
+    float32 rounding boundary (then by one ulp). ``kdt_topk_merge_cpu``; the shards' bytes
+    per row are ``k * 8 + 12`` (against ``2 V`` for bfloat16 logits).
+
+    Returns:
+        :class:`TopK` ``(logprobs float32 [..., k], ids int32 [..., k])``, row statuses 0.
+
+    Raises:
+        KdtreeError: shapes that disagree, an unsorted shard list, an id outside
+        ``[0, vocab)``, statistics that are not a shard's, a row whose logits are all -inf
+        (messages name the shard, the row as request and position for ``[T, B, L, k]``
+        inputs, and the entry).
+    """
+    return host.topk_merge(shard_logits, shard_ids, shard_max, shard_sumexp, vocab)
 
 
 def build_trees_from_logits(

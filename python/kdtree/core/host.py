@@ -15,7 +15,7 @@ import numpy as np
 from .. import _native as _lib
 from .._native import STATUS, KdtreeError
 from . import checks, memory, sampling
-from .types import ADDITIVE_LOWEST, TREE_FIELDS, Acceptance, TopK, TreeBatch, TreeMask
+from .types import ADDITIVE_LOWEST, TREE_FIELDS, Acceptance, TopK, TopKShard, TreeBatch, TreeMask
 
 
 def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
@@ -312,6 +312,53 @@ def topk_logprobs(logits, k, *, errors):
                     flat_st[r] = one.status
                     flat_lp[r], flat_ids[r] = np.nan, np.arange(k, dtype=np.int32)
     return TopK(out_lp, out_ids, status)
+
+
+def topk_shard(logits, k, vocab_offset):
+    x = checks.float_array(logits, "logits")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise checks.shape_error(f"logits must be [..., V_shard] with V_shard >= 1, got shape {x.shape}")
+    shard_vocab = x.shape[-1]
+    k = checks.int_scalar(k, "k", 0, shard_vocab)
+    vocab_offset = checks.int_scalar(vocab_offset, "vocab_offset", 0, 2**31 - shard_vocab)
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    out = (np.empty(lead + (k,), np.float32), np.empty(lead + (k,), np.int32), np.empty(lead, np.float32),
+           np.empty(lead, np.float64))
+    if rows > 0:
+        try:
+            _lib.load().kdt_topk_shard_cpu(checks.ptr(x), rows, shard_vocab, shard_vocab, vocab_offset, k,
+                                           *(checks.ptr(a) for a in out))
+        except _lib.KdtreeError as exc:
+            raise _lib.name_logits_row(exc, lead) from None
+    return TopKShard(*out)
+
+
+def topk_merge(shard_logits, shard_ids, shard_max, shard_sumexp, vocab):
+    lg = checks.float_array(shard_logits, "shard_logits")
+    if lg.ndim < 2:
+        raise checks.shape_error(f"shard_logits must be [T, ..., k], got shape {lg.shape}")
+    shards, lead, k = lg.shape[0], lg.shape[1:-1], lg.shape[-1]
+    ids = checks.int_array(shard_ids, "shard_ids", np.int32)
+    mx = checks.float_array(shard_max, "shard_max")
+    se = checks.host_array(shard_sumexp, "shard_sumexp")
+    if se.dtype.kind != "f":
+        raise checks.type_error(f"shard_sumexp must be a floating array, got dtype {se.dtype}")
+    se = np.ascontiguousarray(se, dtype=np.float64)
+    for name, a, want in (("shard_ids", ids, lg.shape), ("shard_max", mx, lg.shape[:-1]),
+                          ("shard_sumexp", se, lg.shape[:-1])):
+        if a.shape != want:
+            raise checks.shape_error(f"{name} has shape {a.shape}, expected {want} (shard_logits is {lg.shape})")
+    vocab = checks.int_scalar(vocab, "vocab", max(1, k), 2**31)
+    rows = int(np.prod(lead, dtype=np.int64))
+    out_lp, out_ids = np.empty(lead + (k,), np.float32), np.empty(lead + (k,), np.int32)
+    if rows > 0:
+        try:
+            _lib.load().kdt_topk_merge_cpu(checks.ptr(lg), checks.ptr(ids), checks.ptr(mx), checks.ptr(se), shards,
+                                           rows, k, vocab, checks.ptr(out_lp), checks.ptr(out_ids))
+        except _lib.KdtreeError as exc:
+            raise _lib.name_logits_row(exc, lead) from None
+    return TopK(out_lp, out_ids, checks.ok_status(lead if lead else (1,)))
 
 
 def build_trees_from_logits(logits, width, budget, *, root_tokens, root_positions, pad_token, out, errors):

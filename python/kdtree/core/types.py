@@ -198,3 +198,38 @@ class TreeMask(tuple):
     @property
     def positions(self):
         return self[2]
+
+
+class TopKShard(tuple):
+    """Result of :func:`kdtree.topk_shard`, one vocabulary shard's summary of each row:
+    unpacks as ``(logits, ids, max, sumexp)``.
+
+    Fields:
+        logits  float32 [..., k]  the shard's k largest logits as they are, best first
+                                  (ties: lower id)
+        ids     int32   [..., k]  their global token ids (vocab_offset + column)
+        max     float32 [...]     the shard's largest logit (-inf when all are -inf)
+        sumexp  float64 [...]     sum of exp(logit - max) over the shard (0 when all are -inf)
+    """
+
+    def __new__(cls, logits, ids, max, sumexp):  # noqa: A002 (the field's name)
+        return super().__new__(cls, (logits, ids, max, sumexp))
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+    @property
+    def logits(self):
+        return self[0]
+
+    @property
+    def ids(self):
+        return self[1]
+
+    @property
+    def max(self):
+        return self[2]
+
+    @property
+    def sumexp(self):
+        return self[3]

@@ -1,0 +1,187 @@
+"""Vocabulary-sharded top-k: kdtree.topk_shard on each slice, kdtree.topk_merge of the
+slices' summaries, against kdtree.topk_logprobs on the gathered rows (ids and order
+exactly; log-probs bit for bit on these inputs, the contract being one float32 ulp) and
+against a float64 numpy log-softmax; then the same through torch.distributed (gloo, one
+process per rank) with kdtree.distributed.topk_logprobs_sharded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kdtree
+from kdtree import _native as _lib
+
+
+def split_points(rng, vocab, shards, k):
+    """Uneven cut points, every shard holding at least k entries."""
+    while True:
+        cuts = np.sort(rng.choice(np.arange(1, vocab), shards - 1, replace=False))
+        edges = np.concatenate([[0], cuts, [vocab]])
+        if np.all(np.diff(edges) >= k):
+            return edges
+
+
+def sharded(logits, edges, k):
+    parts = [kdtree.topk_shard(logits[..., a:b], k, int(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    stack = [np.stack([p[i] for p in parts]) for i in range(4)]
+    return kdtree.topk_merge(*stack, logits.shape[-1])
+
+
+def reference_logprobs(logits):
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return (x - m) - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [1, 16, 64])
+def test_merge_equals_the_gathered_top_k(shards, k):
+    rng = np.random.default_rng(shards * 100 + k)
+    vocab = 4099
+    logits = (rng.standard_normal((3, 5, vocab)) * 4).astype(np.float32)
+    # Ties across shard boundaries and inside a shard, and -inf entries.
+    logits[0, 0, :200] = 7.25
+    logits[1, 2, ::3] = -np.inf
+    logits[2, 4] = np.round(logits[2, 4])  # many exact ties
+    edges = split_points(rng, vocab, shards, k)
+    got = sharded(logits, edges, k)
+    want = kdtree.topk_logprobs(logits, k)
+    assert np.array_equal(got.ids, want.ids)
+    assert np.array_equal(got.logprobs, want.logprobs)
+    ref = reference_logprobs(logits)
+    taken = np.take_along_axis(ref, want.ids.astype(np.int64), -1)
+    assert np.abs(got.logprobs - taken).max() <= 1e-6 * np.abs(taken).max() + 1e-7
+
+
+def test_a_shard_with_only_minus_inf_and_k_beyond_the_finite_entries():
+    vocab, k = 40, 12
+    logits = np.full((2, vocab), -np.inf, np.float32)
+    logits[0, 35:] = [1.0, 2.0, 2.0, -1.0, 0.5]  # all finite entries in the last shard
+    logits[1, :] = np.linspace(-3, 3, vocab, dtype=np.float32)
+    edges = np.array([0, 12, 24, 40])
+    got = sharded(logits, edges, k)
+    want = kdtree.topk_logprobs(logits, k)
+    assert np.array_equal(got.ids, want.ids) and np.array_equal(got.logprobs, want.logprobs)
+    # Row 0: five finite log-probs, then -inf entries ordered by id.
+    assert np.isneginf(got.logprobs[0, 5:]).all()
+    assert got.ids[0, 5:].tolist() == list(range(7))
+    shard = kdtree.topk_shard(logits[:, :12], 3, 0)
+    assert np.isneginf(shard.max[0]) and shard.sumexp[0] == 0.0
+
+
+def test_shard_and_merge_refuse_bad_input():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((2, 3, 50)).astype(np.float32)
+    parts = [kdtree.topk_shard(logits[..., :25], 4, 0), kdtree.topk_shard(logits[..., 25:], 4, 25)]
+    lg, ids, mx, se = (np.stack([p[i] for p in parts]) for i in range(4))
+    assert parts[1].ids.min() >= 25
+
+    bad = logits.copy()
+    bad[1, 2, 7] = np.nan
+    with pytest.raises(kdtree.KdtreeError, match=r"request 1, position 2 .*column 7: NaN logit"):
+        kdtree.topk_shard(bad, 4, 0)
+    with pytest.raises(kdtree.KdtreeError, match="k must be in"):
+        kdtree.topk_shard(logits[..., :3], 4, 0)
+
+    swapped = lg.copy()
+    swapped[1, 0, 1, [0, 1]] = swapped[1, 0, 1, [1, 0]]
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, request 0, position 1 .*entry 1: .*sorted best first"):
+        kdtree.topk_merge(swapped, ids, mx, se, 50)
+    out_of_range = ids.copy()
+    out_of_range[0, 1, 0, 3] = 50
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 0, request 1, position 0 .*id 50 is outside \[0, 50\)"):
+        kdtree.topk_merge(lg, out_of_range, mx, se, 50)
+    low_sum = se.copy()
+    low_sum[1, 0, 0] = 0.5
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, request 0, position 0 .*not a shard's"):
+        kdtree.topk_merge(lg, ids, mx, low_sum, 50)
+    with pytest.raises(kdtree.KdtreeError, match="shape"):
+        kdtree.topk_merge(lg, ids[:, :1], mx, se, 50)
+    all_inf = np.full_like(mx, -np.inf)
+    with pytest.raises(kdtree.KdtreeError, match="not a shard's"):
+        kdtree.topk_merge(lg, ids, all_inf, se, 50)
+    with pytest.raises(kdtree.KdtreeError, match="every logit is -inf"):
+        kdtree.topk_merge(np.full_like(lg, -np.inf), np.sort(ids, -1), all_inf, np.zeros_like(se), 50)
+    out = kdtree.topk_merge(lg, ids, mx, se, 50)
+    assert np.array_equal(out.ids, kdtree.topk_logprobs(logits, 4).ids)
+
+
+def test_merge_leaves_nothing_written_on_error():
+    lib = _lib.load()
+    lg = np.array([[[3.0, 1.0]], [[2.0, 5.0]]], np.float32)  # shard 1's list is unsorted
+    ids = np.array([[[0, 1]], [[2, 3]]], np.int32)
+    mx = np.array([[3.0], [5.0]], np.float32)
+    se = np.array([[1.2], [1.1]], np.float64)
+    out_lp = np.full((1, 2), 9.0, np.float32)
+    out_ids = np.full((1, 2), 9, np.int32)
+    with pytest.raises(kdtree.KdtreeError):
+        lib.kdt_topk_merge_cpu(lg.ctypes.data, ids.ctypes.data, mx.ctypes.data, se.ctypes.data, 2, 1, 2, 4,
+                               out_lp.ctypes.data, out_ids.ctypes.data)
+    assert (out_lp == 9.0).all() and (out_ids == 9).all()
+
+
+_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from kdtree.distributed import topk_logprobs_sharded
+
+    rank, world, edges_json, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    edges = json.loads(edges_json)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rng = np.random.default_rng(7)
+    logits = torch.from_numpy((rng.standard_normal((4, 6, edges[-1])) * 3).astype(np.float32)).bfloat16()
+    lo, hi = edges[rank], edges[rank + 1]
+    got = topk_logprobs_sharded(logits[..., lo:hi], 32, lo, edges[-1])
+    np.savez(out, logprobs=got.logprobs.numpy(), ids=got.ids.numpy(), logits=logits.float().numpy())
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torch_distributed_gloo_ranks_get_the_gathered_top_k(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    world, vocab = 3, 3001
+    edges = [0, 1000, 1900, vocab]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+               KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), json.dumps(edges),
+                               str(tmp_path / f"rank{r}.npz")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a gloo rank did not finish within 120 s")
+        assert p.returncode == 0, out
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    want = kdtree.topk_logprobs(results[0]["logits"], 32)
+    for r in results:
+        assert np.array_equal(r["ids"], want.ids)
+        assert np.array_equal(r["logprobs"], want.logprobs)
+    del torch
