@@ -1,0 +1,128 @@
+"""kdtree's round as torch custom operators (``torch.library``), so that ``torch.compile``
+traces a round that calls kdtree without a graph break, and fake tensors propagate shapes.
+
+Importing this module registers, under the ``kdtree`` namespace:
+
+==========================================  ===============================================
+``torch.ops.kdtree.topk_logprobs``          :func:`kdtree.topk_logprobs`
+``torch.ops.kdtree.build_trees``            :func:`kdtree.build_trees` (the tree fields)
+``torch.ops.kdtree.verify_greedy_from_logits``  :func:`kdtree.verify_greedy_from_logits`
+``torch.ops.kdtree.compact_kv``             :func:`kdtree.compact_kv` (mutates the caches)
+==========================================  ===============================================
+
+Each takes and returns torch tensors on the CPU or on a CUDA device and runs the same
+library call as the function it names (so results are identical); a TreeBatch travels as
+its ten arrays in ``TREE_FIELDS`` order (:func:`tree_fields`, :func:`tree_batch`), with the
+budget and depth as ints. Errors raise as in those functions (``errors="raise"``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .core import api
+from .core.types import TREE_FIELDS, Acceptance, TreeBatch
+
+_DTYPES = {"int32": torch.int32, "int64": torch.int64, "float64": torch.float64, "bool": torch.bool,
+           "uint32": torch.uint32}
+
+
+def tree_fields(trees: TreeBatch) -> tuple[Tensor, ...]:
+    """A TreeBatch's arrays (TREE_FIELDS order) as torch tensors."""
+    return tuple(_tensor(getattr(trees, name)) for name in TREE_FIELDS)
+
+
+def tree_batch(fields, budget: int, depth: int) -> TreeBatch:
+    """A TreeBatch over tree fields (TREE_FIELDS order): numpy views for CPU tensors (what
+    kdtree's host path takes), the tensors themselves on a GPU."""
+    fields = [f if f.is_cuda else f.numpy() for f in fields]
+    return TreeBatch(**dict(zip(TREE_FIELDS, fields, strict=True)), budget=int(budget), depth=int(depth))
+
+
+def _tensor(a) -> Tensor:
+    return a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _host(x: Tensor):
+    """A CPU tensor as the numpy array kdtree's host path reads (bfloat16 and float16 as
+    float32, exactly)."""
+    x = x.detach()
+    return (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x).numpy()
+
+
+def _arg(x: Tensor | None):
+    return None if x is None else (x if x.is_cuda else _host(x))
+
+
+@torch.library.custom_op("kdtree::topk_logprobs", mutates_args=())
+def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(logprobs float32 [..., k], ids int32 [..., k]) of :func:`kdtree.topk_logprobs`."""
+    lp, ids = api.topk_logprobs(_arg(logits), k)
+    return _tensor(lp), _tensor(ids)
+
+
+@topk_logprobs.register_fake
+def _(logits, k):
+    shape = tuple(logits.shape[:-1]) + (k,)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("kdtree::build_trees", mutates_args=())
+def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None,
+                root_positions: Tensor | None, pad_token: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The ten tree fields (TREE_FIELDS order) of :func:`kdtree.build_trees` on
+    ``[B, L, K]`` log-probs and ids."""
+    trees = api.build_trees(_arg(logprobs), _arg(token_ids), budget, root_tokens=_arg(root_tokens),
+                            root_positions=_arg(root_positions), pad_token=pad_token)
+    return tuple(_tensor(getattr(trees, name)).clone() for name in TREE_FIELDS)
+
+
+@build_trees.register_fake
+def _(logprobs, token_ids, budget, root_tokens, root_positions, pad_token):
+    batch, rows = logprobs.shape[0], budget + 1
+    words = (rows + 31) // 32
+    shapes = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows)}
+    out = []
+    for name, (dtype, ndim) in TREE_FIELDS.items():
+        shape = (batch, rows, words) if name == "visibility_bits" else shapes[ndim]
+        out.append(logprobs.new_empty(shape, dtype=_DTYPES[dtype]))
+    return tuple(out)
+
+
+@torch.library.custom_op("kdtree::verify_greedy_from_logits", mutates_args=())
+def verify_greedy_from_logits(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
+                              stop_tokens: list[int], max_commit: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(accepted_nodes int32 [B, L + 1], accept_length int32 [B], bonus_token int32 [B]) of
+    :func:`kdtree.verify_greedy_from_logits` on the trees given by their fields."""
+    acc = api.verify_greedy_from_logits(tree_batch(fields, budget, depth), _arg(target_logits),
+                                        stop_tokens=stop_tokens, max_commit=_arg(max_commit))
+    return _tensor(acc.accepted_nodes).clone(), _tensor(acc.accept_length).clone(), _tensor(acc.bonus_token).clone()
+
+
+@verify_greedy_from_logits.register_fake
+def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
+    batch = fields[0].shape[0]
+    new = target_logits.new_empty
+    return (new((batch, depth + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
+            new((batch,), dtype=torch.int32))
+
+
+@torch.library.custom_op("kdtree::compact_kv", mutates_args=("k_layers", "v_layers"))
+def compact_kv(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: Tensor, accepted_nodes: Tensor,
+               accept_length: Tensor, bonus_token: Tensor) -> None:
+    """:func:`kdtree.compact_kv` on ``[B, H, S, D]`` caches, in place (CPU tensors through
+    numpy views of the same memory)."""
+    acc = Acceptance(_arg(accepted_nodes), _arg(accept_length), _arg(bonus_token))
+    if all(t.is_cuda for t in k_layers):
+        api.compact_kv(list(k_layers), list(v_layers), prefix_lengths, acc)
+        return
+    api.compact_kv([t.detach().numpy() for t in k_layers], [t.detach().numpy() for t in v_layers],
+                   _arg(prefix_lengths), acc)
+
+
+@compact_kv.register_fake
+def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_token):
+    return None

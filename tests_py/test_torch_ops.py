@@ -1,0 +1,105 @@
+"""kdtree.torch_ops: the round's calls as torch custom operators. Each op's result equals
+the function it wraps on the same inputs; torch.library.opcheck checks the schemas and the
+fake (shape) implementations; and a round (top-k, build, greedy verify, KV compaction)
+compiled with fullgraph=True, which fails on any graph break, gives the eager round's
+values. CPU tensors here; the same ops take CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kdtree
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+    pytest.skip("torch.library.custom_op needs torch >= 2.4", allow_module_level=True)
+ops = pytest.importorskip("kdtree.torch_ops")
+
+
+def round_inputs(seed=0, batch=3, depth=4, vocab=50, width=4, budget=9):
+    g = torch.Generator().manual_seed(seed)
+    drafter = torch.randn(batch, depth, vocab, generator=g) * 3
+    roots = torch.randint(0, vocab, (batch,), generator=g, dtype=torch.int32)
+    positions = torch.tensor([5, 0, 11], dtype=torch.int64)[:batch]
+    # The target agrees with the drafter's best child at every node, so the walk accepts
+    # nodes and the compaction moves rows.
+    lp, ids = kdtree.topk_logprobs(drafter.numpy(), width)
+    trees = kdtree.build_trees(lp, ids, budget, root_tokens=roots.numpy(), root_positions=positions.numpy())
+    target = torch.randn(batch, budget + 1, vocab, generator=g)
+    for b in range(batch):
+        for i in range(budget + 1):
+            child = trees.first_child[b, i]
+            if child >= 0:
+                target[b, i, trees.tokens[b, child]] = 10.0
+    return drafter, roots, positions, target, width, budget
+
+
+def test_ops_equal_the_functions_they_wrap():
+    drafter, roots, positions, target, width, budget = round_inputs()
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    want = kdtree.topk_logprobs(drafter.numpy(), width)
+    assert np.array_equal(lp.numpy(), want.logprobs) and np.array_equal(ids.numpy(), want.ids)
+
+    fields = torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1)
+    trees = kdtree.build_trees(want.logprobs, want.ids, budget, root_tokens=roots.numpy(),
+                               root_positions=positions.numpy())
+    for name, got in zip(kdtree.core.types.TREE_FIELDS, fields, strict=True):
+        assert np.array_equal(got.numpy(), getattr(trees, name)), name
+
+    nodes, length, bonus = torch.ops.kdtree.verify_greedy_from_logits(list(fields), budget, trees.depth, target,
+                                                                      [7], None)
+    acc = kdtree.verify_greedy_from_logits(trees, target.numpy(), stop_tokens=[7])
+    assert np.array_equal(nodes.numpy(), acc.accepted_nodes)
+    assert np.array_equal(length.numpy(), acc.accept_length)
+    assert np.array_equal(bonus.numpy(), acc.bonus_token)
+
+
+def test_opcheck_schemas_and_fake_shapes():
+    drafter, roots, positions, target, width, budget = round_inputs(1)
+    torch.library.opcheck(torch.ops.kdtree.topk_logprobs.default, (drafter, width))
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    torch.library.opcheck(torch.ops.kdtree.build_trees.default, (lp, ids, budget, roots, positions, -1))
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    torch.library.opcheck(torch.ops.kdtree.verify_greedy_from_logits.default,
+                          (fields, budget, drafter.shape[1], target, [], None))
+
+
+def one_round(drafter, roots, positions, target, k_cache, v_cache, width: int, budget: int):
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    fields = torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1)
+    nodes, length, bonus = torch.ops.kdtree.verify_greedy_from_logits(list(fields), budget, drafter.shape[1], target,
+                                                                      [], None)
+    torch.ops.kdtree.compact_kv([k_cache], [v_cache], positions, nodes, length, bonus)
+    return fields[1], nodes, length, bonus
+
+
+def test_a_compiled_round_has_no_graph_break_and_matches_eager():
+    drafter, roots, positions, target, width, budget = round_inputs(2)
+    seq = 40
+    k0 = torch.randn(3, 2, seq, 8)
+    v0 = torch.randn(3, 2, seq, 8)
+    k1, v1 = k0.clone(), v0.clone()
+    want = one_round(drafter, roots, positions, target, k0, v0, width, budget)
+    assert int(want[2].sum()) > 0  # nodes were accepted, so the compaction moved rows
+    compiled = torch.compile(one_round, fullgraph=True, backend="aot_eager")
+    got = compiled(drafter, roots, positions, target, k1, v1, width, budget)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+
+
+def test_compact_kv_op_moves_the_rows_the_function_moves():
+    drafter, roots, positions, target, width, budget = round_inputs(3)
+    k = torch.randn(3, 2, 40, 8)
+    v = torch.randn(3, 2, 40, 8)
+    lp, ids = kdtree.topk_logprobs(drafter.numpy(), width)
+    trees = kdtree.build_trees(lp, ids, budget, root_tokens=roots.numpy(), root_positions=positions.numpy())
+    acc = kdtree.verify_greedy_from_logits(trees, target.numpy())
+    assert int(acc.accept_length.sum()) > 0  # (rows do move)
+    kn, vn = k.numpy().copy(), v.numpy().copy()
+    kdtree.compact_kv([kn], [vn], positions.numpy(), acc)
+    torch.ops.kdtree.compact_kv([k], [v], positions, torch.from_numpy(acc.accepted_nodes),
+                                torch.from_numpy(acc.accept_length), torch.from_numpy(acc.bonus_token))
+    assert np.array_equal(k.numpy(), kn) and np.array_equal(v.numpy(), vn)
