@@ -263,13 +263,15 @@ KDT_API kdt_status kdt_verify_greedy_cpu(const kdt_trees* trees, const int32_t* 
 /*
  * For each of `rows` rows of float32 logits (row r starts at logits + r * row_stride
  * elements, vocab entries each), the k largest entries as log-probs:
- * logprob = logit - logsumexp(row over all vocab entries), computed in float64 (max,
- * compensated exp-sum, subtraction) and rounded once to float32; sorted descending, ties
- * ordered by lower token id.
+ * logprob = logit - logsumexp(row over all vocab entries), computed in float64 as (logit -
+ * max) - log1p(rest), rest the compensated sum of exp(x - max) over every entry but the
+ * first at the max (log1p keeps log-probs near 0 precise), and rounded once to float32;
+ * sorted descending, ties ordered by lower token id.
  *
  * out_logprobs float32 [rows, k], out_ids int32 [rows, k].
  * Requires 0 <= k <= vocab, vocab <= INT32_MAX, row_stride >= vocab.
- * Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_VALUE ("row r, column c:
+ * Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_OVERFLOW (the arrays'
+ * byte extents overflow the address space), KDT_ERR_VALUE ("row r, column c:
  * NaN logit" / "+inf logit" / "row r: every logit is -inf"). A -inf logit gives a -inf
  * log-prob. Source: spec "Input" (lp = top_k(logits) - logsumexp(logits)).
  */
@@ -281,28 +283,32 @@ KDT_API kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int6
 
 /*
  * When the drafter's LM head is split over T devices by vocabulary, each shard computes a
- * short summary of its part of every row and the T summaries merge into exactly the top-k
- * of kdt_topk_logprobs_cpu on the whole row, without gathering the logits: per row a shard
- * sends k logits, k ids, its max and its sum of exponentials (4 + 4 + 4 + 8 bytes,
- * against 2 or 4 bytes a vocabulary entry for the logits).
+ * short summary of its part of every row and the T summaries merge into the top-k of
+ * kdt_topk_logprobs_cpu on the whole row, without gathering the logits: per row a shard
+ * sends k logits, k ids, its max and the rest of its sum of exponentials (4 + 4 + 4 + 8
+ * bytes, against 2 or 4 bytes a vocabulary entry for the logits).
  *
  * kdt_topk_shard_cpu: shard holding vocabulary entries [vocab_offset, vocab_offset +
  * shard_vocab); `rows` rows of float32 logits (row r at logits + r * row_stride).
- *   out_logits  float32 [rows, k]: the shard's k largest logits, as they are, best first
- *                                  (ties: lower id)
- *   out_ids     int32   [rows, k]: their global ids (vocab_offset + column)
- *   out_max     float32 [rows]:    the shard's largest logit (-inf when all are -inf)
- *   out_sumexp  float64 [rows]:    sum of exp(logit - out_max) over the shard's row,
- *                                  Neumaier-compensated (0 when all are -inf)
+ *   out_logits    float32 [rows, k]: the shard's k largest logits, as they are, best first
+ *                                    (ties: lower id)
+ *   out_ids       int32   [rows, k]: their global ids (vocab_offset + column)
+ *   out_max       float32 [rows]:    the shard's largest logit (-inf when all are -inf)
+ *   out_sum_rest  float64 [rows]:    sum of exp(logit - out_max) over the shard's row but
+ *                                    its first entry at the max (whose term is 1),
+ *                                    Neumaier-compensated; 0 when all are -inf. (The
+ *                                    log-sum-exp is max + log1p(rest): precise for rows
+ *                                    whose top log-prob is near 0.)
  * Requires 1 <= shard_vocab, 0 <= k <= shard_vocab (every shard gives k entries),
  * vocab_offset + shard_vocab <= 2^31, row_stride >= shard_vocab. A row may be all -inf in
- * one shard. Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_OVERFLOW,
- * KDT_ERR_VALUE ("row r, column c: NaN logit" / "+inf logit", columns of the shard).
+ * one shard. Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT, KDT_ERR_OVERFLOW (the
+ * arrays' byte extents overflow the address space), KDT_ERR_VALUE ("row r, column c: NaN
+ * logit" / "+inf logit", columns of the shard).
  */
 KDT_API kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t shard_vocab,
                                       int64_t row_stride, int64_t vocab_offset, int64_t k,
                                       float* out_logits, int32_t* out_ids, float* out_max,
-                                      double* out_sumexp);
+                                      double* out_sum_rest);
 
 /* Most shards kdt_topk_merge_cpu takes. */
 #define KDT_TOPK_MAX_SHARDS 1024
@@ -310,24 +316,27 @@ KDT_API kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t
 /*
  * kdt_topk_merge_cpu: T = `shards` shards' kdt_topk_shard_cpu outputs, stacked shard-major:
  * shard_logits float32 [T, rows, k], shard_ids int32 [T, rows, k], shard_max float32
- * [T, rows], shard_sumexp float64 [T, rows]; the shards hold disjoint vocabulary ranges
- * that together make the vocabulary of `vocab` entries.
+ * [T, rows], shard_sum_rest float64 [T, rows]; the shards hold disjoint vocabulary ranges
+ * within [0, vocab) that together make the vocabulary.
  *   out_logprobs float32 [rows, k], out_ids int32 [rows, k]: the row's top-k log-probs.
  * The ids and their order (ties: lower id) are those of kdt_topk_logprobs_cpu on the
  * gathered row. The log-sum-exp is combined exactly, not from the k kept entries: max m =
- * the shards' largest max; sum = sum_t sumexp_t * exp(max_t - m) in float64 (compensated,
- * shard order); logprob = (logit - m) - log(sum), rounded once to float32. The sum's
- * float64 rounding differs from one pass over the gathered row only in its last bits, so
- * a log-prob can differ from kdt_topk_logprobs_cpu's by at most one float32 ulp, and only
- * when its float64 value lies within ~1e-16 of a rounding boundary (not seen in the tests).
+ * the shards' largest max; rest = the first shard at m's rest plus every other shard's
+ * (1 + rest_t) exp(max_t - m), in float64 (compensated, shard order); logprob = (logit -
+ * m) - log1p(rest), rounded once to float32. rest differs from one pass over the gathered
+ * row only by float64 rounding (relative ~1e-16), so a log-prob is within one float32 ulp
+ * of kdt_topk_logprobs_cpu's (equal on every tested row).
  * Every input is checked before anything is written. Returns KDT_ERR_NULL_POINTER,
  * KDT_ERR_INVALID_ARGUMENT (shards outside [1, KDT_TOPK_MAX_SHARDS], k > vocab),
  * KDT_ERR_OVERFLOW, KDT_ERR_VALUE ("shard t, row r, entry c: ..." for an unsorted list, an
- * id outside [0, vocab), a NaN / +inf logit or one above the shard's max; "shard t, row r:
- * max ... and sum ..." for inconsistent statistics; "row r: every logit is -inf").
+ * id outside [0, vocab), a NaN / +inf logit; "shard t, row r: max ... and rest ..." for
+ * statistics no shard gives (the list's first logit not the max, a rest outside [0,
+ * vocab]); "shard t, row r: id i is listed by two shards"; "row r: every logit is -inf").
+ * A shard given a wrong vocabulary offset whose ids do not collide in the top k is not
+ * detected here (kdtree.distributed checks the ranks' ranges).
  */
 KDT_API kdt_status kdt_topk_merge_cpu(const float* shard_logits, const int32_t* shard_ids,
-                                      const float* shard_max, const double* shard_sumexp,
+                                      const float* shard_max, const double* shard_sum_rest,
                                       int64_t shards, int64_t rows, int64_t k, int64_t vocab,
                                       float* out_logprobs, int32_t* out_ids);
 

@@ -1,5 +1,6 @@
 /* Top-k log-probs from float32 logits on the CPU (spec: "Input":
- * lp = top_k(logits) - logsumexp(logits), computed as (logit - max) - log sum exp(x - max)). */
+ * lp = top_k(logits) - logsumexp(logits), computed as (logit - max) - log1p(sum of exp(x -
+ * max) over all but one entry at the max)), and its vocabulary-sharded form. */
 #include <math.h>
 
 #include "internal.h"
@@ -60,21 +61,35 @@ static void comp_add(comp_sum* a, double term) {
     a->sum = t;
 }
 
-/* The row's max m and sum of exp(x - m) (0 when every entry is -inf, m = -inf). */
-static void row_stats(const float* x, int64_t vocab, float* max_out, double* sum_out) {
+/* The row's max m and the sum of exp(x - m) over every entry but the first at the max
+ * (whose term is exactly 1): the log-sum-exp is then m + log1p(rest), and log1p keeps the
+ * precision of a sum near 1, where the log-probs are near 0 (m = -inf and rest 0 when every
+ * entry is -inf). */
+static void row_stats(const float* x, int64_t vocab, float* max_out, double* rest_out) {
     float m = -INFINITY;
+    int64_t at = -1;
     comp_sum s = {0.0, 0.0};
     for (int64_t c = 0; c < vocab; c++) {
-        if (x[c] > m) m = x[c];
+        if (x[c] > m) {
+            m = x[c];
+            at = c;
+        }
     }
-    if (m == -INFINITY) {
-        *max_out = m;
-        *sum_out = 0.0;
+    *max_out = m;
+    if (at < 0) {
+        *rest_out = 0.0;
         return;
     }
-    for (int64_t c = 0; c < vocab; c++) comp_add(&s, exp((double)x[c] - (double)m));
-    *max_out = m;
-    *sum_out = s.sum + s.carry;
+    for (int64_t c = 0; c < vocab; c++) {
+        if (c != at) comp_add(&s, exp((double)x[c] - (double)m));
+    }
+    *rest_out = s.sum + s.carry;
+}
+
+/* Element counts -> bytes that fit a pointer difference (so that no address wraps). */
+static int span_bytes(size_t elements, size_t size) {
+    size_t bytes;
+    return kdt_mul_size(elements, size, &bytes) && bytes <= (size_t)PTRDIFF_MAX;
 }
 
 /* The k best (value, id) of the row, best first (ties: lower id), ids offset by id0. */
@@ -131,10 +146,11 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
         return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", out_logprobs == NULL ? "out_logprobs" : "out_ids");
     }
     {
-        size_t span;
+        size_t span, out;
         if (!kdt_mul_size((size_t)(rows - 1), (size_t)row_stride, &span) ||
-            !kdt_add_size(span, (size_t)vocab, &span) || !kdt_mul_size((size_t)rows, (size_t)k, &span)) {
-            return kdt_fail(KDT_ERR_OVERFLOW, "rows * row_stride overflows");
+            !kdt_add_size(span, (size_t)vocab, &span) || !span_bytes(span, sizeof(float)) ||
+            !kdt_mul_size((size_t)rows, (size_t)k, &out) || !span_bytes(out, sizeof(float))) {
+            return kdt_fail(KDT_ERR_OVERFLOW, "rows * row_stride (or rows * k) overflows the address space");
         }
     }
 
@@ -151,7 +167,7 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
         float m;
         double log_sum;
         row_stats(x, vocab, &m, &log_sum);
-        log_sum = log(log_sum);
+        log_sum = log1p(log_sum);
         if (k == 0) continue;
         select_top(x, vocab, k, 0, v, id);
         /* (logit - m) - log sum in float64, rounded once. Never logit - (m + log sum): m +
@@ -168,7 +184,7 @@ kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t voca
 
 kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t shard_vocab, int64_t row_stride,
                               int64_t vocab_offset, int64_t k, float* out_logits, int32_t* out_ids,
-                              float* out_max, double* out_sumexp) {
+                              float* out_max, double* out_sum_rest) {
     if (rows < 0 || shard_vocab < 1 || k < 0 || vocab_offset < 0) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
                         "rows (%lld) and k (%lld) must be >= 0, shard_vocab (%lld) >= 1, vocab_offset (%lld) >= 0",
@@ -187,18 +203,20 @@ kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t shard_v
                         (long long)row_stride, (long long)shard_vocab);
     }
     if (rows == 0) return kdt_ok();
-    if (logits == NULL || out_max == NULL || out_sumexp == NULL) {
+    if (logits == NULL || out_max == NULL || out_sum_rest == NULL) {
         return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
-                        logits == NULL ? "logits" : out_max == NULL ? "out_max" : "out_sumexp");
+                        logits == NULL ? "logits" : out_max == NULL ? "out_max" : "out_sum_rest");
     }
     if (k > 0 && (out_logits == NULL || out_ids == NULL)) {
         return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", out_logits == NULL ? "out_logits" : "out_ids");
     }
     {
-        size_t span;
+        size_t span, out;
         if (!kdt_mul_size((size_t)(rows - 1), (size_t)row_stride, &span) ||
-            !kdt_add_size(span, (size_t)shard_vocab, &span) || !kdt_mul_size((size_t)rows, (size_t)k, &span)) {
-            return kdt_fail(KDT_ERR_OVERFLOW, "rows * row_stride overflows");
+            !kdt_add_size(span, (size_t)shard_vocab, &span) || !span_bytes(span, sizeof(float)) ||
+            !kdt_mul_size((size_t)rows, (size_t)k, &out) || !span_bytes(out, sizeof(float)) ||
+            !span_bytes((size_t)rows, sizeof(double))) {
+            return kdt_fail(KDT_ERR_OVERFLOW, "rows * row_stride (or rows * k) overflows the address space");
         }
     }
     /* (A shard may hold only -inf logits in a row: the merge checks the whole row.) */
@@ -208,7 +226,7 @@ kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t shard_v
     }
     for (int64_t r = 0; r < rows; r++) {
         const float* x = logits + (size_t)r * (size_t)row_stride;
-        row_stats(x, shard_vocab, &out_max[r], &out_sumexp[r]);
+        row_stats(x, shard_vocab, &out_max[r], &out_sum_rest[r]);
         if (k > 0) {
             select_top(x, shard_vocab, k, vocab_offset, out_logits + (size_t)r * (size_t)k,
                        out_ids + (size_t)r * (size_t)k);
@@ -218,24 +236,25 @@ kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t shard_v
 }
 
 /* Checks shard t's row r: its list sorted best first, ids in [0, vocab), no NaN or +inf,
- * no entry above the shard's max, and a sum that the max's own term (1) is part of. */
-static kdt_status check_shard_row(const float* v, const int32_t* id, float m, double s, int64_t k, int64_t vocab,
+ * the first entry at the shard's max, and a rest of the sum that terms of at most 1 each
+ * can make (at most vocab - 1 of them; 0 for a shard that is all -inf). */
+static kdt_status check_shard_row(const float* v, const int32_t* id, float m, double rest, int64_t k, int64_t vocab,
                                   int64_t t, int64_t r) {
-    if (isnan(m) || m == INFINITY || !(s >= 0.0) || isinf(s) || (m == -INFINITY) != (s == 0.0) ||
-        (m != -INFINITY && s < 1.0)) {
+    if (isnan(m) || m == INFINITY || !(rest >= 0.0) || rest > (double)vocab || (m == -INFINITY && rest != 0.0) ||
+        (k > 0 && v[0] != m)) {
         return kdt_fail(KDT_ERR_VALUE,
-                        "shard %lld, row %lld: max %g and sum of exponentials %g are not a shard's (finite max "
-                        "with a sum >= 1, or -inf with 0)",
-                        (long long)t, (long long)r, (double)m, s);
+                        "shard %lld, row %lld: max %g and rest of the sum %g are not a shard's (the list's first "
+                        "logit %g must be the max; the rest in [0, vocab], 0 when the max is -inf)",
+                        (long long)t, (long long)r, (double)m, rest, k > 0 ? (double)v[0] : (double)m);
     }
     for (int64_t c = 0; c < k; c++) {
         if (id[c] < 0 || (int64_t)id[c] >= vocab) {
             return kdt_fail(KDT_ERR_VALUE, "shard %lld, row %lld, entry %lld: id %d is outside [0, %lld)",
                             (long long)t, (long long)r, (long long)c, (int)id[c], (long long)vocab);
         }
-        if (isnan(v[c]) || v[c] == INFINITY || v[c] > m) {
-            return kdt_fail(KDT_ERR_VALUE, "shard %lld, row %lld, entry %lld: logit %g is NaN, +inf or above the "
-                            "shard's max %g", (long long)t, (long long)r, (long long)c, (double)v[c], (double)m);
+        if (isnan(v[c]) || v[c] == INFINITY) {
+            return kdt_fail(KDT_ERR_VALUE, "shard %lld, row %lld, entry %lld: logit %g is NaN or +inf", (long long)t,
+                            (long long)r, (long long)c, (double)v[c]);
         }
         if (c > 0 && !worse(v[c], id[c], v[c - 1], id[c - 1])) {
             return kdt_fail(KDT_ERR_VALUE,
@@ -248,10 +267,50 @@ static kdt_status check_shard_row(const float* v, const int32_t* id, float m, do
     return KDT_OK;
 }
 
+/* The k-way merge of row r's sorted shard lists: the k best (logit, id) in order, written
+ * to ov / oi when they are not NULL. Returns the shard of an entry equal to the one before
+ * it (the same id listed twice, its id in *dup_id), or -1. */
+static int64_t merge_row(const float* lg, const int32_t* ids, int64_t shards, int64_t rows, int64_t k, int64_t r,
+                         float* ov, int32_t* oi, int64_t* dup_id) {
+    int32_t pos[KDT_TOPK_MAX_SHARDS];
+    const size_t per_shard = (size_t)rows * (size_t)k;
+    float pv = 0.f;
+    int32_t pi = -1;
+    for (int64_t t = 0; t < shards; t++) pos[t] = 0;
+    for (int64_t c = 0; c < k; c++) {
+        int64_t best = -1;
+        float bv = 0.f;
+        int32_t bi = 0;
+        for (int64_t t = 0; t < shards; t++) {
+            if (pos[t] >= k) continue;
+            const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k + (size_t)pos[t];
+            if (best < 0 || worse(bv, bi, lg[at], ids[at])) {
+                best = t;
+                bv = lg[at];
+                bi = ids[at];
+            }
+        }
+        /* (k <= every shard's list, so one of them has an entry left.) */
+        pos[best]++;
+        if (c > 0 && bi == pi && bv == pv) {
+            *dup_id = bi;
+            return best;
+        }
+        pv = bv;
+        pi = bi;
+        if (ov != NULL) {
+            ov[c] = bv;
+            oi[c] = bi;
+        }
+    }
+    return -1;
+}
+
 kdt_status kdt_topk_merge_cpu(const float* shard_logits, const int32_t* shard_ids, const float* shard_max,
-                              const double* shard_sumexp, int64_t shards, int64_t rows, int64_t k, int64_t vocab,
+                              const double* shard_sum_rest, int64_t shards, int64_t rows, int64_t k, int64_t vocab,
                               float* out_logprobs, int32_t* out_ids) {
-    if (shards < 1 || shards > KDT_TOPK_MAX_SHARDS || rows < 0 || k < 0 || vocab < 1 || vocab > (int64_t)INT32_MAX + 1) {
+    if (shards < 1 || shards > KDT_TOPK_MAX_SHARDS || rows < 0 || k < 0 || vocab < 1 ||
+        vocab > (int64_t)INT32_MAX + 1) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
                         "shards (%lld) must be in [1, %d], rows (%lld) and k (%lld) >= 0, vocab (%lld) in "
                         "[1, 2^31]",
@@ -262,8 +321,15 @@ kdt_status kdt_topk_merge_cpu(const float* shard_logits, const int32_t* shard_id
                         (long long)vocab);
     }
     if (rows == 0) return kdt_ok();
-    if (shard_max == NULL || shard_sumexp == NULL) {
-        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", shard_max == NULL ? "shard_max" : "shard_sumexp");
+    {
+        size_t cells, entries;
+        if (!kdt_mul_size((size_t)shards, (size_t)rows, &cells) || !span_bytes(cells, sizeof(double)) ||
+            !kdt_mul_size(cells, (size_t)k, &entries) || !span_bytes(entries, sizeof(float))) {
+            return kdt_fail(KDT_ERR_OVERFLOW, "shards * rows * k overflows the address space");
+        }
+    }
+    if (shard_max == NULL || shard_sum_rest == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", shard_max == NULL ? "shard_max" : "shard_sum_rest");
     }
     if (k > 0 && (shard_logits == NULL || shard_ids == NULL || out_logprobs == NULL || out_ids == NULL)) {
         return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
@@ -271,12 +337,6 @@ kdt_status kdt_topk_merge_cpu(const float* shard_logits, const int32_t* shard_id
                         : shard_ids == NULL  ? "shard_ids"
                         : out_logprobs == NULL ? "out_logprobs"
                                                : "out_ids");
-    }
-    {
-        size_t span;
-        if (!kdt_mul_size((size_t)shards, (size_t)rows, &span) || !kdt_mul_size(span, (size_t)k, &span)) {
-            return kdt_fail(KDT_ERR_OVERFLOW, "shards * rows * k overflows");
-        }
     }
     const size_t per_shard = (size_t)rows * (size_t)k;
 
@@ -287,51 +347,51 @@ kdt_status kdt_topk_merge_cpu(const float* shard_logits, const int32_t* shard_id
             const size_t cell = (size_t)t * (size_t)rows + (size_t)r;
             const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k;
             const kdt_status st = check_shard_row(k > 0 ? shard_logits + at : NULL, k > 0 ? shard_ids + at : NULL,
-                                                  shard_max[cell], shard_sumexp[cell], k, vocab, t, r);
+                                                  shard_max[cell], shard_sum_rest[cell], k, vocab, t, r);
             if (st != KDT_OK) return st;
             if (shard_max[cell] > m) m = shard_max[cell];
         }
         if (m == -INFINITY) return kdt_fail(KDT_ERR_VALUE, "row %lld: every logit is -inf", (long long)r);
+        int64_t dup_id = 0;
+        const int64_t dup = merge_row(shard_logits, shard_ids, shards, rows, k, r, NULL, NULL, &dup_id);
+        if (dup >= 0) {
+            return kdt_fail(KDT_ERR_VALUE,
+                            "shard %lld, row %lld: id %lld is listed by two shards (the shards' vocabulary "
+                            "ranges must be disjoint)",
+                            (long long)dup, (long long)r, (long long)dup_id);
+        }
     }
 
     for (int64_t r = 0; r < rows; r++) {
-        /* The global max and sum of exp(x - max): each shard's sum, rescaled from its own max
-         * (exactly 1 for the shard holding the max), added with compensation in shard order. */
+        /* The global max m and the sum of exp(x - m) over every entry but one at m: the
+         * first shard at m gives its rest, every other shard its whole sum (1 + rest)
+         * rescaled from its own max, added with compensation in shard order. */
         float m = -INFINITY;
         for (int64_t t = 0; t < shards; t++) {
-            if (shard_max[(size_t)t * (size_t)rows + (size_t)r] > m) m = shard_max[(size_t)t * (size_t)rows + (size_t)r];
+            const float mt = shard_max[(size_t)t * (size_t)rows + (size_t)r];
+            if (mt > m) m = mt;
         }
         comp_sum s = {0.0, 0.0};
+        int top = 0;
         for (int64_t t = 0; t < shards; t++) {
             const size_t cell = (size_t)t * (size_t)rows + (size_t)r;
             if (shard_max[cell] == -INFINITY) continue;
+            if (!top && shard_max[cell] == m) {
+                comp_add(&s, shard_sum_rest[cell]);
+                top = 1;
+                continue;
+            }
             const double scale = shard_max[cell] == m ? 1.0 : exp((double)shard_max[cell] - (double)m);
-            comp_add(&s, shard_sumexp[cell] * scale);
+            comp_add(&s, scale);
+            comp_add(&s, shard_sum_rest[cell] * scale);
         }
-        const double log_sum = log(s.sum + s.carry);
-        /* The k best of the shards' lists: each is sorted, so a k-way merge of their heads. */
-        int32_t pos[KDT_TOPK_MAX_SHARDS];
-        for (int64_t t = 0; t < shards; t++) pos[t] = 0;
+        const double log_sum = log1p(s.sum + s.carry);
+        if (k == 0) continue;
         float* ov = out_logprobs + (size_t)r * (size_t)k;
         int32_t* oi = out_ids + (size_t)r * (size_t)k;
-        for (int64_t c = 0; c < k; c++) {
-            int64_t best = -1;
-            float bv = 0.f;
-            int32_t bi = 0;
-            for (int64_t t = 0; t < shards; t++) {
-                if (pos[t] >= k) continue;
-                const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k + (size_t)pos[t];
-                if (best < 0 || worse(bv, bi, shard_logits[at], shard_ids[at])) {
-                    best = t;
-                    bv = shard_logits[at];
-                    bi = shard_ids[at];
-                }
-            }
-            /* (k <= every shard's list, so one of them has an entry left.) */
-            pos[best]++;
-            ov[c] = (float)(((double)bv - (double)m) - log_sum);
-            oi[c] = bi;
-        }
+        int64_t unused = 0;
+        (void)merge_row(shard_logits, shard_ids, shards, rows, k, r, ov, oi, &unused);
+        for (int64_t c = 0; c < k; c++) ov[c] = (float)(((double)ov[c] - (double)m) - log_sum);
     }
     return kdt_ok();
 }

@@ -194,7 +194,7 @@ static void sharded_cases(void) {
     kdt_kdtr_close(f);
 
     /* Errors: an unsorted list names shard, row and entry; outputs stay untouched. */
-    float lg[4] = {3.0f, 1.0f, 2.0f, 5.0f};
+    float lg[4] = {3.0f, 1.0f, 5.0f, 6.0f};
     int32_t id[4] = {0, 1, 2, 3};
     float mx[2] = {3.0f, 5.0f};
     double se[2] = {1.2, 1.1};
@@ -203,12 +203,31 @@ static void sharded_cases(void) {
     CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 2, 1, 2, 4, out, oid), KDT_ERR_VALUE);
     CHECK_ERR_HAS("shard 1, row 0, entry 1");
     CHECK(out[0] == 9.0f && oid[0] == 9);
-    lg[2] = 5.0f;
     lg[3] = 2.0f;
     CHECK_OK(kdt_topk_merge_cpu(lg, id, mx, se, 2, 1, 2, 4, out, oid));
     CHECK_EQ(oid[0], 2);
     CHECK_EQ(oid[1], 0);
-    CHECK(fabs(out[0] - (0.0 - log(1.1 + 1.2 * exp(-2.0)))) < 1e-6);
+    /* m = 5; the rest: shard 1's 1.1 plus shard 0's (1 + 1.2) e^-2. */
+    CHECK(fabs(out[0] - (0.0 - log(2.1 + 2.2 * exp(-2.0)))) < 1e-6);
+    CHECK(fabs(out[1] - (-2.0 - log(2.1 + 2.2 * exp(-2.0)))) < 1e-6);
+    /* The same shard twice: one id listed by two shards. */
+    float twice[4] = {3.0f, 1.0f, 3.0f, 1.0f};
+    int32_t twice_id[4] = {0, 1, 0, 1};
+    float twice_mx[2] = {3.0f, 3.0f};
+    CHECK_STATUS(kdt_topk_merge_cpu(twice, twice_id, twice_mx, se, 2, 1, 2, 4, out, oid), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("id 0 is listed by two shards");
+    /* Statistics no shard gives: a max above the list's best, a rest past the vocabulary. */
+    mx[0] = 4.0f;
+    CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 2, 1, 2, 4, out, oid), KDT_ERR_VALUE);
+    CHECK_ERR_HAS("shard 0, row 0: max 4");
+    mx[0] = 3.0f;
+    se[1] = 1e308;
+    CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 2, 1, 2, 4, out, oid), KDT_ERR_VALUE);
+    se[1] = 1.1;
+    /* Extents past the address space are an overflow, not a wild read. */
+    CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 2, INT64_C(1) << 61, 0, 4, NULL, NULL), KDT_ERR_OVERFLOW);
+    CHECK_STATUS(kdt_topk_shard_cpu(lg, 2, 4, INT64_C(1) << 61, 0, 2, out, oid, mx, se), KDT_ERR_OVERFLOW);
+    CHECK_STATUS(kdt_topk_logprobs_cpu(lg, 2, 4, INT64_C(1) << 62, 2, out, oid), KDT_ERR_OVERFLOW);
     CHECK_STATUS(kdt_topk_merge_cpu(lg, id, mx, se, 0, 1, 2, 4, out, oid), KDT_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(kdt_topk_merge_cpu(lg, id, NULL, se, 2, 1, 2, 4, out, oid), KDT_ERR_NULL_POINTER);
     CHECK_STATUS(kdt_topk_shard_cpu(lg, 1, 4, 4, 0, 5, out, oid, mx, se), KDT_ERR_INVALID_ARGUMENT);

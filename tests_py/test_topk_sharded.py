@@ -63,6 +63,25 @@ def test_merge_equals_the_gathered_top_k(shards, k):
     assert np.abs(got.logprobs - taken).max() <= 1e-6 * np.abs(taken).max() + 1e-7
 
 
+def test_log_probs_near_zero_keep_their_precision():
+    # A confident row: the top log-prob is about -exp(-37.25) = -6.6e-17, far below the
+    # float64 resolution of a sum near 1; log1p of the rest keeps it (not 0, not -2.2e-16).
+    x = np.array([[0.0, -37.25, -37.25], [0.0, -30.0, -31.0]], np.float32)
+    got = sharded(x, np.array([0, 2, 3]), 1)
+    want = kdtree.topk_logprobs(x, 1)
+    assert np.array_equal(got.logprobs, want.logprobs)
+    exact = -np.log1p(np.exp(-37.25) * 2), -np.log1p(np.exp(-30.0) + np.exp(-31.0))
+    assert np.allclose(want.logprobs[:, 0], exact, rtol=1e-6, atol=0)
+    # Random confident rows over four shards: every log-prob within one float32 ulp.
+    rng = np.random.default_rng(9)
+    rows = (rng.standard_normal((256, 4000)) * 2).astype(np.float32)
+    rows[np.arange(256), rng.integers(0, 4000, 256)] = 30.0
+    edges = split_points(rng, 4000, 4, 8)
+    got, want = sharded(rows, edges, 8), kdtree.topk_logprobs(rows, 8)
+    assert np.array_equal(got.ids, want.ids)
+    assert np.all(np.abs(got.logprobs - want.logprobs) <= np.spacing(np.abs(want.logprobs)))
+
+
 def test_a_shard_with_only_minus_inf_and_k_beyond_the_finite_entries():
     vocab, k = 40, 12
     logits = np.full((2, vocab), -np.inf, np.float32)
@@ -76,7 +95,7 @@ def test_a_shard_with_only_minus_inf_and_k_beyond_the_finite_entries():
     assert np.isneginf(got.logprobs[0, 5:]).all()
     assert got.ids[0, 5:].tolist() == list(range(7))
     shard = kdtree.topk_shard(logits[:, :12], 3, 0)
-    assert np.isneginf(shard.max[0]) and shard.sumexp[0] == 0.0
+    assert np.isneginf(shard.max[0]) and shard.sum_rest[0] == 0.0
 
 
 def test_shard_and_merge_refuse_bad_input():
@@ -94,22 +113,31 @@ def test_shard_and_merge_refuse_bad_input():
         kdtree.topk_shard(logits[..., :3], 4, 0)
 
     swapped = lg.copy()
-    swapped[1, 0, 1, [0, 1]] = swapped[1, 0, 1, [1, 0]]
-    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, request 0, position 1 .*entry 1: .*sorted best first"):
+    swapped[1, 0, 1, [1, 2]] = swapped[1, 0, 1, [2, 1]]
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, row 1, entry 2: .*sorted best first"):
         kdtree.topk_merge(swapped, ids, mx, se, 50)
     out_of_range = ids.copy()
     out_of_range[0, 1, 0, 3] = 50
-    with pytest.raises(kdtree.KdtreeError, match=r"shard 0, request 1, position 0 .*id 50 is outside \[0, 50\)"):
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 0, row 3, entry 3: id 50 is outside \[0, 50\)"):
         kdtree.topk_merge(lg, out_of_range, mx, se, 50)
-    low_sum = se.copy()
-    low_sum[1, 0, 0] = 0.5
-    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, request 0, position 0 .*not a shard's"):
-        kdtree.topk_merge(lg, ids, mx, low_sum, 50)
+    big_rest = se.copy()
+    big_rest[1, 0, 0] = 1e308  # (terms of at most 1 each: at most vocab of them)
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, row 0: .*not a shard's"):
+        kdtree.topk_merge(lg, ids, mx, big_rest, 50)
+    high_max = mx.copy()
+    high_max[0, 1, 2] += 1.0  # above the list's best logit
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 0, row 5: max .*must be the max"):
+        kdtree.topk_merge(lg, ids, high_max, se, 50)
+    twice = [np.stack([f[0], f[0]]) for f in (lg, ids, mx, se)]
+    with pytest.raises(kdtree.KdtreeError, match=r"shard 1, row 0: id \d+ is listed by two shards"):
+        kdtree.topk_merge(*twice, 50)
+    with pytest.raises(kdtree.KdtreeError, match="shards"):
+        kdtree.topk_merge(lg[:0], ids[:0], mx[:0], se[:0], 50)
     with pytest.raises(kdtree.KdtreeError, match="shape"):
         kdtree.topk_merge(lg, ids[:, :1], mx, se, 50)
     all_inf = np.full_like(mx, -np.inf)
     with pytest.raises(kdtree.KdtreeError, match="not a shard's"):
-        kdtree.topk_merge(lg, ids, all_inf, se, 50)
+        kdtree.topk_merge(lg, ids, all_inf, se + 1.0, 50)
     with pytest.raises(kdtree.KdtreeError, match="every logit is -inf"):
         kdtree.topk_merge(np.full_like(lg, -np.inf), np.sort(ids, -1), all_inf, np.zeros_like(se), 50)
     out = kdtree.topk_merge(lg, ids, mx, se, 50)
@@ -131,20 +159,27 @@ def test_merge_leaves_nothing_written_on_error():
 
 
 _WORKER = textwrap.dedent("""
-    import json, os, sys
+    import json, sys
     import numpy as np
     import torch
     import torch.distributed as dist
+    from kdtree import KdtreeError
     from kdtree.distributed import topk_logprobs_sharded
 
-    rank, world, edges_json, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    edges = json.loads(edges_json)
+    rank, world, edges, mode, out = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rng = np.random.default_rng(7)
     logits = torch.from_numpy((rng.standard_normal((4, 6, edges[-1])) * 3).astype(np.float32)).bfloat16()
     lo, hi = edges[rank], edges[rank + 1]
-    got = topk_logprobs_sharded(logits[..., lo:hi], 32, lo, edges[-1])
-    np.savez(out, logprobs=got.logprobs.numpy(), ids=got.ids.numpy(), logits=logits.float().numpy())
+    local = logits[..., lo:hi].clone()
+    if mode == "nan" and rank == 1:
+        local[2, 3, 5] = float("nan")
+    offset = lo + 1 if mode == "offset" and rank == 2 else lo
+    try:
+        got = topk_logprobs_sharded(local, 32, offset, edges[-1])
+        np.savez(out, logprobs=got.logprobs.numpy(), ids=got.ids.numpy(), logits=logits.float().numpy())
+    except KdtreeError as exc:
+        open(out + ".err", "w").write(str(exc))
     dist.destroy_process_group()
 """)
 
@@ -155,33 +190,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torch_distributed_gloo_ranks_get_the_gathered_top_k(tmp_path):
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
-    world, vocab = 3, 3001
-    edges = [0, 1000, 1900, vocab]
+def run_ranks(tmp_path, mode, world=3, edges=(0, 1000, 1900, 3001)):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
                KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), json.dumps(edges),
-                               str(tmp_path / f"rank{r}.npz")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = [str(tmp_path / f"{mode}{r}") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), json.dumps(list(edges)), mode,
+                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=120)
+            text, _ = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             pytest.fail("a gloo rank did not finish within 120 s")
-        assert p.returncode == 0, out
-    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+        assert p.returncode == 0, text
+    return outs
+
+
+@pytest.fixture
+def gloo():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    return torch
+
+
+def test_torch_distributed_gloo_ranks_get_the_gathered_top_k(gloo, tmp_path):
+    results = [np.load(o + ".npz") for o in run_ranks(tmp_path, "ok")]
     want = kdtree.topk_logprobs(results[0]["logits"], 32)
     for r in results:
         assert np.array_equal(r["ids"], want.ids)
         assert np.array_equal(r["logprobs"], want.logprobs)
-    del torch
+
+
+def test_one_rank_failing_fails_every_rank_at_once(gloo, tmp_path):
+    errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "nan")]
+    assert "request 2, position 3" in errors[1] and "column 5: NaN logit" in errors[1]
+    for e in (errors[0], errors[2]):
+        assert "rank(s) [1] failed in topk_shard" in e
+
+
+def test_ranks_whose_slices_do_not_tile_the_vocabulary_fail_alike(gloo, tmp_path):
+    errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "offset")]
+    assert len(set(errors)) == 1
+    assert "do not tile [0, 3001): rank 2 starts at 1901, leaving a gap after 1900" in errors[0]

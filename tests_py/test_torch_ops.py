@@ -56,14 +56,15 @@ def test_ops_equal_the_functions_they_wrap():
     assert np.array_equal(bonus.numpy(), acc.bonus_token)
 
 
-def test_opcheck_schemas_and_fake_shapes():
-    drafter, roots, positions, target, width, budget = round_inputs(1)
+@pytest.mark.parametrize("budget", [9, 2])  # (2: a budget below the depth, 4)
+def test_opcheck_schemas_and_fake_shapes(budget):
+    drafter, roots, positions, target, width, _ = round_inputs(1, budget=budget)
     torch.library.opcheck(torch.ops.kdtree.topk_logprobs.default, (drafter, width))
     lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
     torch.library.opcheck(torch.ops.kdtree.build_trees.default, (lp, ids, budget, roots, positions, -1))
-    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions))
     torch.library.opcheck(torch.ops.kdtree.verify_greedy_from_logits.default,
-                          (fields, budget, drafter.shape[1], target, [], None))
+                          (fields, budget, drafter.shape[1], target, [], torch.tensor([1, 5, 0])))
 
 
 def one_round(drafter, roots, positions, target, k_cache, v_cache, width: int, budget: int):

@@ -29,17 +29,21 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
 
     Every rank gets the same result: :class:`kdtree.TopK` of torch tensors ``(logprobs
     float32 [..., k], ids int32 [..., k])``, equal to :func:`kdtree.topk_logprobs` on the
-    gathered rows (see :func:`kdtree.topk_merge` for the log-probs' last bit). One
-    all-gather of ``(2 k + 2)`` float64 values a row from each rank (ids and float32
-    logits are exact in float64).
+    gathered rows (see :func:`kdtree.topk_merge` for the log-probs' last bit). Two
+    all-gathers: 13 integers a rank (status, offset, slice size, k, leading shape) that
+    every rank checks, then ``(2 k + 2)`` float64 values a row (ids and float32 logits are
+    exact in float64).
 
     Raises:
-        TypeError: a tensor that is not on the CPU. KdtreeError: as :func:`kdtree.topk_shard`
-        and :func:`kdtree.topk_merge`. The leading shape and k must be the same on every
-        rank: the all-gather takes equal sizes (a mismatch is the backend's error).
+        TypeError: a tensor that is not on the CPU. KdtreeError, on every rank alike: a
+        rank's :func:`kdtree.topk_shard` failed (that rank raises its own error, the others
+        name it), k or the leading shape differ between ranks, or the slices do not tile
+        ``[0, vocab)``; then as :func:`kdtree.topk_merge`.
     """
     import torch
     import torch.distributed as dist
+
+    from . import _native as _lib
 
     if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
         raise TypeError("topk_logprobs_sharded takes a CPU torch tensor (the GPU form is not built yet), got "
@@ -47,12 +51,29 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     x = local_logits.detach()
     if x.dtype != torch.float32:
         x = x.float()
-    shard = topk_shard(x.numpy(), k, vocab_offset)
-    lead = shard.max.shape
-    packed = np.concatenate([shard.logits.astype(np.float64), shard.ids.astype(np.float64),
-                             shard.max[..., None].astype(np.float64), shard.sumexp[..., None]], axis=-1)
-    mine = torch.from_numpy(np.ascontiguousarray(packed))
+    lead = tuple(x.shape[:-1])
+    if len(lead) > _MAX_LEAD:
+        raise ValueError(f"local_logits has {len(lead)} leading axes; at most {_MAX_LEAD}")
+    # Every rank joins both all-gathers whatever happens here, so that a failure on one
+    # rank becomes the same error on every rank instead of a wait for the group's timeout.
+    failure, shard = None, None
+    try:
+        shard = topk_shard(x.numpy(), k, vocab_offset)
+    except _lib.KdtreeError as exc:
+        failure = exc
     world = dist.get_world_size(group)
+    meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset), int(x.shape[-1]),
+                         int(k), len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)), dtype=torch.int64)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    problem = _check_ranks([m.tolist() for m in metas], vocab, dist.get_rank(group))
+    if failure is not None:
+        raise failure
+    if problem is not None:
+        raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
+    packed = np.concatenate([shard.logits.astype(np.float64), shard.ids.astype(np.float64),
+                             shard.max[..., None].astype(np.float64), shard.sum_rest[..., None]], axis=-1)
+    mine = torch.from_numpy(np.ascontiguousarray(packed))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     stacked = torch.stack(gathered).numpy()  # [T, ..., 2k + 2]
@@ -60,3 +81,30 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
                         stacked[..., 2 * k].astype(np.float32), stacked[..., 2 * k + 1], vocab)
     status = torch.zeros(lead if lead else (1,), dtype=torch.int32)
     return TopK(torch.from_numpy(merged.logprobs), torch.from_numpy(merged.ids), status)
+
+
+_MAX_LEAD = 8  # leading axes of the logits the rank check carries
+
+
+def _check_ranks(metas: list[list[int]], vocab: int, me: int) -> str | None:
+    """What is wrong with the ranks' (status, offset, size, k, ndim, lead...) rows, the same
+    text on every rank, or None."""
+    failed = [r for r, m in enumerate(metas) if m[0] != 0]
+    if failed:
+        others = [r for r in failed if r != me]
+        return f"rank(s) {others or failed} failed in topk_shard (status {metas[failed[0]][0]}); see that rank's error"
+    first = metas[0]
+    for r, m in enumerate(metas):
+        if m[3] != first[3] or m[4:] != first[4:]:
+            return (f"rank {r} has k {m[3]} and leading shape {m[5:5 + m[4]]}, rank 0 k {first[3]} and "
+                    f"{first[5:5 + first[4]]}: every rank needs the same")
+    spans = sorted((m[1], m[1] + m[2], r) for r, m in enumerate(metas))
+    end = 0
+    for lo, hi, r in spans:
+        if lo != end:
+            return (f"the ranks' vocabulary slices do not tile [0, {vocab}): rank {r} starts at {lo}, "
+                    f"{'overlapping' if lo < end else 'leaving a gap after'} {end}")
+        end = hi
+    if end != vocab:
+        return f"the ranks' vocabulary slices end at {end}, not at vocab = {vocab}"
+    return None

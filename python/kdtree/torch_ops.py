@@ -12,8 +12,11 @@ Importing this module registers, under the ``kdtree`` namespace:
 
 Each takes and returns torch tensors on the CPU or on a CUDA device and runs the same
 library call as the function it names (so results are identical); a TreeBatch travels as
-its ten arrays in ``TREE_FIELDS`` order (:func:`tree_fields`, :func:`tree_batch`), with the
-budget and depth as ints. Errors raise as in those functions (``errors="raise"``).
+its ten arrays in ``kdtree.torch_ops.TREE_FIELDS`` order (:func:`tree_fields`,
+:func:`tree_batch`), with the budget and depth as ints. Errors raise as in those functions
+(``errors="raise"``). Tensor arguments take tensors only (``max_commit`` a tensor, not an
+int or a list). Tested on the CPU eagerly, with ``torch.library.opcheck``, and compiled
+with ``fullgraph=True``; CUDA tensors take the same path but did not run here.
 """
 
 from __future__ import annotations
@@ -71,17 +74,17 @@ def _(logits, k):
 
 @torch.library.custom_op("kdtree::build_trees", mutates_args=())
 def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None,
-                root_positions: Tensor | None, pad_token: int
+                root_positions: Tensor | None = None, pad_token: int = -1
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The ten tree fields (TREE_FIELDS order) of :func:`kdtree.build_trees` on
-    ``[B, L, K]`` log-probs and ids."""
+    """The ten tree fields (``kdtree.torch_ops.TREE_FIELDS`` order) of
+    :func:`kdtree.build_trees` on ``[B, L, K]`` log-probs and ids."""
     trees = api.build_trees(_arg(logprobs), _arg(token_ids), budget, root_tokens=_arg(root_tokens),
                             root_positions=_arg(root_positions), pad_token=pad_token)
     return tuple(_tensor(getattr(trees, name)).clone() for name in TREE_FIELDS)
 
 
 @build_trees.register_fake
-def _(logprobs, token_ids, budget, root_tokens, root_positions, pad_token):
+def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_token=-1):
     batch, rows = logprobs.shape[0], budget + 1
     words = (rows + 31) // 32
     shapes = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows)}
@@ -95,8 +98,11 @@ def _(logprobs, token_ids, budget, root_tokens, root_positions, pad_token):
 @torch.library.custom_op("kdtree::verify_greedy_from_logits", mutates_args=())
 def verify_greedy_from_logits(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
                               stop_tokens: list[int], max_commit: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(accepted_nodes int32 [B, L + 1], accept_length int32 [B], bonus_token int32 [B]) of
-    :func:`kdtree.verify_greedy_from_logits` on the trees given by their fields."""
+    """(accepted_nodes int32 [B, min(depth, budget) + 1], accept_length int32 [B],
+    bonus_token int32 [B]) of :func:`kdtree.verify_greedy_from_logits` on the trees given by
+    their fields, budget N and depth (the L they were built with: the drafter's positions,
+    ``logprobs.shape[1]`` of :func:`build_trees`). ``max_commit``: None or an integer
+    tensor ``[B]`` (or 0-d)."""
     acc = api.verify_greedy_from_logits(tree_batch(fields, budget, depth), _arg(target_logits),
                                         stop_tokens=stop_tokens, max_commit=_arg(max_commit))
     return _tensor(acc.accepted_nodes).clone(), _tensor(acc.accept_length).clone(), _tensor(acc.bonus_token).clone()
@@ -106,7 +112,7 @@ def verify_greedy_from_logits(fields: list[Tensor], budget: int, depth: int, tar
 def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
     batch = fields[0].shape[0]
     new = target_logits.new_empty
-    return (new((batch, depth + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
+    return (new((batch, min(depth, budget) + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
             new((batch,), dtype=torch.int32))
 
 
@@ -114,7 +120,8 @@ def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
 def compact_kv(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: Tensor, accepted_nodes: Tensor,
                accept_length: Tensor, bonus_token: Tensor) -> None:
     """:func:`kdtree.compact_kv` on ``[B, H, S, D]`` caches, in place (CPU tensors through
-    numpy views of the same memory)."""
+    numpy views of the same memory); keys and values both (a keys-only cache is the
+    function's ``v_layers=None``, not this operator's)."""
     acc = Acceptance(_arg(accepted_nodes), _arg(accept_length), _arg(bonus_token))
     if all(t.is_cuda for t in k_layers):
         api.compact_kv(list(k_layers), list(v_layers), prefix_lengths, acc)

@@ -318,10 +318,10 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "kdt_topk_logprobs_cpu": ("status", [_vp, _i64, _i64, _i64, _i64, _vp, _vp]),
     # kdt_status kdt_topk_shard_cpu(const float* logits, int64_t rows, int64_t shard_vocab,
     #     int64_t row_stride, int64_t vocab_offset, int64_t k, float* out_logits,
-    #     int32_t* out_ids, float* out_max, double* out_sumexp)
+    #     int32_t* out_ids, float* out_max, double* out_sum_rest)
     "kdt_topk_shard_cpu": ("status", [_vp, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _vp]),
     # kdt_status kdt_topk_merge_cpu(const float* shard_logits, const int32_t* shard_ids,
-    #     const float* shard_max, const double* shard_sumexp, int64_t shards, int64_t rows,
+    #     const float* shard_max, const double* shard_sum_rest, int64_t shards, int64_t rows,
     #     int64_t k, int64_t vocab, float* out_logprobs, int32_t* out_ids)
     "kdt_topk_merge_cpu": ("status", [_vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp]),
     # kdt_status kdt_cuda_device_count(int32_t* count)

@@ -208,8 +208,9 @@ def topk_logprobs(logits, k: int, *, errors: str = "raise", stream=None, out=Non
     """Top-k log-probs of each row of logits, on the CPU (or the GPU for CUDA arrays).
 
     ``logprob = logit - logsumexp(row)`` over the whole row, computed as ``(logit - max) -
-    log(sum(exp(row - max)))`` in float64 (exact up to float32's largest logits) and rounded
-    once to float32, sorted descending with ties ordered by lower token id.
+    log1p(rest)``, ``rest`` the sum of ``exp(row - max)`` over all entries but one at the max,
+    in float64 (exact up to float32's largest logits, precise near 0) and rounded once to
+    float32, sorted descending with ties ordered by lower token id.
 
     Args:
         logits: ``[..., V]`` float16, bfloat16, float32 or float64 (converted to float32).
@@ -261,10 +262,11 @@ def topk_shard(logits, k: int, vocab_offset: int) -> TopKShard:
 
     Returns:
         :class:`TopKShard` ``(logits float32 [..., k], ids int32 [..., k], max float32 [...],
-        sumexp float64 [...])``: the shard's k largest logits as they are (best first, ties
-        by lower id) with global ids, its max logit and its sum of ``exp(logit - max)``
-        (Neumaier-compensated float64; max -inf and sum 0 for a row that is all -inf here).
-        ``kdt_topk_shard_cpu``.
+        sum_rest float64 [...])``: the shard's k largest logits as they are (best first, ties
+        by lower id) with global ids, its max logit and its sum of ``exp(logit - max)`` over
+        every entry but the first at the max (whose term is 1; Neumaier-compensated float64,
+        so that ``log1p`` of the merged rest keeps log-probs near 0 precise; max -inf and
+        rest 0 for a row that is all -inf here). ``kdt_topk_shard_cpu``.
 
     Raises:
         KdtreeError: NaN or +inf logits (naming the row and the shard's column), k or the
@@ -273,28 +275,30 @@ def topk_shard(logits, k: int, vocab_offset: int) -> TopKShard:
     return host.topk_shard(logits, k, vocab_offset)
 
 
-def topk_merge(shard_logits, shard_ids, shard_max, shard_sumexp, vocab: int) -> TopK:
+def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int) -> TopK:
     """The global top-k log-probs from T shards' :func:`topk_shard` outputs, stacked on a
     leading axis (``[T, ..., k]``, ``[T, ...]``); the shards hold disjoint vocabulary ranges
     covering ``vocab`` entries.
 
     The ids and their order (ties: lower id) are exactly those of :func:`topk_logprobs` on
-    the gathered rows. The log-sum-exp is combined exactly from the shards' max and sums
-    (``m = max_t max_t``, ``sum = sum_t sumexp_t * exp(max_t - m)``, float64), so a log-prob
-    can differ from the gathered row's only where its float64 value lies within ~1e-16 of a
-    float32 rounding boundary (then by one ulp). ``kdt_topk_merge_cpu``; the shards' bytes
-    per row are ``k * 8 + 12`` (against ``2 V`` for bfloat16 logits).
+    the gathered rows. The log-sum-exp is combined exactly from the shards' statistics
+    (``m`` the largest max; ``rest`` the first shard at ``m``'s rest plus every other
+    shard's ``(1 + rest_t) exp(max_t - m)``, float64; ``logprob = (logit - m) -
+    log1p(rest)``), so a log-prob is within one float32 ulp of the gathered row's (equal on
+    every tested row). ``kdt_topk_merge_cpu``; the shards' bytes per row are ``k * 8 + 12``
+    (against ``2 V`` for bfloat16 logits).
 
     Returns:
         :class:`TopK` ``(logprobs float32 [..., k], ids int32 [..., k])``, row statuses 0.
 
     Raises:
-        KdtreeError: shapes that disagree, an unsorted shard list, an id outside
-        ``[0, vocab)``, statistics that are not a shard's, a row whose logits are all -inf
-        (messages name the shard, the row as request and position for ``[T, B, L, k]``
-        inputs, and the entry).
+        KdtreeError: T outside [1, 1024], shapes that disagree, an unsorted shard list, an
+        id outside ``[0, vocab)`` or listed by two shards, statistics no shard gives, a row
+        whose logits are all -inf (messages name the shard, the row of the flattened
+        leading axes, and the entry). A shard with a wrong offset whose ids do not collide
+        in the top k is not detected (:mod:`kdtree.distributed` checks the ranks' ranges).
     """
-    return host.topk_merge(shard_logits, shard_ids, shard_max, shard_sumexp, vocab)
+    return host.topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab)
 
 
 def build_trees_from_logits(

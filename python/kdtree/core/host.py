@@ -334,30 +334,28 @@ def topk_shard(logits, k, vocab_offset):
     return TopKShard(*out)
 
 
-def topk_merge(shard_logits, shard_ids, shard_max, shard_sumexp, vocab):
+def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab):
     lg = checks.float_array(shard_logits, "shard_logits")
     if lg.ndim < 2:
         raise checks.shape_error(f"shard_logits must be [T, ..., k], got shape {lg.shape}")
     shards, lead, k = lg.shape[0], lg.shape[1:-1], lg.shape[-1]
     ids = checks.int_array(shard_ids, "shard_ids", np.int32)
     mx = checks.float_array(shard_max, "shard_max")
-    se = checks.host_array(shard_sumexp, "shard_sumexp")
+    se = checks.host_array(shard_sum_rest, "shard_sum_rest")
     if se.dtype.kind != "f":
-        raise checks.type_error(f"shard_sumexp must be a floating array, got dtype {se.dtype}")
+        raise checks.type_error(f"shard_sum_rest must be a floating array, got dtype {se.dtype}")
     se = np.ascontiguousarray(se, dtype=np.float64)
     for name, a, want in (("shard_ids", ids, lg.shape), ("shard_max", mx, lg.shape[:-1]),
-                          ("shard_sumexp", se, lg.shape[:-1])):
+                          ("shard_sum_rest", se, lg.shape[:-1])):
         if a.shape != want:
             raise checks.shape_error(f"{name} has shape {a.shape}, expected {want} (shard_logits is {lg.shape})")
     vocab = checks.int_scalar(vocab, "vocab", max(1, k), 2**31)
+    checks.int_scalar(shards, "shards (the leading axis of shard_logits)", 1, 1024)
     rows = int(np.prod(lead, dtype=np.int64))
     out_lp, out_ids = np.empty(lead + (k,), np.float32), np.empty(lead + (k,), np.int32)
     if rows > 0:
-        try:
-            _lib.load().kdt_topk_merge_cpu(checks.ptr(lg), checks.ptr(ids), checks.ptr(mx), checks.ptr(se), shards,
-                                           rows, k, vocab, checks.ptr(out_lp), checks.ptr(out_ids))
-        except _lib.KdtreeError as exc:
-            raise _lib.name_logits_row(exc, lead) from None
+        _lib.load().kdt_topk_merge_cpu(checks.ptr(lg), checks.ptr(ids), checks.ptr(mx), checks.ptr(se), shards, rows,
+                                       k, vocab, checks.ptr(out_lp), checks.ptr(out_ids))
     return TopK(out_lp, out_ids, checks.ok_status(lead if lead else (1,)))
 
 

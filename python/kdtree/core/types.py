@@ -202,18 +202,19 @@ class TreeMask(tuple):
 
 class TopKShard(tuple):
     """Result of :func:`kdtree.topk_shard`, one vocabulary shard's summary of each row:
-    unpacks as ``(logits, ids, max, sumexp)``.
+    unpacks as ``(logits, ids, max, sum_rest)``.
 
     Fields:
         logits  float32 [..., k]  the shard's k largest logits as they are, best first
                                   (ties: lower id)
         ids     int32   [..., k]  their global token ids (vocab_offset + column)
         max     float32 [...]     the shard's largest logit (-inf when all are -inf)
-        sumexp  float64 [...]     sum of exp(logit - max) over the shard (0 when all are -inf)
+        sum_rest  float64 [...]     sum of exp(logit - max) over the shard but its first
+                                  entry at the max (0 when all are -inf)
     """
 
-    def __new__(cls, logits, ids, max, sumexp):  # noqa: A002 (the field's name)
-        return super().__new__(cls, (logits, ids, max, sumexp))
+    def __new__(cls, logits, ids, max, sum_rest):  # noqa: A002 (the field's name)
+        return super().__new__(cls, (logits, ids, max, sum_rest))
 
     def __getnewargs__(self):
         return tuple(self)
@@ -231,5 +232,5 @@ class TopKShard(tuple):
         return self[2]
 
     @property
-    def sumexp(self):
+    def sum_rest(self):
         return self[3]
