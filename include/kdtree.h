@@ -35,7 +35,7 @@ extern "C" {
 /* Bumped whenever a struct layout, enum value or function signature changes. The Python
  * loader refuses a library whose kdt_abi_version() differs from the one it was written
  * against. */
-#define KDT_ABI_VERSION 1
+#define KDT_ABI_VERSION 2
 
 #if defined(_WIN32)
 #  if defined(KDT_BUILDING_LIBRARY)
@@ -165,6 +165,19 @@ KDT_API kdt_status kdt_visibility_words(int64_t budget, int64_t* words);
  *   root_positions int64 [B] or NULL: position of the root (NULL: 0).
  *
  * Only the "used part" [L, K'] with K' = min(K, N) is read and validated.
+ *
+ * Per-request limits (both optional; a serving batch mixes requests that want different
+ * trees):
+ *   request_budgets int32 [B] or NULL: request b's tree has at most request_budgets[b]
+ *                   draft nodes, 0 <= request_budgets[b] <= N (the call's budget, which
+ *                   stays the row count of every output: rows past the request's own
+ *                   nodes are padding). NULL: N for every request.
+ *   request_depths  int32 [B] or NULL: request b's depth limit, 0 <= request_depths[b] <=
+ *                   L; rows at depths past it are neither read nor validated. NULL: L.
+ * Request b's outputs are then bit-identical to building it alone with budget
+ * request_budgets[b] and depth request_depths[b] (its used part is [L_b, min(K, N_b)]),
+ * apart from the padding rows up to N. A limit outside its range is KDT_ERR_OUT_OF_RANGE
+ * for that request ("request b: budget ... outside [0, N]").
  */
 typedef struct kdt_draft {
     int64_t batch;                 /* B >= 0                                              */
@@ -176,6 +189,8 @@ typedef struct kdt_draft {
     const int64_t* root_positions; /* [B] or NULL                                         */
     int64_t vocab_size;            /* > 0: ids must be < vocab_size; 0: upper bound unchecked */
     int32_t pad_token;             /* token written to padding rows (and a NULL root); -1 usual */
+    const int32_t* request_budgets; /* [B] or NULL: each request's budget, <= N            */
+    const int32_t* request_depths;  /* [B] or NULL: each request's depth limit, <= L       */
 } kdt_draft;
 
 /* Bytes of workspace kdt_trees_build_cpu needs for one call with this budget, depth, width
@@ -208,7 +223,8 @@ KDT_API kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth
  *                             is checked; -inf entries (padding, masked tokens) are valid.
  *                             Rows are not checked to sum to at most 1 (exp(lp) summed):
  *                             scores that are not normalised still build the spec's tree.
- *   KDT_ERR_OUT_OF_RANGE      a negative token id, or one >= vocab_size
+ *   KDT_ERR_OUT_OF_RANGE      a negative token id, or one >= vocab_size; a request budget
+ *                             outside [0, N] or depth limit outside [0, L]
  *   KDT_ERR_BUFFER_TOO_SMALL  workspace_bytes below the query's answer
  *   KDT_ERR_OVERFLOW, KDT_ERR_OUT_OF_MEMORY
  * Departure from the published code (spec: "Degenerate and invalid inputs"): a -inf
@@ -386,9 +402,11 @@ KDT_API kdt_status kdt_trees_build_cuda_workspace_bytes(int64_t batch, int64_t b
  *
  * request_status: device int32 [B], written for every request: KDT_OK, or the status the
  *   CPU builder returns for that request alone (KDT_ERR_VALUE: NaN, +inf, unsorted row,
- *   duplicate id; KDT_ERR_OUT_OF_RANGE: token id, root token or root position). A failed
- *   request gets a root-only tree (num_nodes 0, every other row padding); the others are
- *   built normally. (The CPU builder instead writes nothing when any request fails.)
+ *   duplicate id; KDT_ERR_OUT_OF_RANGE: token id, root token, root position, a request
+ *   budget or depth limit out of range). A failed request gets a root-only tree
+ *   (num_nodes 0, every other row padding); the others are built normally. (The CPU
+ *   builder instead writes nothing when any request fails.) draft->request_budgets and
+ *   draft->request_depths, when given, are device arrays.
  * workspace: device buffer of kdt_trees_build_cuda_workspace_bytes(B, N, L, K) bytes,
  *   256-byte aligned; its contents need not be initialised.
  * stream: cudaStream_t as void* (NULL: the legacy default stream).

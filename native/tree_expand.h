@@ -124,12 +124,15 @@ KDT_HD static inline void heap_sift_root(kdt_expand_scratch* s, size_t size, kdt
 }
 
 /* Expands one tree: lp/ids are the request's [L, K] rows (only [L, Kp] read, already
- * validated), N the budget, cap its node capacity. Writes every row 0..N of the non-NULL
+ * validated), N the row bound of the outputs, limit <= N the most nodes emitted (the
+ * request's budget), cap the node capacity (>= min(limit, reachable nodes)). Rows past
+ * the emitted nodes, up to N, are padding. Writes every row 0..N of the non-NULL
  * per-node outputs (root, nodes in pop order, padding), the node rows of the masks when
  * given, and the scratch node tables for rows 0..n; returns n, the number of draft nodes
  * (node_par holds the parents, for callers that write the masks themselves). */
 KDT_HD static inline int64_t kdt_expand_tree(const float* lp, const int32_t* ids, int64_t L, int64_t K,
-                                             int64_t Kp, int64_t N, int64_t cap, int64_t root_pos,
+                                             int64_t Kp, int64_t N, int64_t limit, int64_t cap,
+                                             int64_t root_pos,
                                              int32_t root_token, int32_t pad, kdt_expand_scratch* s,
                                              const kdt_expand_out* o) {
     int32_t* const tokens = o->tokens;
@@ -162,9 +165,9 @@ KDT_HD static inline int64_t kdt_expand_tree(const float* lp, const int32_t* ids
      * of them becomes `top` directly when it beats the heap's best (common: a drafter's
      * top-1 child often pops next), which skips a sift through the heap. The pop order is
      * the same as a plain heap's, since keys are totally ordered. */
-    int have_top = N > 0 && L > 0 && Kp > 0 && !isinf(lp[0]);
+    int have_top = limit > 0 && L > 0 && Kp > 0 && !isinf(lp[0]);
     kdt_cand top = {have_top ? (double)lp[0] : 0.0, 0, 0};
-    while (have_top && n < N) {
+    while (have_top && n < limit) {
         const kdt_cand c = top;
         const int32_t i = (int32_t)++n;
         const int32_t p = c.parent;

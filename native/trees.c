@@ -357,10 +357,21 @@ static kdt_status validate_row(const float* lp, const int32_t* ids, int64_t eff_
 
 /* ---- Building ---------------------------------------------------------------------- */
 
+/* Request b's budget and depth limit (the call's when not given per request). */
+static int64_t request_budget(const kdt_draft* draft, const kdt_trees* out, int64_t b) {
+    return draft->request_budgets ? (int64_t)draft->request_budgets[b] : out->budget;
+}
+
+static int64_t request_depth(const kdt_draft* draft, int64_t b) {
+    return draft->request_depths ? (int64_t)draft->request_depths[b] : draft->depth;
+}
+
 /* Builds request b into row block b of `out` (all rows rewritten). */
 static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scratch* s) {
-    const int64_t L = draft->depth, K = draft->width, N = out->budget;
-    const int64_t Kp = min64(K, N);
+    const int64_t K = draft->width, N = out->budget;
+    const int64_t Nb = request_budget(draft, out, b), Lb = request_depth(draft, b);
+    const int64_t Kp = min64(K, Nb);
+    const int64_t L = draft->depth;
     const size_t rows = (size_t)N + 1u;
     const size_t words = (rows + 31u) / 32u;
     const size_t base = (size_t)b * rows;
@@ -384,7 +395,7 @@ static void build_one(const kdt_draft* draft, kdt_trees* out, int64_t b, kdt_scr
         out->next_sibling ? out->next_sibling + base : NULL, vis, bits, words};
     const int64_t n = kdt_expand_tree(
         draft->logprobs ? draft->logprobs + cells : NULL, draft->token_ids ? draft->token_ids + cells : NULL,
-        L, K, Kp, N, node_capacity(N, L, Kp), draft->root_positions ? draft->root_positions[b] : 0,
+        Lb, K, Kp, N, Nb, node_capacity(Nb, Lb, Kp), draft->root_positions ? draft->root_positions[b] : 0,
         draft->root_tokens ? draft->root_tokens[b] : draft->pad_token, draft->pad_token, &s->x, &o);
     out->num_nodes[b] = (int32_t)n;
     if (vis) {
@@ -469,9 +480,20 @@ kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* wor
     scratch_carve(workspace, N, L, Kp, draft->vocab_size, &s);
 
     for (int64_t b = 0; b < B; b++) {
+        const int64_t Nb = request_budget(draft, out, b), Lb = request_depth(draft, b);
+        if (Nb < 0 || Nb > N) {
+            st = kdt_fail(KDT_ERR_OUT_OF_RANGE, "request %lld: budget %lld outside [0, %lld] (request_budgets)",
+                          (long long)b, (long long)Nb, (long long)N);
+            goto done;
+        }
+        if (Lb < 0 || Lb > L) {
+            st = kdt_fail(KDT_ERR_OUT_OF_RANGE, "request %lld: depth %lld outside [0, %lld] (request_depths)",
+                          (long long)b, (long long)Lb, (long long)L);
+            goto done;
+        }
         if (draft->root_positions) {
             int64_t rp = draft->root_positions[b];
-            if (rp < 0 || rp > INT64_MAX - L) {
+            if (rp < 0 || rp > INT64_MAX - Lb) {
                 st = kdt_fail(KDT_ERR_OUT_OF_RANGE,
                               "request %lld: root position %lld outside [0, INT64_MAX - depth]",
                               (long long)b, (long long)rp);
@@ -487,9 +509,10 @@ kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* wor
                 goto done;
             }
         }
-        for (int64_t d = 0; d < L && Kp > 0; d++) {
+        const int64_t Kpb = min64(K, Nb);
+        for (int64_t d = 0; d < Lb && Kpb > 0; d++) {
             size_t off = ((size_t)b * (size_t)L + (size_t)d) * (size_t)K;
-            st = validate_row(draft->logprobs + off, draft->token_ids + off, Kp, draft->vocab_size,
+            st = validate_row(draft->logprobs + off, draft->token_ids + off, Kpb, draft->vocab_size,
                               b, d, &s);
             if (st != KDT_OK) goto done;
         }

@@ -88,6 +88,7 @@ static kdt_trees trees_view(struct tree_out* t) {
 
 static kdt_draft draft_view(void) {
     kdt_draft d;
+    memset(&d, 0, sizeof d);
     d.batch = B;
     d.depth = L;
     d.width = K;

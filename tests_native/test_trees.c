@@ -176,6 +176,76 @@ static void logprob_sign(void) {
     free_trees(&t1);
 }
 
+/* Per-request budgets and depth limits: request b of the batch must equal request b
+ * built alone with its own budget N_b and depth L_b (whose own build the fixtures check),
+ * in its first N_b + 1 rows, and hold padding rows after them. */
+static void request_limits(kdt_draft d, int64_t budget) {
+    const int64_t B = d.batch, rows = budget + 1, words = (rows + 31) / 32;
+    int32_t* nb = malloc((size_t)(B ? B : 1) * sizeof(int32_t));
+    int32_t* lb = malloc((size_t)(B ? B : 1) * sizeof(int32_t));
+    for (int64_t b = 0; b < B; b++) {
+        nb[b] = (int32_t)((budget * (b + 1) * 5 / 7) % (budget + 1));
+        lb[b] = (int32_t)((d.depth + b) % (d.depth + 1));
+    }
+    d.request_budgets = nb;
+    d.request_depths = lb;
+    kdt_trees t = alloc_trees(B, budget, 0xa5);
+    CHECK_OK(kdt_trees_build_cpu(&d, &t, NULL, 0));
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t own = nb[b], orows = own + 1;
+        const size_t cells = (size_t)b * (size_t)d.depth * (size_t)d.width;
+        kdt_draft one = d;
+        one.batch = 1;
+        one.depth = lb[b];
+        one.logprobs = d.logprobs ? d.logprobs + cells : NULL;
+        one.token_ids = d.token_ids ? d.token_ids + cells : NULL;
+        one.root_tokens = d.root_tokens ? d.root_tokens + b : NULL;
+        one.root_positions = d.root_positions ? d.root_positions + b : NULL;
+        one.request_budgets = NULL;
+        one.request_depths = NULL;
+        /* The rows of `one` are [L_b, K] with stride K: a request's first L_b rows of the
+         * [L, K] block are contiguous, so the pointer arithmetic above is exact. */
+        kdt_trees a = alloc_trees(1, own, 0x3c);
+        CHECK_OK(kdt_trees_build_cpu(&one, &a, NULL, 0));
+        CHECK_EQ(t.num_nodes[b], a.num_nodes[0]);
+        const size_t r = (size_t)b * (size_t)rows;
+        CHECK(memcmp(t.tokens + r, a.tokens, (size_t)orows * 4) == 0);
+        CHECK(memcmp(t.depths + r, a.depths, (size_t)orows * 4) == 0);
+        CHECK(memcmp(t.parents + r, a.parents, (size_t)orows * 4) == 0);
+        CHECK(memcmp(t.logw + r, a.logw, (size_t)orows * 8) == 0);
+        CHECK(memcmp(t.positions + r, a.positions, (size_t)orows * 8) == 0);
+        CHECK(memcmp(t.first_child + r, a.first_child, (size_t)orows * 4) == 0);
+        CHECK(memcmp(t.next_sibling + r, a.next_sibling, (size_t)orows * 4) == 0);
+        for (int64_t i = 0; i < rows; i++) {
+            for (int64_t j = 0; j < rows; j++) {
+                const uint8_t want = i < orows ? (j < orows ? a.visibility[i * orows + j] : 0) : (uint8_t)(i == j);
+                CHECK_EQ(t.visibility[(r + (size_t)i) * (size_t)rows + (size_t)j], want);
+                const uint32_t word = t.visibility_bits[(r + (size_t)i) * (size_t)words + (size_t)j / 32];
+                CHECK_EQ((word >> (j % 32)) & 1u, (uint32_t)want);
+            }
+            if (i >= orows) {
+                CHECK_EQ(t.tokens[r + (size_t)i], d.pad_token);
+                CHECK_EQ(t.parents[r + (size_t)i], -1);
+                CHECK(isinf(t.logw[r + (size_t)i]) && t.logw[r + (size_t)i] < 0);
+            }
+        }
+        free_trees(&a);
+    }
+    /* A limit past the call's is the request's error. */
+    if (B > 0) {
+        nb[B - 1] = (int32_t)budget + 1;
+        CHECK_STATUS(kdt_trees_build_cpu(&d, &t, NULL, 0), KDT_ERR_OUT_OF_RANGE);
+        CHECK_ERR_HAS("(request_budgets)");
+        nb[B - 1] = 0;
+        lb[0] = (int32_t)d.depth + 1;
+        CHECK_STATUS(kdt_trees_build_cpu(&d, &t, NULL, 0), KDT_ERR_OUT_OF_RANGE);
+        CHECK_ERR_HAS("request 0: depth");
+    }
+    free_trees(&t);
+    free(nb);
+    free(lb);
+}
+
 int main(void) {
     kdt_kdtr_file* f = fixture_open("trees_cases.kdtr");
     kdt_kdtr_array count_a = fixture_get(f, KDT_DTYPE_INT64, "count");
@@ -216,6 +286,7 @@ int main(void) {
             ok &= compare_case(f, c, &reuse, "reused buffers of a larger tree");
         }
         passed += ok;
+        request_limits(d, budget);
     }
     logprob_sign();
     printf("trees: %lld of %lld reference cases identical in every field\n", (long long)passed,

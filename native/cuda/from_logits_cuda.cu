@@ -135,6 +135,8 @@ extern "C" kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits,
     d.root_positions = root_positions;
     d.vocab_size = B * L > 0 ? vocab : 0;
     d.pad_token = pad_token;
+    d.request_budgets = nullptr;
+    d.request_depths = nullptr;
     // The top-k's ids are distinct in every row (a flagged row's are 0 .. k'-1), so the
     // builder need not look for repeats. KDT_TESTING_TREES_CHECK_IDS keeps the check (for
     // an A/B; the trees are the same either way).

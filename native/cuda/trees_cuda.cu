@@ -122,7 +122,9 @@ kdt_status kdt::build_trees_cuda(const kdt_draft* draft, kdt_trees* out, int32_t
                        {out->depths, 4, "out->depths"}, {out->parents, 4, "out->parents"},
                        {out->logw, 8, "out->logw"}, {out->positions, 8, "out->positions"},
                        {out->visibility_bits, 4, "out->visibility_bits"}, {out->first_child, 4, "out->first_child"},
-                       {out->next_sibling, 4, "out->next_sibling"}, {request_status, 4, "request_status"}};
+                       {out->next_sibling, 4, "out->next_sibling"}, {request_status, 4, "request_status"},
+                       {draft->request_budgets, 4, "draft->request_budgets"},
+                       {draft->request_depths, 4, "draft->request_depths"}};
         for (const auto& a : aligned) {
             const kdt_status st = kdt::check_aligned(a.ptr, a.align, a.name);
             if (st != KDT_OK) return st;

@@ -32,10 +32,12 @@ namespace kdt {
 namespace trees {
 
 // Returns n >= 0 with the node tables, scores and links filled (as kdt_expand_tree would),
-// or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0. descent:
-// kDescent*; walk, counting: BuildParams'.
+// or -1 when the caller must run the heap. Block-wide; kp > 0, L > 0, N > 0 (the most
+// nodes emitted, the request's budget); rows 0..N_rows (>= N) of the scores and links are
+// written, those past the nodes as padding. descent: kDescent*; walk, counting:
+// BuildParams'.
 __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L, int64_t kp, int64_t N,
-                                   double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
+                                   int64_t N_rows, double* logw_s, int32_t* fc_s, int32_t* ns_s, int32_t* node_rank,
                                    int32_t* node_par, int32_t* node_depth, int descent, bool walk,
                                    bool counting) {
     __shared__ int s_count, s_pruned, s_root_fc, s_fail;
@@ -66,7 +68,7 @@ __device__ int64_t parallel_expand(const Cands& c, const float* lp_s, int64_t L,
     __syncthreads();
     if (s_fail) return -1;
     const int root_fc = s_root_fc;
-    for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
+    for (int64_t i = threadIdx.x; i <= N_rows; i += blockDim.x) {
         if (i == 0) {
             logw_s[0] = 0.0;
             fc_s[0] = (root_fc >= 0 && c.pos[root_fc] < n) ? c.pos[root_fc] + 1 : -1;

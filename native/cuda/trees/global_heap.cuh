@@ -23,7 +23,8 @@ namespace trees {
 __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
     const int64_t b = blockIdx.x;
     const kdt_draft& d = p.draft;
-    const int64_t L = d.depth, K = d.width, N = p.out.budget, kp = p.eff_width;
+    const int64_t L = d.depth, K = d.width, N = p.out.budget;
+    const RequestLimits lim = request_limits(d, N, b);  // the request's own budget and depth
     const size_t rows = (size_t)N + 1;
     const size_t words = (rows + 31) / 32;
     const size_t base = (size_t)b * rows;
@@ -38,12 +39,12 @@ __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
     // 1. Validation in parallel: any problem sends the request to exact_status.
     const float* lp = d.logprobs ? d.logprobs + (size_t)b * L * K : nullptr;
     const int32_t* ids = d.token_ids ? d.token_ids + (size_t)b * L * K : nullptr;
-    const bool any_bad = validate_global(p, b, lp, ids, hash, &s_bad);
+    const bool any_bad = validate_global(p, b, lim, lp, ids, hash, &s_bad);
 
     // 2. The expansion, on one thread (a failed request becomes a root-only tree).
     if (threadIdx.x == 0) {
         int32_t status = KDT_OK;
-        if (any_bad) status = exact_status(d, b, kp);
+        if (any_bad) status = exact_status(d, b, lim);
         const bool ok = status == KDT_OK;
         kdt_expand_scratch s;
         s.heap = reinterpret_cast<kdt_cand*>(ws + lay.heap);
@@ -65,11 +66,11 @@ __global__ void __launch_bounds__(kThreads) build_kernel(BuildParams p) {
         int64_t root_pos = d.root_positions ? d.root_positions[b] : 0;
         int32_t root_tok = d.root_tokens ? d.root_tokens[b] : d.pad_token;
         if (!ok) {
-            if (root_pos < 0 || root_pos > INT64_MAX - L) root_pos = 0;
+            if (root_pos < 0 || root_pos > INT64_MAX - lim.depth) root_pos = 0;
             if (root_tok < 0 || (d.vocab_size > 0 && root_tok >= d.vocab_size)) root_tok = d.pad_token;
         }
-        const int64_t n = kdt_expand_tree(lp, ids, L, K, ok ? kp : 0, N, p.cap, root_pos, root_tok,
-                                          d.pad_token, &s, &o);
+        const int64_t n = kdt_expand_tree(lp, ids, lim.depth, K, ok ? lim.kp : 0, N, lim.budget, p.cap,
+                                          root_pos, root_tok, d.pad_token, &s, &o);
         p.out.num_nodes[b] = (int32_t)n;
         p.status[b] = status;
         s_n = n;

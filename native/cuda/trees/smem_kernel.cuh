@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     const int64_t b = blockIdx.x;
     const kdt_draft& d = p.draft;
     const int64_t L = d.depth, K = d.width, N = p.out.budget, kp = p.eff_width;
+    const RequestLimits lim = request_limits(d, N, b);  // the request's own budget and depth
     const size_t rows = (size_t)N + 1;
     const size_t words = (rows + 31) / 32;
     const size_t base = (size_t)b * rows;
@@ -47,24 +48,26 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
     // (below); one __syncthreads_or after the rows gives every thread the verdict.
     int bad = 0;
     if (threadIdx.x == 0) {
+        bad |= lim.bad;
         if (d.root_positions) {
             const int64_t rp = d.root_positions[b];
-            bad |= rp < 0 || rp > INT64_MAX - L;
+            bad |= rp < 0 || rp > INT64_MAX - lim.depth;
         }
         if (d.root_tokens) {
             const int32_t rt = d.root_tokens[b];
             bad |= rt < 0 || (d.vocab_size > 0 && rt >= d.vocab_size);
         }
     }
-    bad = load_and_check_rows(p, lp, ids, lp_s, smem, bad);
+    bad = load_and_check_rows(p, lim, lp, ids, lp_s, smem, bad);
     const bool any_bad = __syncthreads_or(bad) != 0;
 
     // The parallel expansion first (valid requests only); -1 sends the request to the heap
     // below. (Its result is the same in every thread; when it succeeds it has ended with a
     // barrier after writing the node tables.)
     int64_t par_n = -1;
-    if (!any_bad && p.cap3 > 0 && kp > 0 && L > 0 && N > 0) {
-        par_n = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, N, logw_s, fc_s, ns_s, tables,
+    if (!any_bad && p.cap3 > 0 && lim.kp > 0 && lim.depth > 0 && lim.budget > 0) {
+        par_n = parallel_expand(cands_at(smem + lay.cands, p.cap3), lp_s, L, kp, lim.budget, N, logw_s, fc_s, ns_s,
+                                tables,
                                 tables + (p.cap + 1), tables + 2 * (p.cap + 1), p.descent, p.walk != 0,
                                 p.counting != 0);
     }
@@ -79,7 +82,7 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
         // The heap, on one thread; a bad request gets the CPU builder's verdict and a
         // root-only tree.
         int32_t status = KDT_OK;
-        if (any_bad) status = exact_status(d, b, kp);
+        if (any_bad) status = exact_status(d, b, lim);
         const bool ok = status == KDT_OK;
         kdt_expand_scratch s;
         s.heap = reinterpret_cast<kdt_cand*>(smem + lay.heap);
@@ -101,11 +104,13 @@ __global__ void __launch_bounds__(kSmemThreads, 1) build_kernel_smem(BuildParams
         int64_t root_pos = d.root_positions ? d.root_positions[b] : 0;
         int32_t root_tok = d.root_tokens ? d.root_tokens[b] : d.pad_token;
         if (!ok) {
-            if (root_pos < 0 || root_pos > INT64_MAX - L) root_pos = 0;
+            if (root_pos < 0 || root_pos > INT64_MAX - lim.depth) root_pos = 0;
             if (root_tok < 0 || (d.vocab_size > 0 && root_tok >= d.vocab_size)) root_tok = d.pad_token;
         }
-        const int64_t n = kdt_expand_tree(lp_s, nullptr, L, kp, ok ? kp : 0, N, p.cap, root_pos, root_tok,
-                                          d.pad_token, &s, &o);
+        // lp_s holds -inf past the request's limits, so the call's L and K' expand the
+        // request's own tree; its budget bounds the nodes emitted.
+        const int64_t n = kdt_expand_tree(lp_s, nullptr, L, kp, ok ? kp : 0, N, lim.budget, p.cap, root_pos,
+                                          root_tok, d.pad_token, &s, &o);
         p.out.num_nodes[b] = (int32_t)n;
         p.status[b] = status;
         s_n = n;

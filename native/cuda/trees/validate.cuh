@@ -30,17 +30,38 @@ __device__ inline uint64_t mix_id(int32_t id) {
 // entry against it (it also covers +inf) and the verdict is the CPU's.
 constexpr float kLogprobSlack = 3.814697265625e-06f;
 
-__device__ int32_t exact_status(const kdt_draft& d, int64_t b, int64_t kp) {
-    const int64_t L = d.depth, K = d.width;
+// Request b's own limits (kdt_draft's request_budgets and request_depths): its budget N_b,
+// depth limit L_b and used width K'_b = min(K, N_b), clamped to the call's (N, L); `bad`
+// when a given limit is outside its range (exact_status reports it first, as the CPU
+// builder does).
+struct RequestLimits {
+    int64_t budget, depth, kp;
+    bool bad;
+};
+
+__device__ __forceinline__ RequestLimits request_limits(const kdt_draft& d, int64_t N, int64_t b) {
+    RequestLimits r;
+    const int64_t nb = d.request_budgets ? (int64_t)d.request_budgets[b] : N;
+    const int64_t lb = d.request_depths ? (int64_t)d.request_depths[b] : d.depth;
+    r.bad = nb < 0 || nb > N || lb < 0 || lb > d.depth;
+    r.budget = nb < 0 ? 0 : (nb > N ? N : nb);
+    r.depth = lb < 0 ? 0 : (lb > d.depth ? d.depth : lb);
+    r.kp = d.width < r.budget ? d.width : r.budget;
+    return r;
+}
+
+__device__ int32_t exact_status(const kdt_draft& d, int64_t b, const RequestLimits& lim) {
+    const int64_t L = d.depth, K = d.width, Lb = lim.depth, kp = lim.kp;
+    if (lim.bad) return KDT_ERR_OUT_OF_RANGE;
     if (d.root_positions) {
         const int64_t rp = d.root_positions[b];
-        if (rp < 0 || rp > INT64_MAX - L) return KDT_ERR_OUT_OF_RANGE;
+        if (rp < 0 || rp > INT64_MAX - Lb) return KDT_ERR_OUT_OF_RANGE;
     }
     if (d.root_tokens) {
         const int32_t rt = d.root_tokens[b];
         if (rt < 0 || (d.vocab_size > 0 && rt >= d.vocab_size)) return KDT_ERR_OUT_OF_RANGE;
     }
-    for (int64_t r0 = 0; r0 < L; r0++) {
+    for (int64_t r0 = 0; r0 < Lb; r0++) {
         const float* lp = d.logprobs + ((size_t)b * L + r0) * K;
         const int32_t* ids = d.token_ids + ((size_t)b * L + r0) * K;
         for (int64_t r = 0; r < kp; r++) {
@@ -61,15 +82,16 @@ __device__ int32_t exact_status(const kdt_draft& d, int64_t b, int64_t kp) {
 }
 
 // Version 1's validation, block-wide, through device memory: whether request b has any
-// invalid input (root position or token, a row's values or ids, a repeated id in a row,
-// found with a hash set of ids in the workspace, `hash` [hash_slots], -1: empty).
-// Returns the verdict in every thread (s_bad, with a barrier after it).
-__device__ __forceinline__ bool validate_global(const BuildParams& p, int64_t b, const float* lp, const int32_t* ids,
-                                       int32_t* hash, int* s_bad) {
+// invalid input (its limits, root position or token, a row's values or ids in its used
+// part [L_b, K'_b], a repeated id in a row, found with a hash set of ids in the workspace,
+// `hash` [hash_slots], -1: empty). Returns the verdict in every thread (s_bad, with a
+// barrier after it).
+__device__ __forceinline__ bool validate_global(const BuildParams& p, int64_t b, const RequestLimits& lim,
+                                                const float* lp, const int32_t* ids, int32_t* hash, int* s_bad) {
     const kdt_draft& d = p.draft;
-    const int64_t L = d.depth, K = d.width, kp = p.eff_width;
+    const int64_t L = lim.depth, K = d.width, kp = lim.kp;
     if (threadIdx.x == 0) {
-        int bad = 0;
+        int bad = lim.bad;
         if (d.root_positions) {
             const int64_t rp = d.root_positions[b];
             bad |= rp < 0 || rp > INT64_MAX - L;
@@ -119,13 +141,16 @@ __device__ __forceinline__ bool validate_global(const BuildParams& p, int64_t b,
     return *s_bad != 0;
 }
 
-// build_kernel_smem's validation: loads the used part [L, K'] of request b's rows into
-// lp_s (row stride K') and checks it; returns `bad` (the caller's verdict on the root, in
-// thread 0) or'ed with this thread's findings, not yet reduced over the block.
-__device__ __forceinline__ int load_and_check_rows(const BuildParams& p, const float* lp, const int32_t* ids,
-                                                   float* lp_s, unsigned char* smem, int bad) {
+// build_kernel_smem's validation: loads the call's used part [L, K'] of request b's rows
+// into lp_s (row stride K') and checks the request's own used part [L_b, K'_b]; entries
+// outside it are stored as -inf, which the expansions never emit, so the tree is the one
+// of the request's own limits. Returns `bad` (the caller's verdict on the root, in thread
+// 0) or'ed with this thread's findings, not yet reduced over the block.
+__device__ __forceinline__ int load_and_check_rows(const BuildParams& p, const RequestLimits& lim, const float* lp,
+                                                   const int32_t* ids, float* lp_s, unsigned char* smem, int bad) {
     const kdt_draft& d = p.draft;
     const int64_t L = d.depth, K = d.width, kp = p.eff_width;
+    const uint32_t own_rows = (uint32_t)lim.depth, own_kp = (uint32_t)lim.kp;
     // Load the used part [L, K'] (row stride K' in shared memory) and check it. The rows go
     // in groups of G, each row of a group with its own hash set of ids (-1: empty) for
     // repeated ids: G = every row when the idle candidate arrays hold them, else as many
@@ -176,10 +201,16 @@ __device__ __forceinline__ int load_and_check_rows(const BuildParams& p, const f
                         rank[u] = rs + ((t & ((1u << rpt_bits) - 1)) << tpr_bits);
                         const bool ok = t < items && row[u] < g1 && rank[u] < ukp;
                         if (!ok) row[u] = UINT32_MAX;
-                        const size_t src = ok ? (size_t)row[u] * (size_t)K + rank[u] : 0;
-                        v[u] = ok ? lp[src] : 0.0f;
-                        id[u] = ok ? ids[src] : -1;
-                        before[u] = ok && rank[u] > 0 && !prev_by_shuffle ? lp[src - 1] : 0.0f;
+                        // Past the request's own limits: -inf in lp_s, not read or checked.
+                        if (ok && (row[u] >= own_rows || rank[u] >= own_kp)) {
+                            lp_s[row[u] * ukp + rank[u]] = -INFINITY;
+                            row[u] = UINT32_MAX;
+                        }
+                        const bool own = row[u] != UINT32_MAX;
+                        const size_t src = own ? (size_t)row[u] * (size_t)K + rank[u] : 0;
+                        v[u] = own ? lp[src] : 0.0f;
+                        id[u] = own ? ids[src] : -1;
+                        before[u] = own && rank[u] > 0 && !prev_by_shuffle ? lp[src - 1] : 0.0f;
                     }
                     if (t0 == 0 && !p.ids_distinct) clear_sets();  // (uniform: items is)
 #pragma unroll

@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-ABI_VERSION = 1  # KDT_ABI_VERSION in include/kdtree.h
+ABI_VERSION = 2  # KDT_ABI_VERSION in include/kdtree.h
 
 _NAMES = {"linux": "libkdtree.so", "darwin": "libkdtree.dylib", "win32": "kdtree.dll"}
 LIBRARY_NAME = _NAMES.get(sys.platform, "libkdtree.so")
@@ -160,6 +160,8 @@ class KdtDraft(ctypes.Structure):
         ("root_positions", ctypes.c_void_p),
         ("vocab_size", ctypes.c_int64),
         ("pad_token", ctypes.c_int32),
+        ("request_budgets", ctypes.c_void_p),
+        ("request_depths", ctypes.c_void_p),
     ]
 
 

@@ -63,6 +63,8 @@ def build_trees(
     out: TreeBatch | None = None,
     errors: str = "raise",
     stream=None,
+    request_budgets=None,
+    request_depths=None,
 ) -> TreeBatch:
     """Builds DDTree draft trees on the CPU, or on the GPU when the inputs are CUDA arrays (spec ``ddtree-tree-build.md``; Ringel & Romano,
     arXiv 2604.12989), bit-identical to :func:`kdtree.reference.build_trees`.
@@ -77,6 +79,14 @@ def build_trees(
         root_positions: ``[B]`` ints >= 0, position of each root (default 0).
         vocab_size: when given, every token id must be < vocab_size.
         pad_token: token written to padding rows.
+        request_budgets: ``[B]`` ints in ``[0, budget]`` or None: request b's tree has at
+            most ``request_budgets[b]`` draft nodes (its rows past them are padding; every
+            request keeps ``budget + 1`` rows). None: ``budget`` for every request.
+        request_depths: ``[B]`` ints in ``[0, L]`` or None: request b's depth limit; rows
+            at depths past it are neither read nor validated. None: L for every request.
+            With either, request b's tree is bit-identical to building it alone with its
+            own budget and depth. A limit out of range is that request's error
+            (KDT_ERR_OUT_OF_RANGE).
         out: a :class:`TreeBatch` from :func:`empty_trees` (or an earlier call) to reuse;
             every row is rewritten.
         errors: ``"raise"`` (default): raise KdtreeError for the first failed request (GPU:
@@ -113,9 +123,12 @@ def build_trees(
         pad = checks.int_scalar(pad_token, "pad_token", checks.INT32_MIN, checks.INT32_MAX)
         return _gpu().build_trees(logprobs, token_ids, budget, root_tokens=root_tokens,
                                   root_positions=root_positions, vocab_size=vocab, pad_token=pad, out=out,
-                                  errors=errors, stream=stream)
+                                  errors=errors, stream=stream, request_budgets=request_budgets,
+                                  request_depths=request_depths)
     checks.cpu_only(stream, errors, "build_trees")
-    return host.build_trees(logprobs, token_ids, budget, root_tokens=root_tokens, root_positions=root_positions, vocab_size=vocab_size, pad_token=pad_token, out=out, errors=errors)
+    return host.build_trees(logprobs, token_ids, budget, root_tokens=root_tokens, root_positions=root_positions,
+                            vocab_size=vocab_size, pad_token=pad_token, out=out, errors=errors,
+                            request_budgets=request_budgets, request_depths=request_depths)
 
 
 def verify_greedy(

@@ -178,7 +178,7 @@ def _prepare_out(out, like, batch, budget, depth):
 
 
 def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, vocab_size, pad_token, out,
-                errors, stream) -> TreeBatch:
+                errors, stream, request_budgets=None, request_depths=None) -> TreeBatch:
     checks.check_errors(errors)
     s = dev.current_stream(logprobs, stream)
     lp = _view(logprobs, "logprobs", "float32", None, s)
@@ -195,18 +195,24 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     with dev.on_device(logprobs):
         roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logprobs, s)
         pos, pv = _optional(root_positions, "root_positions", "int64", (batch,), logprobs, s)
+        request_budgets, request_depths = (  # host limits: range-checked before the int32 copy
+            a if a is None or dev.is_device_array(a) else checks.per_request(a, name, batch)
+            for a, name in ((request_budgets, "request_budgets"), (request_depths, "request_depths")))
+        budgets, bv = _optional(request_budgets, "request_budgets", "int32", (batch,), logprobs, s)
+        depths, dv = _optional(request_depths, "request_depths", "int32", (batch,), logprobs, s)
         out = _prepare_out(out, logprobs, batch, budget, depth)
         struct, views = _trees_struct(out, s)
-        _same_device([lp, ids, *views] + [v for v in (rv, pv) if v is not None])
+        _same_device([lp, ids, *views] + [v for v in (rv, pv, bv, dv) if v is not None])
         status = _status_out(out.request_status, logprobs, batch)
         sv = dev.view(status, "request_status")
         need = ctypes.c_size_t()
         lib.kdt_trees_build_cuda_workspace_bytes(batch, budget, depth, width, ctypes.byref(need))
         ws, ws_ptr, ws_bytes = _workspace(logprobs, need.value)
         draft = _lib.KdtDraft(batch, depth, width, lp.ptr, ids.ptr, rv.ptr if rv else None,
-                              pv.ptr if pv else None, vocab_size, pad_token)
+                              pv.ptr if pv else None, vocab_size, pad_token, bv.ptr if bv else None,
+                              dv.ptr if dv else None)
         lib.kdt_trees_build_cuda(ctypes.byref(draft), ctypes.byref(struct), sv.ptr, ws_ptr, ws_bytes, s)
-        del ws, roots, pos  # the allocator keeps the memory until the stream is done with it
+        del ws, roots, pos, budgets, depths  # the allocator keeps the memory until the stream is done with it
     out.request_status = status
     if errors == "raise":
         _raise_on_status(status, "build_trees")

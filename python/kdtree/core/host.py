@@ -171,7 +171,8 @@ def _walk_from_rows(trees: TreeBatch, x: np.ndarray, tokens: np.ndarray, sampled
                                exc.function) from None
 
 
-def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, vocab_size, pad_token, out, errors):
+def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, vocab_size, pad_token, out, errors,
+                request_budgets=None, request_depths=None):
     lp = checks.float_array(logprobs, "logprobs")
     ids = checks.int_array(token_ids, "token_ids")
     for name, a, given in (("logprobs", lp, logprobs), ("token_ids", ids, token_ids)):
@@ -190,6 +191,8 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     roots = None if root_tokens is None else checks.per_request(root_tokens, "root_tokens", batch, batch_from=origin)
     pos = None if root_positions is None else checks.per_request(root_positions, "root_positions", batch, np.int64,
                                                            batch_from=origin)
+    limits = tuple(None if a is None else checks.per_request(a, name, batch, batch_from=origin)
+                   for a, name in ((request_budgets, "request_budgets"), (request_depths, "request_depths")))
     vocab = 0 if vocab_size is None else checks.int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
     pad = checks.int_scalar(pad_token, "pad_token", checks.INT32_MIN, checks.INT32_MAX)
     lib = _lib.load()
@@ -199,12 +202,12 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
         _check_out(out, batch, budget)
     struct = trees_struct(out, budget)
     # The C builder writes outputs while it reads inputs: never let them overlap.
-    lp, ids, roots, pos = (
+    lp, ids, roots, pos, *limits = (
         None if a is None or not a.nbytes else (a.copy() if _overlaps_output(a, out) else a)
-        for a in (lp, ids, roots, pos)
+        for a in (lp, ids, roots, pos, *limits)
     )
     draft = _lib.KdtDraft(batch, depth, width, checks.ptr(lp), checks.ptr(ids), checks.ptr(roots),
-                          checks.ptr(pos), vocab, pad)
+                          checks.ptr(pos), vocab, pad, *map(checks.ptr, limits))
     status = checks.ok_status((batch,))
     try:
         lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(struct), None, 0)
@@ -212,13 +215,13 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
         if errors == "raise" or checks.failed_request(exc) is None:
             raise
         out.budget = budget
-        _build_each(lib, lp, ids, roots, pos, vocab, pad, out, status)
+        _build_each(lib, lp, ids, roots, pos, limits, vocab, pad, out, status)
     out.budget, out.depth = budget, depth  # only once the arrays hold this tree
     out.request_status = status
     return out
 
 
-def _build_each(lib, lp, ids, roots, pos, vocab: int, pad: int, out: TreeBatch, status: np.ndarray) -> None:
+def _build_each(lib, lp, ids, roots, pos, limits, vocab: int, pad: int, out: TreeBatch, status: np.ndarray) -> None:
     """errors="status" after a failed batch: each request alone, as the GPU builder does:
     a failed request gets its status and a root-only tree (its root token, or the pad
     token when that is out of range; its root position, or 0 when out of range)."""
@@ -226,7 +229,8 @@ def _build_each(lib, lp, ids, roots, pos, vocab: int, pad: int, out: TreeBatch, 
     item = lambda a, b: None if a is None else checks.ptr(a) + b * a.strides[0]  # noqa: E731
     for b in range(batch):
         one = request_struct(out, b)
-        draft = _lib.KdtDraft(1, depth, width, item(lp, b), item(ids, b), item(roots, b), item(pos, b), vocab, pad)
+        draft = _lib.KdtDraft(1, depth, width, item(lp, b), item(ids, b), item(roots, b), item(pos, b), vocab, pad,
+                              *(item(a, b) for a in limits))
         try:
             lib.kdt_trees_build_cpu(ctypes.byref(draft), ctypes.byref(one), None, 0)
             continue
@@ -236,7 +240,8 @@ def _build_each(lib, lp, ids, roots, pos, vocab: int, pad: int, out: TreeBatch, 
         if root_tok[0] < 0 or (vocab and root_tok[0] >= vocab):
             root_tok[0] = pad
         root_pos = np.array([0 if pos is None else pos[b]], np.int64)
-        if root_pos[0] < 0 or root_pos[0] > 2**63 - 1 - depth:
+        own_depth = depth if limits[1] is None else min(max(int(limits[1][b]), 0), depth)  # clamped, as on the GPU
+        if root_pos[0] < 0 or root_pos[0] > 2**63 - 1 - own_depth:
             root_pos[0] = 0
         # No candidates and no root token (row 0 gets the pad token, unchecked), then the root.
         bare = _lib.KdtDraft(1, depth, 0, None, None, None, checks.ptr(root_pos), 0, pad)

@@ -104,8 +104,11 @@ def build_trees(
     root_positions=None,
     vocab_size: int | None = None,
     pad_token: int = -1,
+    request_budgets=None,
+    request_depths=None,
 ) -> TreeBatch:
-    """Reference for :func:`kdtree.build_trees` (same arguments and result)."""
+    """Reference for :func:`kdtree.build_trees` (same arguments and result): request b is
+    built alone from its first ``request_depths[b]`` rows with budget ``request_budgets[b]``."""
     lp = np.asarray(logprobs)
     ids = np.asarray(token_ids)
     if lp.ndim == 2:
@@ -129,16 +132,23 @@ def build_trees(
     words = (n_rows + 31) // 32
     roots = np.full(batch, pad_token, np.int64) if root_tokens is None else np.asarray(root_tokens)
     pos0 = np.zeros(batch, np.int64) if root_positions is None else np.asarray(root_positions)
-    k_eff = min(width, budget)
+    budgets = [budget] * batch if request_budgets is None else [int(x) for x in np.asarray(request_budgets)]
+    depths = [depth] * batch if request_depths is None else [int(x) for x in np.asarray(request_depths)]
+    if len(budgets) != batch or len(depths) != batch:
+        raise ValueError(f"request_budgets and request_depths must have {batch} entries")
     for b in range(batch):
+        if not 0 <= budgets[b] <= budget:
+            raise ValueError(f"request {b}: budget {budgets[b]} outside [0, {budget}]")
+        if not 0 <= depths[b] <= depth:
+            raise ValueError(f"request {b}: depth {depths[b]} outside [0, {depth}]")
         p0 = int(pos0[b])
-        if p0 < 0 or p0 > 2**63 - 1 - depth:
+        if p0 < 0 or p0 > 2**63 - 1 - depths[b]:
             raise ValueError(f"request {b}: root position {p0} outside [0, INT64_MAX - depth]")
         if root_tokens is not None:
             r0 = int(roots[b])
             if r0 < 0 or r0 > 2**31 - 1 or (vocab_size and r0 >= vocab_size):
                 raise ValueError(f"request {b}: root token {r0} out of range")
-        _validate(lp[b], ids[b], k_eff, vocab_size, b)
+        _validate(lp[b, : depths[b]], ids[b, : depths[b]], min(width, budgets[b]), vocab_size, b)
 
     out = TreeBatch(
         num_nodes=np.zeros(batch, np.int32),
@@ -155,7 +165,7 @@ def build_trees(
         depth=int(depth),
     )
     for b in range(batch):
-        tree = build_tree(lp[b], ids[b], budget)
+        tree = build_tree(lp[b, : depths[b]], ids[b, : depths[b]], budgets[b])
         n = len(tree["tokens"])
         out.num_nodes[b] = n
         out.tokens[b, 0] = roots[b]
