@@ -10,11 +10,13 @@ previous iteration left in L2. Baselines run in the same process on the same inp
 2. tree build, B=64, L=16, N in {64, 256, 1024}, peaked and flat drafters: kdtree GPU
    (from the top-k) vs kdtree's CPU builder (one call, whole batch) vs the published path
    (the top-k copied to the host, then the Python heap per request, kdtree.reference).
-3. the whole round's overhead for B=64, N=64 (top-k + build from drafter logits, masks,
+3. per-request budgets: B=64 requests with budgets drawn from 1..256 in one call, against
+   the batch at its mean budget and padded to the largest (GPU and CPU).
+4. the whole round's overhead for B=64, N=64 (top-k + build from drafter logits, masks,
    greedy verify from target logits, KV compaction) under one CUDA graph vs the published
    path (torch top-k/logsumexp, host heap per request, masks on the host then copied,
    torch argmax over every node, the walk on the host, torch gather for compaction).
-4. tree attention (the verify forward's attention, one layer, 32 / 8 heads of 128, bf16,
+5. tree attention (the verify forward's attention, one layer, 32 / 8 heads of 128, bf16,
    B x prefix x rows from 1 x 4k x 9 to 16 x 16k x 257): kdtree vs SDPA with the tree
    mask, transformers' sdpa path, SDPA on the prefix alone, and the floor
    (tools/bench_tree_attention.py, which also runs alone).
@@ -152,6 +154,46 @@ def bench_build(gen, repeats: int, shape: str, budget: int) -> dict:
     return dict(gpu=gpu, cpu=cpu, published=published, exact=exact)
 
 
+def bench_limits(gen, repeats: int, max_budget: int = 256) -> dict:
+    """Per-request budgets: B requests with budgets drawn from 1..max_budget in one call
+    (N = max_budget), against the same batch at its mean budget (one N for all) and padded
+    to the largest (N = max_budget for all, what a caller without per-request budgets
+    builds); GPU in CUDA graphs, CPU one call each; bit-identity to per-request builds."""
+    logits = [drafter_logits(gen, "peaked", B, L, 32_000) for _ in range(3)]
+    tops = [kdtree.topk_logprobs(x, K, errors="status")[:2] for x in logits]
+    rng = np.random.default_rng(2026)
+    budgets = rng.integers(1, max_budget + 1, B).astype(np.int32)
+    mean = int(round(float(budgets.mean())))
+    dev_budgets = torch.from_numpy(budgets).cuda()
+    cases = {
+        f"mixed, budgets 1..{max_budget} (mean {budgets.mean():.1f})": (max_budget, dev_budgets),
+        f"one budget, the mean ({mean})": (mean, None),
+        f"one budget, the largest ({max_budget})": (max_budget, None),
+    }
+    gpu, cpu = {}, {}
+    host_tops = [(t[0].cpu().numpy(), t[1].cpu().numpy()) for t in tops]
+    for name, (n, per) in cases.items():
+        out = kdtree.build_trees(tops[0][0], tops[0][1], n, request_budgets=per, errors="status")
+        graphs = graphs_of(lambda t, n=n, per=per, out=out: kdtree.build_trees(
+            t[0], t[1], n, request_budgets=per, out=out, errors="status"), tops)
+        gpu[name] = cuda_median_us(lambda g: g.replay(), graphs, repeats)
+        host_out = kdtree.empty_trees(B, n, L)
+        reps = max(3, repeats // 10)
+        t0 = time.perf_counter_ns()
+        for r in range(reps):
+            lp, ids = host_tops[r % 3]
+            kdtree.build_trees(lp, ids, n, request_budgets=None if per is None else budgets, out=host_out)
+        cpu[name] = (time.perf_counter_ns() - t0) / 1000.0 / reps
+    mixed = kdtree.build_trees(tops[0][0], tops[0][1], max_budget, request_budgets=dev_budgets)
+    exact = True
+    for b in range(0, B, 7):
+        one = kdtree.build_trees(host_tops[0][0][b: b + 1], host_tops[0][1][b: b + 1], int(budgets[b]))
+        rows = int(budgets[b]) + 1
+        exact &= bool(np.array_equal(mixed.tokens[b, :rows].cpu().numpy(), one.tokens[0])
+                      and np.array_equal(mixed.parents[b, :rows].cpu().numpy(), one.parents[0]))
+    return dict(gpu=gpu, cpu=cpu, exact=exact)
+
+
 def published_round(draft, target, prefix_host, k_cache, v_cache, budget):
     """The published path: torch top-k, host heap per request, host masks copied up,
     torch argmax at every node, host walk, torch gather for the compaction."""
@@ -237,7 +279,8 @@ def bench_round(gen, repeats: int, budget: int = 64) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["topk", "build", "round", "attention"])
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["topk", "build", "limits", "round", "attention"])
     parser.add_argument("--dump-topk", metavar="PREFIX",
                         help="write the GPU top-k of one peaked bf16 drafter batch (the round's shapes) to "
                              "PREFIX.lp (float32 [B, L, K]) and PREFIX.ids (int32), raw, for "
@@ -282,6 +325,16 @@ def main() -> None:
                 print(f"| {shape} | {budget} | {r['gpu']:.1f} | {r['cpu']:.0f} | {r['published']:.0f} | "
                       f"{r['cpu'] / r['gpu']:.0f}x | {r['published'] / r['gpu']:.0f}x | {r['exact']} |")
         print()
+    if "limits" not in args.skip:
+        r = bench_limits(gen, args.repeats)
+        print(f"## per-request budgets: B={B}, L={L}, K={K}, peaked drafter (goal: mixed <= 1.1x the mean budget's)")
+        print("| batch | GPU us (graph) | GPU / mean's | CPU us | CPU / mean's |")
+        print("|---|---|---|---|---|")
+        mean_name = next(n for n in r["gpu"] if n.startswith("one budget, the mean"))
+        for name in r["gpu"]:
+            print(f"| {name} | {r['gpu'][name]:.1f} | {r['gpu'][name] / r['gpu'][mean_name]:.2f}x | "
+                  f"{r['cpu'][name]:.0f} | {r['cpu'][name] / r['cpu'][mean_name]:.2f}x |")
+        print(f"mixed batch equal to per-request builds (every 7th request): {r['exact']}\n")
     if "round" not in args.skip:
         r = bench_round(gen, args.repeats)
         print(f"## whole round overhead: B={B}, N=64, L={L}, V={V} bf16 (drafter and target logits), "
