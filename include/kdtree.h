@@ -234,6 +234,56 @@ KDT_API kdt_status kdt_trees_build_workspace_bytes(int64_t budget, int64_t depth
 KDT_API kdt_status kdt_trees_build_cpu(const kdt_draft* draft, kdt_trees* out, void* workspace,
                                        size_t workspace_bytes);
 
+/* ---- Ragged (packed) tree rows ------------------------------------------------------ */
+
+/*
+ * The real rows of a batch of trees packed back to back, for kernels that take variable-
+ * length query rows (cu_seqlens) and compute no padding row: request b's R_b =
+ * num_nodes[b] + 1 rows (root first, then its nodes in node order) are packed rows
+ * cu_rows[b] .. cu_rows[b + 1] - 1. Every array except cu_rows holds `capacity` rows
+ * (B * (N + 1) always suffices; the real rows, T = cu_rows[B], must fit); rows T ..
+ * capacity - 1 are written as filler: -1 in row_request, row_node, tokens and parents, 0
+ * in depths, positions and visibility_bits. Any array except cu_rows may be NULL (not
+ * written; its source field of kdt_trees is then not read).
+ *
+ *  field            dtype     shape               value of packed row cu_rows[b] + i
+ *  cu_rows          int32     [B + 1]             cu_rows[0] = 0, cu_rows[b+1] = cu_rows[b] + R_b
+ *  row_request      int32     [capacity]          b
+ *  row_node         int32     [capacity]          i (the node index in the padded layout)
+ *  tokens           int32     [capacity]          tokens[b][i]
+ *  depths           int32     [capacity]          depths[b][i]
+ *  parents          int32     [capacity]          parents[b][i] (request-local; -1 for the root)
+ *  positions        int64     [capacity]          positions[b][i]
+ *  visibility_bits  uint32    [capacity, W]       visibility_bits[b][i], W = ceil((N+1)/32)
+ *
+ * The tree attention mask in this layout is visibility_bits with the prefix implicit: a
+ * real row sees its request's whole KV prefix and, among the tree rows, bit j of its row
+ * (packed row cu_rows[b] + j). For B = 64, N = 64 that is at most 64 x 65 x 3 x 4 bytes
+ * (50 KB), whatever the prefix length, against B x (N+1) x (p+N+1) for a dense mask.
+ */
+typedef struct kdt_trees_ragged {
+    int64_t capacity;          /* rows each per-row array holds (>= the real rows)       */
+    int32_t* cu_rows;          /* [B + 1], required                                      */
+    int32_t* row_request;      /* [capacity] or NULL                                     */
+    int32_t* row_node;         /* [capacity] or NULL                                     */
+    int32_t* tokens;           /* [capacity] or NULL                                     */
+    int32_t* depths;           /* [capacity] or NULL                                     */
+    int32_t* parents;          /* [capacity] or NULL                                     */
+    int64_t* positions;        /* [capacity] or NULL                                     */
+    uint32_t* visibility_bits; /* [capacity, ceil((N+1)/32)] or NULL                     */
+} kdt_trees_ragged;
+
+/*
+ * Packs the real rows of `trees` (host arrays) into `out` (host arrays). Reads batch,
+ * budget, num_nodes and the fields whose packed array is requested.
+ * Returns KDT_ERR_NULL_POINTER (trees, out, out->cu_rows, num_nodes, or the source field
+ * of a requested array), KDT_ERR_INVALID_ARGUMENT (negative batch, budget or capacity),
+ * KDT_ERR_VALUE (num_nodes outside [0, N]: "request b: num_nodes ..."),
+ * KDT_ERR_BUFFER_TOO_SMALL (the real rows exceed capacity), KDT_ERR_OVERFLOW (the real rows
+ * exceed INT32_MAX, or a byte size size_t). Nothing is written on error.
+ */
+KDT_API kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged* out);
+
 /* ---- Verification (spec: "Verification") ----------------------------------------- */
 
 /*
@@ -787,6 +837,19 @@ typedef struct kdt_paged_kv_cache {
 KDT_API kdt_status kdt_compact_kv_paged_cuda(const kdt_paged_kv_cache* cache, const int64_t* prefix_lengths,
                                              const int32_t* accepted_nodes, const int32_t* accept_length,
                                              int64_t path_capacity, int32_t* request_status, void* stream);
+
+/*
+ * kdt_trees_ragged_cpu on the GPU: `trees` and `out` hold device arrays (the structs are
+ * read on the host), stream-ordered, no allocation, capturable in a CUDA graph.
+ * request_status: device int32 [B]: KDT_OK; KDT_ERR_VALUE (num_nodes outside [0, N]: the
+ * request is packed as its root row alone); KDT_ERR_BUFFER_TOO_SMALL for every request when
+ * the real rows exceed capacity (then cu_rows is all zeros and nothing else is written).
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (negative sizes, B or
+ * capacity past INT32_MAX, a misaligned array), KDT_ERR_OVERFLOW, KDT_ERR_CUDA,
+ * KDT_ERR_NO_DEVICE, KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_trees_ragged_cuda(const kdt_trees* trees, kdt_trees_ragged* out, int32_t* request_status,
+                                         void* stream);
 
 /* ---- Tree attention (the verify forward's attention) -------------------------------- */
 

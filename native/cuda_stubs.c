@@ -141,3 +141,8 @@ kdt_status kdt_tree_attention_mla_cuda(const kdt_trees* trees, const int64_t* pr
                                        void* stream) {
     return no_cuda("kdt_tree_attention_mla_cuda");
 }
+
+kdt_status kdt_trees_ragged_cuda(const kdt_trees* trees, kdt_trees_ragged* out, int32_t* request_status,
+                                 void* stream) {
+    return no_cuda("kdt_trees_ragged_cuda");
+}

@@ -102,7 +102,8 @@ SCALARS = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "size_t": ctype
 STRUCTS = {"kdt_trees": _lib.KdtTrees, "kdt_draft": _lib.KdtDraft, "kdt_kdtr_array": _lib.KdtKdtrArray,
            "kdt_logits": _lib.KdtLogits, "kdt_kv_cache": _lib.KdtKvCache,
            "kdt_paged_kv_cache": _lib.KdtPagedKvCache, "kdt_sampling": _lib.KdtSampling,
-           "kdt_attention_rows": _lib.KdtAttentionRows, "kdt_attention_cache": _lib.KdtAttentionCache}
+           "kdt_attention_rows": _lib.KdtAttentionRows, "kdt_attention_cache": _lib.KdtAttentionCache,
+           "kdt_trees_ragged": _lib.KdtTreesRagged}
 
 
 def _matches(c_type: str, ctype) -> bool:

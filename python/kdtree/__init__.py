@@ -15,6 +15,7 @@ from .core.api import (
     build_trees_from_logits,
     compact_kv,
     empty_trees,
+    ragged_trees,
     topk_logprobs,
     topk_merge,
     topk_shard,
@@ -25,7 +26,7 @@ from .core.api import (
     verify_greedy_from_logits,
     verify_sample_from_logits,
 )
-from .core.types import Acceptance, TopK, TopKShard, TreeBatch, TreeMask
+from .core.types import Acceptance, RaggedTrees, TopK, TopKShard, TreeBatch, TreeMask
 
 __version__ = "0.2.0"
 
@@ -65,6 +66,7 @@ __all__ = [
     "KdtreeMemoryError",
     "KdtreeTypeError",
     "LibraryNotFoundError",
+    "RaggedTrees",
     "TopK",
     "TopKShard",
     "TreeBatch",
@@ -75,9 +77,8 @@ __all__ = [
     "empty_trees",
     "cuda_devices",
     "library_path",
-    "cuda_devices",
-    "library_path",
     "library_version",
+    "ragged_trees",
     "topk_logprobs",
     "topk_merge",
     "topk_shard",

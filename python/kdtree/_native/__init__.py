@@ -147,6 +147,22 @@ class KdtTrees(ctypes.Structure):
     ]
 
 
+class KdtTreesRagged(ctypes.Structure):
+    """struct kdt_trees_ragged."""
+
+    _fields_ = [
+        ("capacity", ctypes.c_int64),
+        ("cu_rows", ctypes.c_void_p),
+        ("row_request", ctypes.c_void_p),
+        ("row_node", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("depths", ctypes.c_void_p),
+        ("parents", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("visibility_bits", ctypes.c_void_p),
+    ]
+
+
 class KdtDraft(ctypes.Structure):
     """struct kdt_draft."""
 
@@ -315,6 +331,8 @@ SIGNATURES: dict[str, tuple[object, list]] = {
         "status",
         [ctypes.POINTER(KdtTrees), _vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
     ),
+    # kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged* out)
+    "kdt_trees_ragged_cpu": ("status", [ctypes.POINTER(KdtTrees), ctypes.POINTER(KdtTreesRagged)]),
     # kdt_status kdt_topk_logprobs_cpu(const float* logits, int64_t rows, int64_t vocab,
     #     int64_t row_stride, int64_t k, float* out_logprobs, int32_t* out_ids)
     "kdt_topk_logprobs_cpu": ("status", [_vp, _i64, _i64, _i64, _i64, _vp, _vp]),
@@ -358,6 +376,9 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     int32_t kind, int64_t columns, void* mask, size_t mask_bytes, int32_t* mask_indptr,
     #     int64_t* positions, int32_t* request_status, void* stream)
     "kdt_tree_attention_mask_cuda": ("status", [_trees_p, _vp, _i32, _i64, _vp, _sz, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_trees_ragged_cuda(const kdt_trees* trees, kdt_trees_ragged* out,
+    #     int32_t* request_status, void* stream)
+    "kdt_trees_ragged_cuda": ("status", [_trees_p, ctypes.POINTER(KdtTreesRagged), _vp, _vp]),
     # kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
     #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
     #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,

@@ -30,13 +30,14 @@ import numpy as np
 from . import checks, host
 from . import device as _device
 from .host import empty_trees
-from .types import Acceptance, TopK, TopKShard, TreeBatch, TreeMask
+from .types import Acceptance, RaggedTrees, TopK, TopKShard, TreeBatch, TreeMask
 
 __all__ = [
     "build_trees",
     "build_trees_from_logits",
     "compact_kv",
     "empty_trees",
+    "ragged_trees",
     "topk_logprobs",
     "tree_attention_mask",
     "verify_greedy",
@@ -817,3 +818,35 @@ def compact_kv(
         raise checks.invalid("compact_kv: out= is for GPU tensors (host compaction returns a new status array)")
     return host.compact_kv(k_layers, v_layers, prefix_lengths, acceptance, layout=layout, errors=errors,
                            block_table=block_table)
+
+
+def ragged_trees(trees: TreeBatch, *, capacity: int | None = None, errors: str = "raise",
+                 stream=None) -> RaggedTrees:
+    """The real rows of ``trees`` packed back to back, with ``cu_rows`` offsets
+    (``kdt_trees_ragged_cpu`` / ``kdt_trees_ragged_cuda``), for attention kernels that take
+    variable-length query rows and should compute no padding row.
+
+    Args:
+        trees: a :class:`TreeBatch` (host or GPU arrays, from :func:`build_trees`).
+        capacity: rows each packed array holds; default ``B * (N + 1)``, the most the real
+            rows can take (so the call never depends on the trees' sizes: capturable in a
+            CUDA graph). A smaller one must still hold every real row.
+        errors: ``"raise"`` or ``"status"`` (GPU: per-request statuses, no synchronisation).
+        stream: GPU only: the CUDA stream (default: the current one of the arrays' library).
+
+    Returns:
+        :class:`RaggedTrees`: request b's ``num_nodes[b] + 1`` rows are rows
+        ``cu_rows[b] .. cu_rows[b + 1] - 1`` of ``row_request``, ``row_node``, ``tokens``,
+        ``depths``, ``parents`` (request-local), ``positions`` and ``visibility_bits``
+        (``[capacity, ceil((N+1)/32)]``: the tree attention mask with the prefix implicit);
+        rows past ``cu_rows[B]`` are filler (-1 ids, zeros).
+
+    Raises:
+        KdtreeError: ``num_nodes`` outside ``[0, N]`` (KDT_ERR_VALUE, naming the request),
+            real rows past ``capacity`` (KDT_ERR_BUFFER_TOO_SMALL), a capacity outside
+            ``[0, 2^31 - 1]``.
+    """
+    if _device.is_device_array(trees.num_nodes):
+        return _gpu().ragged_trees(trees, capacity=capacity, errors=errors, stream=stream)
+    checks.cpu_only(stream, errors, "ragged_trees")
+    return host.ragged_trees(trees, capacity=capacity)

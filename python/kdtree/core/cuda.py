@@ -20,7 +20,7 @@ from .. import _native as _lib
 from .._native import KdtreeError
 from . import checks
 from . import device as dev
-from .types import TREE_FIELDS, Acceptance, TopK, TreeBatch, TreeMask
+from .types import RAGGED_FIELDS, TREE_FIELDS, Acceptance, RaggedTrees, TopK, TreeBatch, TreeMask
 
 _DTYPE_CODES = {"float32": 12, "float16": 10, "bfloat16": 11}  # kdt_dtype
 MASK_KINDS = {"bool": 0, "bits": 1, "additive": None, "flashinfer": 5}
@@ -800,3 +800,26 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
     if errors == "raise":
         _raise_on_status(status, "tree_attention")
     return out, (lse if (return_lse or lse is not None) else None), status
+
+
+def ragged_trees(trees: TreeBatch, *, capacity, errors, stream) -> RaggedTrees:
+    checks.check_errors(errors)
+    like = trees.num_nodes
+    s = dev.current_stream(like, stream)
+    batch, rows = trees.batch, trees.budget + 1
+    words = (rows + 31) // 32
+    cap = batch * rows if capacity is None else checks.int_scalar(capacity, "capacity", 0, checks.INT32_MAX)
+    lib = _lib.load()
+    with dev.on_device(like):
+        tstruct, views = _trees_struct(trees, s)
+        out = RaggedTrees(dev.empty(like, (batch + 1,), "int32"),
+                          *(dev.empty(like, (cap,), d) for d in list(RAGGED_FIELDS.values())[:-1]),
+                          dev.empty(like, (cap, words), "uint32"), budget=trees.budget)
+        status = dev.empty(like, (max(batch, 1),), "int32")[:batch]
+        ptrs = [dev.view(getattr(out, f), f).ptr for f in RAGGED_FIELDS]
+        struct = _lib.KdtTreesRagged(cap, dev.view(out.cu_rows, "cu_rows").ptr, *ptrs)
+        lib.kdt_trees_ragged_cuda(ctypes.byref(tstruct), ctypes.byref(struct), dev.view(status, "status").ptr, s)
+    out.request_status = status
+    if errors == "raise":
+        _raise_on_status(status, "ragged_trees")
+    return out

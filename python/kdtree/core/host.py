@@ -15,7 +15,7 @@ import numpy as np
 from .. import _native as _lib
 from .._native import STATUS, KdtreeError
 from . import checks, memory, sampling
-from .types import ADDITIVE_LOWEST, TREE_FIELDS, Acceptance, TopK, TopKShard, TreeBatch, TreeMask
+from .types import ADDITIVE_LOWEST, RAGGED_FIELDS, TREE_FIELDS, Acceptance, RaggedTrees, TopK, TopKShard, TreeBatch, TreeMask
 
 
 def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
@@ -619,3 +619,17 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
                 else:
                     t[pd, :, sd, :] = t[ps, :, ss, :]
     return status
+
+
+def ragged_trees(trees: TreeBatch, *, capacity: int | None) -> RaggedTrees:
+    check_tree_fields(trees, TREE_FIELDS)
+    batch, rows = trees.batch, trees.budget + 1
+    words = (rows + 31) // 32
+    cap = batch * rows if capacity is None else checks.int_scalar(capacity, "capacity", 0, checks.INT32_MAX)
+    memory.outputs_fit(cap * (6 * 4 + 8 + 4 * words), f"the ragged rows ({cap} rows)")
+    out = RaggedTrees(np.empty(batch + 1, np.int32), *(np.empty(cap, np.dtype(d)) for d in list(
+        RAGGED_FIELDS.values())[:-1]), np.empty((cap, words), np.uint32), budget=trees.budget)
+    struct = _lib.KdtTreesRagged(cap, checks.ptr(out.cu_rows), *(checks.ptr(getattr(out, f)) for f in RAGGED_FIELDS))
+    _lib.load().kdt_trees_ragged_cpu(ctypes.byref(trees_struct(trees)), ctypes.byref(struct))
+    out.request_status = checks.ok_status((batch,))
+    return out

@@ -234,3 +234,56 @@ class TopKShard(tuple):
     @property
     def sum_rest(self):
         return self[3]
+
+
+# The arrays of a RaggedTrees (kdt_trees_ragged order after cu_rows): name -> dtype.
+RAGGED_FIELDS = {
+    "row_request": "int32",
+    "row_node": "int32",
+    "tokens": "int32",
+    "depths": "int32",
+    "parents": "int32",
+    "positions": "int64",
+    "visibility_bits": "uint32",
+}
+
+
+@dataclass
+class RaggedTrees:
+    """The real rows of a :class:`TreeBatch` packed back to back (``kdt_trees_ragged``,
+    include/kdtree.h), for kernels taking variable-length query rows: request b's
+    ``num_nodes[b] + 1`` rows (root first) are rows ``cu_rows[b] .. cu_rows[b + 1] - 1``;
+    no padding row is stored.
+
+    Fields (host arrays for host trees, device arrays of the trees' library for GPU trees):
+        cu_rows          int32  [B + 1]         row offsets, cu_rows[0] = 0
+        row_request      int32  [capacity]      request of each row
+        row_node         int32  [capacity]      node index of each row in the padded layout
+        tokens           int32  [capacity]
+        depths           int32  [capacity]
+        parents          int32  [capacity]      request-local node index; -1 for the root
+        positions        int64  [capacity]
+        visibility_bits  uint32 [capacity, W]   the row's tree visibility, W = ceil((N+1)/32)
+        budget           int                    N of the trees
+        request_status   int32  [B] or None     GPU only: KDT_OK or KDT_ERR_VALUE (bad
+                                                num_nodes: packed as its root alone) or
+                                                KDT_ERR_BUFFER_TOO_SMALL
+    Rows from ``cu_rows[B]`` to ``capacity`` are filler (-1 ids, 0 depths, positions, bits).
+    The tree attention mask is ``visibility_bits`` with the prefix implicit: a real row
+    sees its request's whole KV prefix and the tree rows whose bits are set.
+    """
+
+    cu_rows: np.ndarray
+    row_request: np.ndarray
+    row_node: np.ndarray
+    tokens: np.ndarray
+    depths: np.ndarray
+    parents: np.ndarray
+    positions: np.ndarray
+    visibility_bits: np.ndarray
+    budget: int
+    request_status: np.ndarray | None = None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.row_request.shape[0])
