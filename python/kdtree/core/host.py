@@ -15,7 +15,17 @@ import numpy as np
 from .. import _native as _lib
 from .._native import STATUS, KdtreeError
 from . import checks, memory, sampling
-from .types import ADDITIVE_LOWEST, RAGGED_FIELDS, TREE_FIELDS, Acceptance, RaggedTrees, TopK, TopKShard, TreeBatch, TreeMask
+from .types import (
+    ADDITIVE_LOWEST,
+    RAGGED_FIELDS,
+    TREE_FIELDS,
+    Acceptance,
+    RaggedTrees,
+    TopK,
+    TopKShard,
+    TreeBatch,
+    TreeMask,
+)
 
 
 def empty_trees(batch: int, budget: int, depth: int) -> TreeBatch:
