@@ -760,7 +760,8 @@ typedef struct kdt_kv_cache {
     void* const* k_layers; /* device array [num_layers] of device pointers to K tensors     */
     void* const* v_layers; /* device array [num_layers] of device pointers to V tensors, or NULL (K only) */
     int64_t num_layers;    /* >= 0                                                           */
-    int32_t dtype;         /* KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16 or KDT_DTYPE_FLOAT32      */
+    int32_t dtype;         /* KDT_DTYPE_FLOAT16, _BFLOAT16, _FLOAT32, or _UINT8 / _INT8 for a
+                              one-byte cache (fp8 e4m3 / e5m2: moved as bytes)               */
     int32_t reserved;      /* must be 0                                                      */
     int64_t batch;         /* B >= 0                                                         */
     int64_t heads;         /* >= 0                                                           */
@@ -806,7 +807,7 @@ typedef struct kdt_paged_kv_cache {
     void* const* k_layers;      /* device array [num_layers] of device pointers to K pools     */
     void* const* v_layers;      /* device array [num_layers] of device pointers to V pools, or NULL */
     int64_t num_layers;         /* >= 0                                                        */
-    int32_t dtype;              /* KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16 or KDT_DTYPE_FLOAT32   */
+    int32_t dtype;              /* as kdt_kv_cache (fp8 caches as KDT_DTYPE_UINT8 or _INT8)    */
     int32_t reserved;           /* must be 0                                                   */
     int64_t batch;              /* B >= 0                                                      */
     int64_t heads;              /* >= 0                                                        */

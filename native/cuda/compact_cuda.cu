@@ -115,8 +115,10 @@ __device__ inline void move_any(char* base, const Row& row, const CompactParams&
             move_slice<uint8_t>(row, path, m, c.slice_elems * c.esize);
         } else if (c.esize == 4) {
             move_slice<uint32_t>(row, path, m, c.slice_elems);
-        } else {
+        } else if (c.esize == 2) {
             move_slice<uint16_t>(row, path, m, c.slice_elems);
+        } else {
+            move_slice<uint8_t>(row, path, m, c.slice_elems);
         }
     }
 }
@@ -168,16 +170,26 @@ kdt_status launch(const CompactParams& c, void* stream) {
     return kdt_ok();
 }
 
+// Bytes per cache element: the float types, and one-byte types (fp8 e4m3 / e5m2 caches,
+// described as uint8 or int8: the compaction only moves bytes); 0 for others.
+int64_t kv_dtype_size(int32_t dtype) {
+    if (dtype == KDT_DTYPE_UINT8 || dtype == KDT_DTYPE_INT8) return 1;
+    return (int64_t)kdt::float_dtype_size(dtype);
+}
+
 }  // namespace
 
 extern "C" kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths,
                                           const int32_t* accepted_nodes, const int32_t* accept_length,
                                           int64_t path_capacity, int32_t* request_status, void* stream) {
     if (cache == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "cache is NULL");
-    const int64_t esize = (int64_t)kdt::float_dtype_size(cache->dtype);
+    const int64_t esize = kv_dtype_size(cache->dtype);
     if (esize == 0) {
-        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->dtype %d is not float32 (%d), float16 (%d) or bfloat16 (%d)",
-                        (int)cache->dtype, KDT_DTYPE_FLOAT32, KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16);
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "cache->dtype %d is not float32 (%d), float16 (%d), bfloat16 (%d) or a one-byte type (uint8 "
+                        "%d, int8 %d: fp8 caches)",
+                        (int)cache->dtype, KDT_DTYPE_FLOAT32, KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16, KDT_DTYPE_UINT8,
+                        KDT_DTYPE_INT8);
     }
     if (cache->reserved != 0) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->reserved must be 0");
     const int64_t L = cache->num_layers, B = cache->batch, H = cache->heads, S = cache->seq_capacity,
@@ -268,10 +280,13 @@ extern "C" kdt_status kdt_compact_kv_paged_cuda(const kdt_paged_kv_cache* cache,
                                                 const int32_t* accepted_nodes, const int32_t* accept_length,
                                                 int64_t path_capacity, int32_t* request_status, void* stream) {
     if (cache == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "cache is NULL");
-    const int64_t esize = (int64_t)kdt::float_dtype_size(cache->dtype);
+    const int64_t esize = kv_dtype_size(cache->dtype);
     if (esize == 0) {
-        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->dtype %d is not float32 (%d), float16 (%d) or bfloat16 (%d)",
-                        (int)cache->dtype, KDT_DTYPE_FLOAT32, KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16);
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "cache->dtype %d is not float32 (%d), float16 (%d), bfloat16 (%d) or a one-byte type (uint8 "
+                        "%d, int8 %d: fp8 caches)",
+                        (int)cache->dtype, KDT_DTYPE_FLOAT32, KDT_DTYPE_FLOAT16, KDT_DTYPE_BFLOAT16, KDT_DTYPE_UINT8,
+                        KDT_DTYPE_INT8);
     }
     if (cache->reserved != 0) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "cache->reserved must be 0");
     const int64_t L = cache->num_layers, B = cache->batch, H = cache->heads, D = cache->head_dim,

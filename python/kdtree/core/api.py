@@ -770,8 +770,11 @@ def compact_kv(
             shape ``[B, H, S, D]`` (``layout="bhsd"``, Hugging Face) or ``[B, S, H, D]``
             (``"bshd"``), or page pools ``[pages, page_size, H, D]`` (``"pshd"``: vLLM,
             SGLang) or ``[pages, H, page_size, D]`` (``"phsd"``: FlashInfer's HND) read
-            through ``block_table``; all with the same shape, strides and dtype (float16, bfloat16 or
-            float32, on the host and on the GPU), head_dim contiguous. The verify forward must have written tree row ``i`` at ``p + i``.
+            through ``block_table``; all with the same shape, strides and dtype (float16, bfloat16,
+            float32, or one byte: float8_e4m3fn, float8_e5m2, int8, uint8, moved as bytes; on the
+            host and on the GPU), head_dim contiguous. SGLang's token pool (per layer
+            ``[slots, H, D]`` with ``req_to_token`` as the table) is ``"pshd"`` with page size
+            1: ``pool[:, None]``. The verify forward must have written tree row ``i`` at ``p + i``.
         block_table: paged layouts only: int32 ``[B, pages a request]``, token ``t`` of
             request ``b`` in page ``block_table[b, t // page_size]``, slot
             ``t % page_size`` (page size 1 to 256). The pages that hold tokens ``p + 1``

@@ -23,6 +23,10 @@ from . import device as dev
 from .types import RAGGED_FIELDS, TREE_FIELDS, Acceptance, RaggedTrees, TopK, TreeBatch, TreeMask
 
 _DTYPE_CODES = {"float32": 12, "float16": 10, "bfloat16": 11}  # kdt_dtype
+# KV caches compaction moves: the float types, and one-byte ones (fp8 e4m3 / e5m2, int8,
+# uint8) as kdt_dtype uint8 (moved as bytes).
+_KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+_KV_CODES = {**_DTYPE_CODES, "float8_e4m3fn": 6, "float8_e5m2": 6, "int8": 6, "uint8": 6}
 MASK_KINDS = {"bool": 0, "bits": 1, "additive": None, "flashinfer": 5}
 _ADDITIVE = {"float32": 2, "float16": 3, "bfloat16": 4}
 _STATUS_OK = 0
@@ -582,11 +586,9 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
         raise checks.invalid(f"{len(k_layers)} K layers but {len(v_layers)} V layers")
     like = k_layers[0]
     s = dev.current_stream(like, stream)
-    kv = [_view(t, f"k_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
-          for i, t in enumerate(k_layers)]
+    kv = [_view(t, f"k_layers[{i}]", _KV_DTYPES, 4, s, contiguous=False) for i, t in enumerate(k_layers)]
     vv = [] if v_layers is None else [
-        _view(t, f"v_layers[{i}]", ("float16", "bfloat16", "float32"), 4, s, contiguous=False)
-        for i, t in enumerate(v_layers)]
+        _view(t, f"v_layers[{i}]", _KV_DTYPES, 4, s, contiguous=False) for i, t in enumerate(v_layers)]
     first = kv[0]
     if any(t.readonly for t in kv + vv):
         raise checks.invalid("the KV cache tensors are read-only (__cuda_array_interface__); compaction writes them")
@@ -642,10 +644,10 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
             bt_stride = bt.strides[0] if batch > 1 else bt.shape[1]
             if bt_stride < bt.shape[1]:
                 raise checks.invalid(f"block_table: row stride {bt_stride} < {bt.shape[1]} pages a request")
-            pcache = _lib.KdtPagedKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _DTYPE_CODES[first.dtype], 0, batch,
+            pcache = _lib.KdtPagedKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _KV_CODES[first.dtype], 0, batch,
                                           heads, dim, pages, page_size, bs, hs, ss, bt.ptr, bt_stride)
         else:
-            cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _DTYPE_CODES[first.dtype], 0, batch, heads,
+            cache = _lib.KdtKvCache(dev.view(ktab, "k").ptr, vptr, len(kv), _KV_CODES[first.dtype], 0, batch, heads,
                                     seq, dim, bs, hs, ss)
         if out is None:
             status = dev.empty(like, (batch,), "int32")

@@ -55,6 +55,7 @@ _PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _DTYPES = {
     "bool": ((_DL_BOOL, 8), "|b1"),
     "uint8": ((_DL_UINT, 8), "|u1"),
+    "int8": ((_DL_INT, 8), "|i1"),
     "int32": ((_DL_INT, 32), "<i4"),
     "int64": ((_DL_INT, 64), "<i8"),
     "uint32": ((_DL_UINT, 32), "<u4"),
@@ -67,7 +68,7 @@ _DTYPES = {
 _BY_DLPACK = {code: name for name, (code, _) in _DTYPES.items()}
 _BY_TYPESTR = {ts: name for name, (_, ts) in _DTYPES.items() if ts}
 _BY_TYPESTR["<u1"] = _BY_TYPESTR["|u1"]
-_ITEMSIZE = {"bool": 1, "uint8": 1, "int32": 4, "int64": 8, "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2,
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int64": 8, "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2,
              "float32": 4, "float64": 8}
 
 
@@ -141,7 +142,8 @@ def view(obj, name: str, stream: int | None = None) -> DeviceArray:
     raise checks.type_error(f"{name} must be a CUDA array (DLPack or __cuda_array_interface__), got {type(obj).__name__}")
 
 
-_TORCH_DTYPES = {"torch.bool": "bool", "torch.uint8": "uint8", "torch.int32": "int32", "torch.int64": "int64",
+_TORCH_DTYPES = {"torch.bool": "bool", "torch.uint8": "uint8", "torch.int8": "int8", "torch.float8_e4m3fn": "float8_e4m3fn",
+                 "torch.float8_e5m2": "float8_e5m2", "torch.int32": "int32", "torch.int64": "int64",
                  "torch.uint32": "uint32", "torch.uint64": "uint64", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
                  "torch.float32": "float32", "torch.float64": "float64"}
 

@@ -578,8 +578,10 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
         raise checks.shape_error(f"acceptance must hold {batch} requests (the {'block_table' if paged else 'cache'}'s; "
                                  f"accepted_nodes [B, P], accept_length [B]), got {accepted.shape} and {length.shape}")
     dtypes = {checks.dtype_name(getattr(t, "dtype", None)) for t in layers}
-    if len(dtypes) != 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
-        raise checks.type_error(f"KV layers must all be float16, bfloat16 or float32 (as on the GPU), got "
+    kv_dtypes = {"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"}
+    if len(dtypes) != 1 or not dtypes <= kv_dtypes:
+        raise checks.type_error(f"KV layers must all have one dtype of float16, bfloat16, float32, or one byte "
+                                f"(float8_e4m3fn, float8_e5m2, int8, uint8: moved as bytes), as on the GPU; got "
                                 f"{sorted(map(str, dtypes))}")
     prefix = checks.prefix_lengths(prefix_lengths, batch)
     # Every request is checked before any row moves; a failed request's rows are not
