@@ -545,6 +545,9 @@ KDT_API kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batc
  *                  depth l + 1 below the root.
  * width:           K, 0 .. min(V, 1024): top-k entries per position.
  * root_tokens:     device int32 [B] or NULL; root_positions: device int64 [B] or NULL.
+ * request_budgets, request_depths: device int32 [B] or NULL: each request's own budget
+ *                  and depth limit (kdt_draft); rows past a request's depth limit are
+ *                  not validated (a NaN there does not fail it).
  * out, request_status: as kdt_trees_build_cuda. A logits row with NaN, +inf or only -inf
  *                  gives its request KDT_ERR_VALUE (a root-only tree) when N >= 1.
  * workspace:       kdt_trees_build_from_logits_cuda_workspace_bytes(B, N, L, V, K) bytes,
@@ -556,7 +559,9 @@ KDT_API kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batc
  */
 KDT_API kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
                                                     const int32_t* root_tokens,
-                                                    const int64_t* root_positions, int32_t pad_token,
+                                                    const int64_t* root_positions,
+                                                    const int32_t* request_budgets,
+                                                    const int32_t* request_depths, int32_t pad_token,
                                                     kdt_trees* out, int32_t* request_status,
                                                     void* workspace, size_t workspace_bytes,
                                                     void* stream);

@@ -41,7 +41,8 @@ kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t batch, int64
 }
 
 kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width, const int32_t* root_tokens,
-                                           const int64_t* root_positions, int32_t pad_token, kdt_trees* out,
+                                           const int64_t* root_positions, const int32_t* request_budgets,
+                                           const int32_t* request_depths, int32_t pad_token, kdt_trees* out,
                                            int32_t* request_status, void* workspace, size_t workspace_bytes,
                                            void* stream) {
     return no_cuda("kdt_trees_build_from_logits_cuda");

@@ -42,7 +42,7 @@ int main(void) {
         CHECK_STATUS(kdt_topk_logprobs_cuda_workspace_bytes(1, 10, 2, &ws), KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_topk_logprobs_cuda(NULL, 1, NULL, NULL, NULL, NULL, 0, NULL), KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 10, 3, &ws), KDT_ERR_UNSUPPORTED);
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(NULL, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(NULL, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_tree_attention_mask_cuda(&t, NULL, 0, 8, NULL, 0, NULL, NULL, status, NULL),
                      KDT_ERR_UNSUPPORTED);
@@ -109,47 +109,47 @@ int main(void) {
         CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 2000, 1025, &need),
                      KDT_ERR_INVALID_ARGUMENT);
         CHECK_STATUS(kdt_trees_build_from_logits_cuda_workspace_bytes(1, 4, 2, 10, 3, NULL), KDT_ERR_NULL_POINTER);
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(NULL, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(NULL, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_NULL_POINTER);
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, NULL, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, NULL, status, NULL, 0, NULL),
                      KDT_ERR_NULL_POINTER);
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_NULL_POINTER);
         CHECK_ERR_HAS("workspace");
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, (void*)(uintptr_t)4096,
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, (void*)(uintptr_t)4096,
                                                       need - 1, NULL),
                      KDT_ERR_BUFFER_TOO_SMALL);
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 11, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 11, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         CHECK_ERR_HAS("width");
         lg.dtype = KDT_DTYPE_INT32;
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         CHECK_ERR_HAS("dtype");
         lg.dtype = KDT_DTYPE_FLOAT16;
         lg.reserved = 1;
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         lg.reserved = 0;
         lg.data = (const char*)fake_logits + 1; /* misaligned */
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         CHECK_ERR_HAS("aligned");
         lg.data = fake_logits;
         lg.row_stride = -1;
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         lg.row_stride = INT64_MAX / 2;
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, NULL, 0, NULL),
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_OVERFLOW);
         lg.row_stride = 10;
         /* Tree-side arguments are checked before anything is launched. */
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, NULL, (void*)(uintptr_t)4096, need,
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, NULL, (void*)(uintptr_t)4096, need,
                                                       NULL),
                      KDT_ERR_NULL_POINTER);
         CHECK_ERR_HAS("request_status");
         t.logw = (double*)(uintptr_t)4100; /* misaligned float64 output */
-        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, -1, &t, status, (void*)(uintptr_t)4096, need,
+        CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, (void*)(uintptr_t)4096, need,
                                                       NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         CHECK_ERR_HAS("out->logw");
@@ -168,7 +168,7 @@ int main(void) {
         none.budget = 5;
         CHECK_OK(kdt_trees_build_from_logits_cuda_workspace_bytes(0, 5, 3, 0, 0, &need));
         CHECK_EQ(need, 0);
-        CHECK_OK(kdt_trees_build_from_logits_cuda(&empty, 0, NULL, NULL, -1, &none, NULL, NULL, 0, NULL));
+        CHECK_OK(kdt_trees_build_from_logits_cuda(&empty, 0, NULL, NULL, NULL, NULL, -1, &none, NULL, NULL, 0, NULL));
     }
     /* An empty batch needs nothing and launches nothing. */
     d.batch = 0;

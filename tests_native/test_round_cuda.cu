@@ -93,7 +93,7 @@ static void fill_inputs(const Sizes& z, std::vector<uint16_t>& draft, std::vecto
 
 static void round_on(const Sizes& z, Device& d, cudaStream_t s) {
     kdt_logits draft = {d.draft, KDT_DTYPE_BFLOAT16, 0, z.B, z.L, z.V, z.L * z.V, z.V};
-    KDT_OK_OR_DIE(kdt_trees_build_from_logits_cuda(&draft, z.K, d.roots, NULL, -1, &d.trees, d.tree_status,
+    KDT_OK_OR_DIE(kdt_trees_build_from_logits_cuda(&draft, z.K, d.roots, NULL, NULL, NULL, -1, &d.trees, d.tree_status,
                                                    d.workspace, d.workspace_bytes, s));
     const size_t mask_bytes = (size_t)(z.B * (z.N + 1) * z.words) * 4;
     KDT_OK_OR_DIE(kdt_tree_attention_mask_cuda(&d.trees, d.prefix, KDT_MASK_BITS, z.columns, d.mask, mask_bytes,

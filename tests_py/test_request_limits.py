@@ -237,3 +237,42 @@ def test_gpu_matches_cpu_with_limits(cuda_device, paths):
             assert int(gpu.num_nodes[1]) == 0
     finally:
         lib.kdt_testing_set_tree_paths(0)
+
+
+def test_from_logits_with_limits():
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((5, 6, 300)).astype(np.float32) * 3
+    budgets, depths = np.array([30, 0, 4, 17, 30], np.int32), np.array([6, 6, 2, 0, 3], np.int32)
+    got = kdtree.build_trees_from_logits(logits, 8, 30, request_budgets=budgets, request_depths=depths)
+    lp, ids = kdtree.topk_logprobs(logits, 8)
+    want = kdtree.build_trees(lp, ids, 30, vocab_size=300, request_budgets=budgets, request_depths=depths)
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    # A NaN row past request 2's depth limit (2) does not fail it; inside the limit it does.
+    logits[2, 4, 7] = np.nan
+    again = kdtree.build_trees_from_logits(logits, 8, 30, request_budgets=budgets, request_depths=depths)
+    np.testing.assert_array_equal(again.tokens, got.tokens)
+    logits[2, 1, 7] = np.nan
+    with pytest.raises(_lib.KdtreeError, match="request 2, depth 2"):
+        kdtree.build_trees_from_logits(logits, 8, 30, request_budgets=budgets, request_depths=depths)
+
+
+@pytest.mark.gpu
+def test_gpu_from_logits_with_limits(cuda_device):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(10)
+    logits = torch.from_numpy(rng.standard_normal((16, 12, 5000)).astype(np.float32) * 3).to(cuda_device)
+    budgets = rng.integers(0, 129, 16).astype(np.int32)
+    depths = rng.integers(0, 13, 16).astype(np.int32)
+    logits[3, 11, 5] = float("nan")
+    depths[3] = 10  # the NaN row is past request 3's limit
+    gpu = kdtree.build_trees_from_logits(logits, 64, 128, request_budgets=torch.from_numpy(budgets).to(cuda_device),
+                                         request_depths=depths)
+    lp, ids = kdtree.topk_logprobs(logits, 64, errors="status")[:2]
+    cpu = kdtree.build_trees(lp.cpu().numpy(), ids.cpu().numpy(), 128, vocab_size=5000, request_budgets=budgets,
+                             request_depths=depths)
+    for name in FIELDS:
+        g, c = getattr(gpu, name).cpu().numpy(), getattr(cpu, name)
+        if name == "logw":
+            g, c = g.view(np.int64), c.view(np.int64)
+        np.testing.assert_array_equal(g, c, err_msg=name)

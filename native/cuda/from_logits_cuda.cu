@@ -59,6 +59,7 @@ extern "C" kdt_status kdt_trees_build_from_logits_cuda_workspace_bytes(int64_t b
 
 extern "C" kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
                                                        const int32_t* root_tokens, const int64_t* root_positions,
+                                                       const int32_t* request_budgets, const int32_t* request_depths,
                                                        int32_t pad_token, kdt_trees* out, int32_t* request_status,
                                                        void* workspace, size_t workspace_bytes, void* stream) {
     kdt_status st = kdt::check_logits(logits, "logits", -1, -1);
@@ -135,8 +136,8 @@ extern "C" kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits,
     d.root_positions = root_positions;
     d.vocab_size = B * L > 0 ? vocab : 0;
     d.pad_token = pad_token;
-    d.request_budgets = nullptr;
-    d.request_depths = nullptr;
+    d.request_budgets = request_budgets;
+    d.request_depths = request_depths;
     // The top-k's ids are distinct in every row (a flagged row's are 0 .. k'-1), so the
     // builder need not look for repeats. KDT_TESTING_TREES_CHECK_IDS keeps the check (for
     // an A/B; the trees are the same either way).

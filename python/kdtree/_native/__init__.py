@@ -367,11 +367,12 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "kdt_trees_build_from_logits_cuda_workspace_bytes": (
         "status", [_i64, _i64, _i64, _i64, _i64, ctypes.POINTER(_sz)]),
     # kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, int64_t width,
-    #     const int32_t* root_tokens, const int64_t* root_positions, int32_t pad_token,
+    #     const int32_t* root_tokens, const int64_t* root_positions,
+    #     const int32_t* request_budgets, const int32_t* request_depths, int32_t pad_token,
     #     kdt_trees* out, int32_t* request_status, void* workspace, size_t workspace_bytes,
     #     void* stream)
     "kdt_trees_build_from_logits_cuda": (
-        "status", [_logits_p, _i64, _vp, _vp, _i32, _trees_p, _vp, _vp, _sz, _vp]),
+        "status", [_logits_p, _i64, _vp, _vp, _vp, _vp, _i32, _trees_p, _vp, _vp, _sz, _vp]),
     # kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const int64_t* prefix_lengths,
     #     int32_t kind, int64_t columns, void* mask, size_t mask_bytes, int32_t* mask_indptr,
     #     int64_t* positions, int32_t* request_status, void* stream)

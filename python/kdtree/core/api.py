@@ -326,6 +326,8 @@ def build_trees_from_logits(
     out: TreeBatch | None = None,
     errors: str = "raise",
     stream=None,
+    request_budgets=None,
+    request_depths=None,
 ) -> TreeBatch:
     """Draft trees straight from the drafter's logits: top-k log-probs, then the builder.
 
@@ -334,7 +336,8 @@ def build_trees_from_logits(
             distribution at depth ``l + 1`` below the root.
         width: K, the top-k entries kept per position (only ``min(K, budget)`` are computed).
         budget, root_tokens, root_positions, pad_token, out: as :func:`build_trees`.
-        errors, stream: as :func:`build_trees`.
+        errors, stream, request_budgets, request_depths: as :func:`build_trees` (a NaN
+            row past a request's depth limit does not fail it).
 
     On the GPU (CUDA array logits; float32, float16 or bfloat16) this is one call,
     ``kdt_trees_build_from_logits_cuda``, with no host round trip; top-k is computed in
@@ -351,9 +354,12 @@ def build_trees_from_logits(
     if _device.is_device_array(logits):
         return _gpu().build_trees_from_logits(logits, width, budget, root_tokens=root_tokens,
                                               root_positions=root_positions, pad_token=pad, out=out,
-                                              errors=errors, stream=stream)
+                                              errors=errors, stream=stream, request_budgets=request_budgets,
+                                              request_depths=request_depths)
     checks.cpu_only(stream, errors, "build_trees_from_logits")
-    return host.build_trees_from_logits(logits, width, budget, root_tokens=root_tokens, root_positions=root_positions, pad_token=pad_token, out=out, errors=errors)
+    return host.build_trees_from_logits(logits, width, budget, root_tokens=root_tokens, root_positions=root_positions,
+                                        pad_token=pad_token, out=out, errors=errors, request_budgets=request_budgets,
+                                        request_depths=request_depths)
 
 
 def tree_attention_mask(

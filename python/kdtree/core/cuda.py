@@ -294,7 +294,7 @@ def _merge_leading(v: dev.DeviceArray) -> int | None:
 
 
 def build_trees_from_logits(logits, width, budget, *, root_tokens, root_positions, pad_token, out, errors,
-                            stream) -> TreeBatch:
+                            stream, request_budgets=None, request_depths=None) -> TreeBatch:
     checks.check_errors(errors)
     s = dev.current_stream(logits, stream)
     v = dev.view(logits, "logits", s)
@@ -304,17 +304,22 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
     with dev.on_device(logits):
         roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logits, s)
         pos, pv = _optional(root_positions, "root_positions", "int64", (batch,), logits, s)
+        limits = [a if a is None or dev.is_device_array(a) else checks.per_request(a, name, batch)
+                  for a, name in ((request_budgets, "request_budgets"), (request_depths, "request_depths"))]
+        (budgets, bv), (depths, dv) = (_optional(a, name, "int32", (batch,), logits, s)
+                                       for a, name in zip(limits, ("request_budgets", "request_depths"), strict=True))
         out = _prepare_out(out, logits, batch, budget, depth)
         tstruct, views = _trees_struct(out, s)
-        _same_device([v, *views])
+        _same_device([v, *views] + [x for x in (bv, dv) if x is not None])
         status = _status_out(out.request_status, logits, batch)
         need = ctypes.c_size_t()
         lib.kdt_trees_build_from_logits_cuda_workspace_bytes(batch, budget, depth, vocab, width, ctypes.byref(need))
         ws, ws_ptr, ws_bytes = _workspace(logits, need.value)
         lib.kdt_trees_build_from_logits_cuda(
-            ctypes.byref(struct), width, rv.ptr if rv else None, pv.ptr if pv else None, pad_token,
-            ctypes.byref(tstruct), dev.view(status, "status").ptr, ws_ptr, ws_bytes, s)
-        del ws, roots, pos
+            ctypes.byref(struct), width, rv.ptr if rv else None, pv.ptr if pv else None, bv.ptr if bv else None,
+            dv.ptr if dv else None, pad_token, ctypes.byref(tstruct), dev.view(status, "status").ptr, ws_ptr,
+            ws_bytes, s)
+        del ws, roots, pos, budgets, depths
     out.request_status = status
     if errors == "raise":
         _raise_on_status(status, "build_trees_from_logits")

@@ -374,7 +374,8 @@ def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab):
     return TopK(out_lp, out_ids, checks.ok_status(lead if lead else (1,)))
 
 
-def build_trees_from_logits(logits, width, budget, *, root_tokens, root_positions, pad_token, out, errors):
+def build_trees_from_logits(logits, width, budget, *, root_tokens, root_positions, pad_token, out, errors,
+                            request_budgets=None, request_depths=None):
     x = checks.host_array(logits, "logits")
     if x.ndim not in (2, 3):
         raise checks.shape_error(f"logits must be [B, L, V] or [L, V], got shape {np.shape(logits)}")
@@ -383,12 +384,13 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
         raise checks.range_error(f"width {width} exceeds the vocabulary size {vocab}")
     # On the caller's shape, so that errors name its rows; with errors="status" a bad row's NaN
     # log-probs fail its request in the builder (KDT_ERR_VALUE, a root-only tree), as on the GPU.
-    lp, ids = topk_logprobs(x, min(width, budget), errors=errors)
+    # With depth limits, rows past a request's limit must not fail it: the builder judges.
+    lp, ids = topk_logprobs(x, min(width, budget), errors="status" if request_depths is not None else errors)
     if x.ndim == 2:
         lp, ids = lp[None], ids[None]
     return build_trees(lp, ids, budget, root_tokens=root_tokens, root_positions=root_positions,
                        vocab_size=vocab if vocab > 0 else None, pad_token=pad_token, out=out,
-                       errors=errors)
+                       errors=errors, request_budgets=request_budgets, request_depths=request_depths)
 
 
 def tree_attention_mask(trees, prefix_lengths, *, kind, dtype, columns, errors):
