@@ -78,7 +78,7 @@ int main(void) {
     target_tokens[0 * (N + 1) + 1] = 20;
     target_tokens[0 * (N + 1) + 2] = 99;
     target_tokens[1 * (N + 1) + 0] = 55;
-    if (failed(kdt_verify_greedy_cpu(&trees, target_tokens, NULL, 0, NULL, L + 1, accepted_nodes,
+    if (failed(kdt_verify_greedy_cpu(&trees, target_tokens, NULL, 0, NULL, NULL, L + 1, accepted_nodes,
                                      accept_length, bonus_token),
                "kdt_verify_greedy_cpu"))
         goto done;

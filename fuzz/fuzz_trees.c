@@ -381,7 +381,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         int32_t acc[MAX_B * (MAX_L + 1)], len[MAX_B], bonus[MAX_B];
         int32_t racc[MAX_L + 1], rlen, rbonus;
         const int64_t* cap = (flags & 64) ? caps : NULL;
-        st = kdt_verify_greedy_cpu(&out, target, nstop ? stop : NULL, nstop, cap, L + 1, acc, len, bonus);
+        st = kdt_verify_greedy_cpu(&out, target, nstop ? stop : NULL, nstop, NULL, cap, L + 1, acc, len, bonus);
         if (st != KDT_OK) FAIL("verify of a built tree gave status %d", (int)st);
         for (int b = 0; b < B; ++b) {
             ref_verify(&ref[b], target + b * (N + 1), stop, nstop, cap ? caps[b] : INT64_MAX, racc, &rlen, &rbonus);

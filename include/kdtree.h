@@ -287,6 +287,33 @@ KDT_API kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged
 /* ---- Verification (spec: "Verification") ----------------------------------------- */
 
 /*
+ * Stop sequences for the verification walks (optional; NULL for none): the walk ends
+ * after an accepted draft token that completes one of them, with no bonus token, as an
+ * accepted stop token does. A sequence matches the committed stream: the request's
+ * history (the tokens committed before this round, oldest first; the last one is the
+ * token the tree's root stands for), then the draft tokens accepted so far. A bonus token
+ * that completes a sequence is committed (as a bonus stop token is); the caller ends the
+ * request there.
+ *
+ *   tokens          int32 [offsets[count]]: the sequences back to back, each token >= 0
+ *   offsets         int64 [count + 1]: sequence i is tokens[offsets[i] .. offsets[i + 1]);
+ *                   offsets[0] = 0, lengths 1 .. KDT_MAX_STOP_LENGTH
+ *   history         int32 [B, history_length] or NULL: each request's last committed
+ *                   tokens, right-aligned (its last column is the most recent); -1 where a
+ *                   request has fewer. KDT_MAX_STOP_LENGTH - 1 columns always suffice.
+ * The CPU walk reads host arrays; the CUDA walks read device arrays (the struct itself is
+ * read on the host during the call).
+ */
+#define KDT_MAX_STOP_LENGTH 16
+typedef struct kdt_stop_sequences {
+    const int32_t* tokens;  /* [offsets[count]]                                         */
+    const int64_t* offsets; /* [count + 1]                                              */
+    int64_t count;          /* sequences, >= 0                                          */
+    const int32_t* history; /* [B, history_length] or NULL                              */
+    int64_t history_length; /* >= 0                                                     */
+} kdt_stop_sequences;
+
+/*
  * Greedy (or sampled: the walk is the same) verification walk for B trees.
  *
  * trees:          built trees; reads batch, budget, num_nodes, tokens, first_child and
@@ -297,6 +324,7 @@ KDT_API kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged
  *                 visited nodes must be >= 0.
  * stop_tokens:    int32 [num_stop_tokens] or NULL (num_stop_tokens = 0): an accepted draft
  *                 token in this set ends the walk there and no bonus token is emitted.
+ * stop_sequences: NULL, or multi-token stops (kdt_stop_sequences, host arrays here).
  * max_commit:     int64 [B] or NULL (no cap): the most tokens (accepted + bonus) request b
  *                 may commit this round, >= 0. The accepted path is truncated so that
  *                 accepted + bonus <= max_commit[b]; with a cap c >= 1 that cuts the path,
@@ -315,12 +343,14 @@ KDT_API kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged
  * token when >= 0.
  *
  * Returns KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (negative sizes, caps or
- * path_capacity < 1), KDT_ERR_VALUE (inconsistent tree links, a negative target token at
- * a visited node), KDT_ERR_SHAPE (an accepted path longer than path_capacity - 1).
+ * path_capacity < 1; stop_sequences with a negative count or history_length, offsets not
+ * starting at 0, a sequence length outside [1, KDT_MAX_STOP_LENGTH], a negative stop
+ * token), KDT_ERR_VALUE (inconsistent tree links, a negative target token at a visited
+ * node), KDT_ERR_SHAPE (an accepted path longer than path_capacity - 1).
  */
 KDT_API kdt_status kdt_verify_greedy_cpu(const kdt_trees* trees, const int32_t* target_tokens,
                                          const int32_t* stop_tokens, int64_t num_stop_tokens,
-                                         const int64_t* max_commit, int64_t path_capacity,
+                                         const kdt_stop_sequences* stop_sequences, const int64_t* max_commit, int64_t path_capacity,
                                          int32_t* accepted_nodes, int32_t* accept_length,
                                          int32_t* bonus_token);
 
@@ -618,12 +648,13 @@ KDT_API kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const in
 
 /*
  * kdt_verify_greedy_cpu on the GPU: the same walk and outputs, one thread block per
- * request, all arrays in device memory (trees, target_tokens [B, N+1], stop_tokens,
- * max_commit, accepted_nodes [B, path_capacity], accept_length [B], bonus_token [B]).
- * request_status: device int32 [B]: KDT_OK or the CPU's status for that request alone
- * (KDT_ERR_VALUE: inconsistent links, negative target token at a visited node;
- * KDT_ERR_INVALID_ARGUMENT: negative max_commit; KDT_ERR_SHAPE: path longer than
- * path_capacity - 1). A failed request's outputs are accepted_nodes [-1, ...],
+ * request, all arrays in device memory (trees, target_tokens [B, N+1], stop_tokens, the
+ * arrays of stop_sequences, max_commit, accepted_nodes [B, path_capacity], accept_length
+ * [B], bonus_token [B]). request_status: device int32 [B]: KDT_OK or the CPU's status for
+ * that request alone (KDT_ERR_VALUE: inconsistent links, negative target token at a
+ * visited node; KDT_ERR_INVALID_ARGUMENT: negative max_commit, or malformed
+ * stop_sequences arrays, read on the device: every request gets it; KDT_ERR_SHAPE: path
+ * longer than path_capacity - 1). A failed request's outputs are accepted_nodes [-1, ...],
  * accept_length 0, bonus_token -1.
  * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (also B > INT32_MAX),
  * KDT_ERR_SHAPE (the *_from_logits calls: logits batch != B or length != N + 1),
@@ -631,7 +662,7 @@ KDT_API kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const in
  */
 KDT_API kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
                                           const int32_t* stop_tokens, int64_t num_stop_tokens,
-                                          const int64_t* max_commit, int64_t path_capacity,
+                                          const kdt_stop_sequences* stop_sequences, const int64_t* max_commit, int64_t path_capacity,
                                           int32_t* accepted_nodes, int32_t* accept_length,
                                           int32_t* bonus_token, int32_t* request_status, void* stream);
 
@@ -654,6 +685,7 @@ KDT_API kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t*
  */
 KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                       const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                      const kdt_stop_sequences* stop_sequences,
                                                       const int64_t* max_commit, int64_t path_capacity,
                                                       int32_t* accepted_nodes, int32_t* accept_length,
                                                       int32_t* bonus_token, int32_t* target_tokens,
@@ -684,6 +716,7 @@ KDT_API kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, co
 KDT_API kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                       float temperature, uint64_t seed, uint64_t offset,
                                                       const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                      const kdt_stop_sequences* stop_sequences,
                                                       const int64_t* max_commit, int64_t path_capacity,
                                                       int32_t* accepted_nodes, int32_t* accept_length,
                                                       int32_t* bonus_token, int32_t* target_tokens,
@@ -753,7 +786,8 @@ typedef struct kdt_sampling {
  */
 KDT_API kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                 const kdt_sampling* sampling, const int32_t* stop_tokens,
-                                                int64_t num_stop_tokens, const int64_t* max_commit,
+                                                int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences,
+                                                const int64_t* max_commit,
                                                 int64_t path_capacity, int32_t* accepted_nodes,
                                                 int32_t* accept_length, int32_t* bonus_token,
                                                 int32_t* target_tokens, int32_t* request_status, void* stream);

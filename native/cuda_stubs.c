@@ -55,14 +55,14 @@ kdt_status kdt_tree_attention_mask_cuda(const kdt_trees* trees, const int64_t* p
 }
 
 kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens, const int32_t* stop_tokens,
-                                  int64_t num_stop_tokens, const int64_t* max_commit, int64_t path_capacity,
+                                  int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences, const int64_t* max_commit, int64_t path_capacity,
                                   int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                   int32_t* request_status, void* stream) {
     return no_cuda("kdt_verify_greedy_cuda");
 }
 
 kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
-                                              const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                              const int32_t* stop_tokens, int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences,
                                               const int64_t* max_commit, int64_t path_capacity,
                                               int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                               int32_t* target_tokens, int32_t* request_status, void* stream) {
@@ -71,7 +71,7 @@ kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_
 
 kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                               float temperature, uint64_t seed, uint64_t offset,
-                                              const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                              const int32_t* stop_tokens, int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences,
                                               const int64_t* max_commit, int64_t path_capacity,
                                               int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                               int32_t* target_tokens, int32_t* request_status, void* stream) {
@@ -80,7 +80,7 @@ kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_
 
 kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                         const kdt_sampling* sampling, const int32_t* stop_tokens,
-                                        int64_t num_stop_tokens, const int64_t* max_commit, int64_t path_capacity,
+                                        int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences, const int64_t* max_commit, int64_t path_capacity,
                                         int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                         int32_t* target_tokens, int32_t* request_status, void* stream) {
     return no_cuda("kdt_verify_sample_batch_cuda");

@@ -46,15 +46,15 @@ int main(void) {
                      KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_tree_attention_mask_cuda(&t, NULL, 0, 8, NULL, 0, NULL, NULL, status, NULL),
                      KDT_ERR_UNSUPPORTED);
-        CHECK_STATUS(kdt_verify_greedy_cuda(&t, NULL, NULL, 0, NULL, 3, NULL, NULL, NULL, status, NULL),
+        CHECK_STATUS(kdt_verify_greedy_cuda(&t, NULL, NULL, 0, NULL, NULL, 3, NULL, NULL, NULL, status, NULL),
                      KDT_ERR_UNSUPPORTED);
-        CHECK_STATUS(kdt_verify_greedy_from_logits_cuda(&t, NULL, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL, status,
+        CHECK_STATUS(kdt_verify_greedy_from_logits_cuda(&t, NULL, NULL, 0, NULL, NULL, 3, NULL, NULL, NULL, NULL, status,
                                                         NULL),
                      KDT_ERR_UNSUPPORTED);
-        CHECK_STATUS(kdt_verify_sample_from_logits_cuda(&t, NULL, 1.0f, 1, 2, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL,
+        CHECK_STATUS(kdt_verify_sample_from_logits_cuda(&t, NULL, 1.0f, 1, 2, NULL, 0, NULL, NULL, 3, NULL, NULL, NULL, NULL,
                                                         status, NULL),
                      KDT_ERR_UNSUPPORTED);
-        CHECK_STATUS(kdt_verify_sample_batch_cuda(&t, NULL, NULL, NULL, 0, NULL, 3, NULL, NULL, NULL, NULL, status,
+        CHECK_STATUS(kdt_verify_sample_batch_cuda(&t, NULL, NULL, NULL, 0, NULL, NULL, 3, NULL, NULL, NULL, NULL, status,
                                                   NULL),
                      KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_compact_kv_cuda(NULL, NULL, NULL, NULL, 3, status, NULL), KDT_ERR_UNSUPPORTED);

@@ -52,7 +52,7 @@ int main(void) {
         return 1;
     }
     /* target_tokens[b][i]: the target's choice at node i */
-    if (kdt_verify_greedy_cpu(&out, target_tokens, NULL, 0, NULL, L + 1,
+    if (kdt_verify_greedy_cpu(&out, target_tokens, NULL, 0, NULL, NULL, L + 1,
                               accepted_nodes, accept_length, bonus_token) != KDT_OK) {
         fprintf(stderr, "%s\n", kdt_last_error());
         return 1;

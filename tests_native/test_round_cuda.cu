@@ -99,7 +99,7 @@ static void round_on(const Sizes& z, Device& d, cudaStream_t s) {
     KDT_OK_OR_DIE(kdt_tree_attention_mask_cuda(&d.trees, d.prefix, KDT_MASK_BITS, z.columns, d.mask, mask_bytes,
                                                NULL, d.positions, d.mask_status, s));
     kdt_logits target = {d.target, KDT_DTYPE_BFLOAT16, 0, z.B, z.N + 1, z.V, (z.N + 1) * z.V, z.V};
-    KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d.trees, &target, NULL, 0, NULL, z.L + 1, d.accepted,
+    KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d.trees, &target, NULL, 0, NULL, NULL, z.L + 1, d.accepted,
                                                      d.accept_length, d.bonus, d.chosen, d.verify_status, s));
     kdt_kv_cache cache = {d.k_table, d.v_table, z.layers, KDT_DTYPE_BFLOAT16, 0, z.B, z.H, z.S, z.D,
                           z.H * z.S * z.D, z.S * z.D, z.D};
@@ -165,7 +165,7 @@ static void check_against_cpu(const Sizes& z, const Device& d, const std::vector
     t.first_child = fc.data();
     t.next_sibling = ns.data();
     std::vector<int32_t> acc((size_t)(z.B * (z.L + 1))), len((size_t)z.B), bonus((size_t)z.B);
-    KDT_OK_OR_DIE(kdt_verify_greedy_cpu(&t, argmax.data(), NULL, 0, NULL, z.L + 1, acc.data(), len.data(), bonus.data()));
+    KDT_OK_OR_DIE(kdt_verify_greedy_cpu(&t, argmax.data(), NULL, 0, NULL, NULL, z.L + 1, acc.data(), len.data(), bonus.data()));
     CHECK(download(d.accepted, acc.size()) == acc, "accepted nodes differ from the CPU walk");
     CHECK(download(d.accept_length, len.size()) == len, "accept lengths differ from the CPU walk");
     CHECK(download(d.bonus, bonus.size()) == bonus, "bonus tokens differ from the CPU walk");

@@ -231,7 +231,7 @@ static void* work(void* arg) {
         T_CHECK(w, same_tree(t, &g_tree));
 
         /* Greedy verify on the thread's tree. */
-        T_CHECK(w, kdt_verify_greedy_cpu(&out, g_target, NULL, 0, NULL, L + 1, acc, len, bonus) ==
+        T_CHECK(w, kdt_verify_greedy_cpu(&out, g_target, NULL, 0, NULL, NULL, L + 1, acc, len, bonus) ==
                        KDT_OK);
         T_CHECK(w, memcmp(acc, g_accepted, sizeof acc) == 0);
         T_CHECK(w, memcmp(len, g_accept_len, sizeof len) == 0);
@@ -308,7 +308,7 @@ int main(void) {
     CHECK_OK(kdt_trees_build_cpu(&draft, &out, NULL, 0));
     check_tree_invariants(&g_tree);
     make_target(&g_tree);
-    CHECK_OK(kdt_verify_greedy_cpu(&out, g_target, NULL, 0, NULL, L + 1, g_accepted, g_accept_len,
+    CHECK_OK(kdt_verify_greedy_cpu(&out, g_target, NULL, 0, NULL, NULL, L + 1, g_accepted, g_accept_len,
                                    g_bonus));
     for (int b = 0; b < B; ++b) {
         /* The target follows each node's last child: the path is that chain, to depth L or a

@@ -482,7 +482,7 @@ static void test_given(int64_t launches) {
         const int32_t* d_s = stops.empty() ? NULL : upload(d_stop, stops);
         const int64_t* d_c = caps.empty() ? NULL : upload(d_cap, caps);
         prepare_out(dout, B, P, rows);
-        KDT_OK_OR_DIE(kdt_verify_greedy_cuda(&d, d_t, d_s, (int64_t)stops.size(), d_c, P, (int32_t*)dout.nodes.ptr,
+        KDT_OK_OR_DIE(kdt_verify_greedy_cuda(&d, d_t, d_s, (int64_t)stops.size(), NULL, d_c, P, (int32_t*)dout.nodes.ptr,
                                              (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr,
                                              (int32_t*)dout.status.ptr, g_stream));
         const Out o = fetch_out(dout, B, P, rows, false);
@@ -493,7 +493,7 @@ static void test_given(int64_t launches) {
             int32_t len = 77, bonus = 77;
             const kdt_status st =
                 kdt_verify_greedy_cpu(&one, &targets[b * rows], stops.empty() ? NULL : stops.data(),
-                                      (int64_t)stops.size(), caps.empty() ? NULL : &caps[b], P, nodes.data(), &len,
+                                      (int64_t)stops.size(), NULL, caps.empty() ? NULL : &caps[b], P, nodes.data(), &len,
                                       &bonus);
             Ref e;
             e.status = st;
@@ -675,7 +675,7 @@ static void test_greedy_logits(int64_t launches, bool quick) {
             std::vector<int32_t> nodes(P);
             int32_t len = 0, bonus = 0;
             const kdt_status st = kdt_verify_greedy_cpu(&one, &argmax[b * rows], stops.empty() ? NULL : stops.data(),
-                                                        (int64_t)stops.size(), caps.empty() ? NULL : &caps[b], P,
+                                                        (int64_t)stops.size(), NULL, caps.empty() ? NULL : &caps[b], P,
                                                         nodes.data(), &len, &bonus);
             EXPECT(st == want[b].status &&
                        (st != KDT_OK || (std::vector<int32_t>(nodes.begin(), nodes.begin() + len + 1) == want[b].path &&
@@ -706,7 +706,7 @@ static void test_greedy_logits(int64_t launches, bool quick) {
         const int64_t* d_c = caps.empty() ? NULL : upload(d_cap, caps);
         const bool with_target = it % 5 != 3;
         prepare_out(dout, B, P, rows);
-        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, d_s, (int64_t)stops.size(), d_c, P,
+        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, d_s, (int64_t)stops.size(), NULL, d_c, P,
                                                          (int32_t*)dout.nodes.ptr, (int32_t*)dout.len.ptr,
                                                          (int32_t*)dout.bonus.ptr,
                                                          with_target ? (int32_t*)dout.target.ptr : NULL,
@@ -851,7 +851,7 @@ static void test_sample_walks(int64_t launches) {
             const kdt_logits g = upload_logits(d_logits, vals, B, rows, V, dtype, lay);
             prepare_out(dout, B, P, rows);
             KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(
-                &d, &g, T, seed, offset, d_s, (int64_t)stops.size(), d_c, P, (int32_t*)dout.nodes.ptr,
+                &d, &g, T, seed, offset, d_s, (int64_t)stops.size(), NULL, d_c, P, (int32_t*)dout.nodes.ptr,
                 (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr, (int32_t*)dout.target.ptr,
                 (int32_t*)dout.status.ptr, g_stream));
             return fetch_out(dout, B, P, rows, true);
@@ -937,7 +937,7 @@ static std::vector<int32_t> shared_row_draws(DevTrees& dt, DevOut& dout, const T
                                              uint64_t seed, uint64_t offset) {
     kdt_trees d = upload_trees(dt, t);
     prepare_out(dout, t.B, 2, t.rows());
-    KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, T, seed, offset, NULL, 0, NULL, 2,
+    KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, T, seed, offset, NULL, 0, NULL, NULL, 2,
                                                      (int32_t*)dout.nodes.ptr, (int32_t*)dout.len.ptr,
                                                      (int32_t*)dout.bonus.ptr, (int32_t*)dout.target.ptr,
                                                      (int32_t*)dout.status.ptr, g_stream));
@@ -1034,7 +1034,7 @@ static void test_chi_square(bool quick) {
         for (int64_t r = 0; r < rounds; r++) {
             prepare_out(dout, B, 3, c.N + 1);
             KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, c.T, 0xC0FFEEull + (uint64_t)c.N, (uint64_t)r,
-                                                             NULL, 0, NULL, 3, (int32_t*)dout.nodes.ptr,
+                                                             NULL, 0, NULL, NULL, 3, (int32_t*)dout.nodes.ptr,
                                                              (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr,
                                                              (int32_t*)dout.target.ptr, (int32_t*)dout.status.ptr,
                                                              g_stream));
@@ -1118,7 +1118,7 @@ static void test_invalid_rows() {
             lay.batch_stride = 2 * V;
             const kdt_logits g = upload_logits(d_logits, vals, B, 2, V, KDT_DTYPE_FLOAT32, lay);
             prepare_out(dout, B, 3, 2);
-            KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, 1.0f, 5, 6, NULL, 0, NULL, 3,
+            KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, 1.0f, 5, 6, NULL, 0, NULL, NULL, 3,
                                                              (int32_t*)dout.nodes.ptr, (int32_t*)dout.len.ptr,
                                                              (int32_t*)dout.bonus.ptr, (int32_t*)dout.target.ptr,
                                                              (int32_t*)dout.status.ptr, g_stream));
@@ -1136,7 +1136,7 @@ static void test_invalid_rows() {
                    "sampling neighbour of a bad row: status %d", o.status[1]);
             // Greedy: NaN fails a visited row; +inf is the argmax; all -inf gives token 0.
             prepare_out(dout, B, 3, 2);
-            KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, 3, (int32_t*)dout.nodes.ptr,
+            KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, NULL, 3, (int32_t*)dout.nodes.ptr,
                                                              (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr,
                                                              (int32_t*)dout.target.ptr, (int32_t*)dout.status.ptr,
                                                              g_stream));
@@ -1192,7 +1192,7 @@ static void test_greedy_ties() {
             lay.offset = shift;
             const kdt_logits g = upload_logits(d_logits, vals, B, 1, V, dtype, lay);
             prepare_out(dout, B, 1, 1);
-            KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, 1, (int32_t*)dout.nodes.ptr,
+            KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, NULL, 1, (int32_t*)dout.nodes.ptr,
                                                              (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr,
                                                              (int32_t*)dout.target.ptr, (int32_t*)dout.status.ptr,
                                                              g_stream));
@@ -1236,12 +1236,12 @@ static void test_host_errors() {
     for (int f = 0; f < 3; f++) {
         auto call = [&](const kdt_trees* tr, const kdt_logits* lg, const int32_t* st, int64_t nst, int64_t P,
                         int32_t* nd, int32_t* rs, float T) -> kdt_status {
-            if (f == 0) return kdt_verify_greedy_cuda(tr, target, st, nst, NULL, P, nd, len, bonus, rs, g_stream);
+            if (f == 0) return kdt_verify_greedy_cuda(tr, target, st, nst, NULL, NULL, P, nd, len, bonus, rs, g_stream);
             if (f == 1) {
-                return kdt_verify_greedy_from_logits_cuda(tr, lg, st, nst, NULL, P, nd, len, bonus, target_out, rs,
+                return kdt_verify_greedy_from_logits_cuda(tr, lg, st, nst, NULL, NULL, P, nd, len, bonus, target_out, rs,
                                                           g_stream);
             }
-            return kdt_verify_sample_from_logits_cuda(tr, lg, T, 1, 2, st, nst, NULL, P, nd, len, bonus, target_out,
+            return kdt_verify_sample_from_logits_cuda(tr, lg, T, 1, 2, st, nst, NULL, NULL, P, nd, len, bonus, target_out,
                                                       rs, g_stream);
         };
         EXPECT_STATUS(call(&d, &g, stops, 1, 3, nodes, status, 1.0f), KDT_OK);
@@ -1271,16 +1271,16 @@ static void test_host_errors() {
         empty_logits.length = 1;
         EXPECT_STATUS(call(&empty, &empty_logits, NULL, 0, 1, NULL, NULL, 1.0f), KDT_OK);
     }
-    EXPECT_STATUS(kdt_verify_greedy_cuda(&d, NULL, NULL, 0, NULL, 3, nodes, len, bonus, status, g_stream),
+    EXPECT_STATUS(kdt_verify_greedy_cuda(&d, NULL, NULL, 0, NULL, NULL, 3, nodes, len, bonus, status, g_stream),
                   KDT_ERR_NULL_POINTER);
     // Logits descriptions.
     for (int f = 1; f < 3; f++) {
         auto call = [&](const kdt_logits* lg, float T) -> kdt_status {
             if (f == 1) {
-                return kdt_verify_greedy_from_logits_cuda(&d, lg, NULL, 0, NULL, 3, nodes, len, bonus, NULL, status,
+                return kdt_verify_greedy_from_logits_cuda(&d, lg, NULL, 0, NULL, NULL, 3, nodes, len, bonus, NULL, status,
                                                           g_stream);
             }
-            return kdt_verify_sample_from_logits_cuda(&d, lg, T, 1, 2, NULL, 0, NULL, 3, nodes, len, bonus, NULL,
+            return kdt_verify_sample_from_logits_cuda(&d, lg, T, 1, 2, NULL, 0, NULL, NULL, 3, nodes, len, bonus, NULL,
                                                       status, g_stream);
         };
         EXPECT_STATUS(call(&g, 1.0f), KDT_OK);
@@ -1312,12 +1312,12 @@ static void test_host_errors() {
     }
     static const float kBadTemps[] = {0.0f, -1.0f, NAN, INFINITY, -INFINITY, -0.0f, 1e-30f, 9.9e-7f};
     for (float T : kBadTemps) {
-        EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, T, 1, 2, NULL, 0, NULL, 3, nodes, len, bonus, NULL,
+        EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, T, 1, 2, NULL, 0, NULL, NULL, 3, nodes, len, bonus, NULL,
                                                          status, g_stream),
                       KDT_ERR_INVALID_ARGUMENT);
     }
     // The smallest temperature accepted (smaller ones could overflow logit / T).
-    EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, 1e-6f, 1, 2, NULL, 0, NULL, 3, nodes, len, bonus, NULL,
+    EXPECT_STATUS(kdt_verify_sample_from_logits_cuda(&d, &g, 1e-6f, 1, 2, NULL, 0, NULL, NULL, 3, nodes, len, bonus, NULL,
                                                      status, g_stream),
                   KDT_OK);
     CUDA_OK(cudaStreamSynchronize(g_stream));
@@ -1366,10 +1366,10 @@ static void test_graph_capture() {
     };
     auto enqueue = [&](int k, cudaStream_t s) {
         const Slots a = slots(k, 0), b = slots(k, 1), c = slots(k, 2);
-        KDT_OK_OR_DIE(kdt_verify_greedy_cuda(&d, d_t, NULL, 0, NULL, P, a.nodes, a.len, a.bonus, a.status, s));
-        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, P, b.nodes, b.len, b.bonus, b.target,
+        KDT_OK_OR_DIE(kdt_verify_greedy_cuda(&d, d_t, NULL, 0, NULL, NULL, P, a.nodes, a.len, a.bonus, a.status, s));
+        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, NULL, P, b.nodes, b.len, b.bonus, b.target,
                                                          b.status, s));
-        KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, 0.8f, 99, 7, NULL, 0, NULL, P, c.nodes, c.len,
+        KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, 0.8f, 99, 7, NULL, 0, NULL, NULL, P, c.nodes, c.len,
                                                          c.bonus, c.target, c.status, s));
     };
     auto clear = [&](int k) {
@@ -1464,14 +1464,14 @@ static void test_sample_batch(int64_t launches) {
             sp.seed = upload(d_seed, std::vector<uint64_t>(B, seed));
             sp.offset = upload(d_offset, std::vector<uint64_t>(B, offset));
             prepare_out(o, B, P, rows);
-            KDT_OK_OR_DIE(kdt_verify_sample_batch_cuda(&d, &g, &sp, NULL, 0, NULL, P, (int32_t*)o.nodes.ptr,
+            KDT_OK_OR_DIE(kdt_verify_sample_batch_cuda(&d, &g, &sp, NULL, 0, NULL, NULL, P, (int32_t*)o.nodes.ptr,
                                                        (int32_t*)o.len.ptr, (int32_t*)o.bonus.ptr,
                                                        (int32_t*)o.target.ptr, (int32_t*)o.status.ptr, g_stream));
             return fetch_out(o, B, P, rows, true);
         };
         // 1. No cut (top_p 1, top_k 0 or >= V, or NULL): the scalar call's outputs.
         prepare_out(dref, B, P, rows);
-        KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, T, seed, offset, NULL, 0, NULL, P,
+        KDT_OK_OR_DIE(kdt_verify_sample_from_logits_cuda(&d, &g, T, seed, offset, NULL, 0, NULL, NULL, P,
                                                          (int32_t*)dref.nodes.ptr, (int32_t*)dref.len.ptr,
                                                          (int32_t*)dref.bonus.ptr, (int32_t*)dref.target.ptr,
                                                          (int32_t*)dref.status.ptr, g_stream));
@@ -1486,7 +1486,7 @@ static void test_sample_batch(int64_t launches) {
                dtype_name(dtype), (long long)V);
         // 2. Temperature 0 (greedy) and top-k requests in one batch.
         prepare_out(dref, B, P, rows);
-        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, P, (int32_t*)dref.nodes.ptr,
+        KDT_OK_OR_DIE(kdt_verify_greedy_from_logits_cuda(&d, &g, NULL, 0, NULL, NULL, P, (int32_t*)dref.nodes.ptr,
                                                          (int32_t*)dref.len.ptr, (int32_t*)dref.bonus.ptr,
                                                          (int32_t*)dref.target.ptr, (int32_t*)dref.status.ptr,
                                                          g_stream));
@@ -1579,7 +1579,7 @@ static void test_sample_batch(int64_t launches) {
         sp.seed = upload(d_seed, std::vector<uint64_t>(2, 1));
         sp.offset = upload(d_offset, std::vector<uint64_t>(2, 2));
         auto call = [&](const kdt_sampling* s) {
-            return kdt_verify_sample_batch_cuda(&d, &g, s, NULL, 0, NULL, 3, (int32_t*)dout.nodes.ptr,
+            return kdt_verify_sample_batch_cuda(&d, &g, s, NULL, 0, NULL, NULL, 3, (int32_t*)dout.nodes.ptr,
                                                 (int32_t*)dout.len.ptr, (int32_t*)dout.bonus.ptr, NULL,
                                                 (int32_t*)dout.status.ptr, g_stream);
         };
@@ -1600,6 +1600,85 @@ static void test_sample_batch(int64_t launches) {
     release(dout);
     release(dref);
     for (DevBuf* b : {&d_logits, &d_temp, &d_topp, &d_topk, &d_seed, &d_offset}) release(*b);
+}
+
+// Multi-token stop sequences on a hand tree, two requests (path 0 -> 1 (10) -> 3 (30),
+// bonus 42): the CPU walk's results, and malformed device arrays failing every request.
+static void test_stop_sequences() {
+    const int32_t num[2] = {3, 3};
+    const int32_t tok[10] = {5, 10, 20, 30, -1, 5, 10, 20, 30, -1};
+    const int32_t fc[10] = {1, 3, -1, -1, -1, 1, 3, -1, -1, -1};
+    const int32_t ns[10] = {-1, 2, -1, -1, -1, -1, 2, -1, -1, -1};
+    const int32_t target[10] = {10, 30, 0, 42, 0, 10, 30, 0, 42, 0};
+    const int32_t seq_tokens[5] = {7, 5, 10, 10, 30};
+    const int64_t offsets[3] = {0, 3, 5}, bad_offsets[3] = {0, 3, 3};
+    const int32_t history[6] = {-1, 7, 5, -1, -1, 5};  // request 0 ends with 7 5, request 1 does not
+    void* dev[10];
+    const void* host[10] = {num, tok, fc, ns, target, seq_tokens, offsets, history, bad_offsets, nullptr};
+    const size_t bytes[10] = {sizeof num, sizeof tok, sizeof fc, sizeof ns, sizeof target, sizeof seq_tokens,
+                              sizeof offsets, sizeof history, sizeof bad_offsets, 64};
+    for (int i = 0; i < 10; i++) {
+        CUDA_OK(cudaMalloc(&dev[i], bytes[i]));
+        if (host[i] != nullptr) CUDA_OK(cudaMemcpy(dev[i], host[i], bytes[i], cudaMemcpyHostToDevice));
+    }
+    int32_t* out = static_cast<int32_t*>(dev[9]);  // nodes [2, 3], len [2], bonus [2], status [2]
+    kdt_trees t;
+    memset(&t, 0, sizeof t);
+    t.batch = 2;
+    t.budget = 4;
+    t.num_nodes = static_cast<int32_t*>(dev[0]);
+    t.tokens = static_cast<int32_t*>(dev[1]);
+    t.first_child = static_cast<int32_t*>(dev[2]);
+    t.next_sibling = static_cast<int32_t*>(dev[3]);
+    kdt_stop_sequences q = {static_cast<const int32_t*>(dev[5]), static_cast<const int64_t*>(dev[6]), 2,
+                            static_cast<const int32_t*>(dev[7]), 3};
+    int32_t got[12];
+    auto run = [&](const kdt_stop_sequences* stops) {
+        KDT_OK_OR_DIE(kdt_verify_greedy_cuda(&t, static_cast<const int32_t*>(dev[4]), NULL, 0, stops, NULL, 3, out,
+                                             out + 6, out + 8, out + 10, g_stream));
+        CUDA_OK(cudaStreamSynchronize(g_stream));
+        CUDA_OK(cudaMemcpy(got, out, sizeof got, cudaMemcpyDeviceToHost));
+    };
+    run(&q);
+    // Request 0: 7 5 10 completes at node 1; request 1: 10 30 at node 3. No bonus either.
+    EXPECT(got[6] == 1 && got[7] == 2 && got[8] == -1 && got[9] == -1 && got[10] == KDT_OK && got[11] == KDT_OK,
+           "stop sequences: lengths %d %d, bonus %d %d, status %d %d", got[6], got[7], got[8], got[9], got[10],
+           got[11]);
+    // The CPU walk agrees, request by request.
+    for (int b = 0; b < 2; b++) {
+        kdt_trees one;
+        memset(&one, 0, sizeof one);
+        one.batch = 1;
+        one.budget = 4;
+        one.num_nodes = const_cast<int32_t*>(&num[b]);
+        one.tokens = const_cast<int32_t*>(&tok[5 * b]);
+        one.first_child = const_cast<int32_t*>(&fc[5 * b]);
+        one.next_sibling = const_cast<int32_t*>(&ns[5 * b]);
+        kdt_stop_sequences hq = {seq_tokens, offsets, 2, &history[3 * b], 3};
+        int32_t nodes[3], len, bonus;
+        KDT_OK_OR_DIE(kdt_verify_greedy_cpu(&one, &target[5 * b], NULL, 0, &hq, NULL, 3, nodes, &len, &bonus));
+        EXPECT(len == got[6 + b] && bonus == got[8 + b], "request %d: CPU %d / %d, GPU %d / %d", b, len, bonus,
+               got[6 + b], got[8 + b]);
+    }
+    // A sequence of length 0 in device memory: every request fails, outputs as a failure.
+    kdt_stop_sequences bad = q;
+    bad.offsets = static_cast<const int64_t*>(dev[8]);
+    run(&bad);
+    EXPECT(got[10] == KDT_ERR_INVALID_ARGUMENT && got[11] == KDT_ERR_INVALID_ARGUMENT && got[6] == 0 &&
+               got[8] == -1 && got[0] == -1,
+           "malformed stop sequences: status %d %d", got[10], got[11]);
+    // Host-side checks.
+    bad = q;
+    bad.count = -1;
+    EXPECT_STATUS(kdt_verify_greedy_cuda(&t, static_cast<const int32_t*>(dev[4]), NULL, 0, &bad, NULL, 3, out,
+                                         out + 6, out + 8, out + 10, g_stream),
+                  KDT_ERR_INVALID_ARGUMENT);
+    bad = q;
+    bad.history = NULL;
+    EXPECT_STATUS(kdt_verify_greedy_cuda(&t, static_cast<const int32_t*>(dev[4]), NULL, 0, &bad, NULL, 3, out,
+                                         out + 6, out + 8, out + 10, g_stream),
+                  KDT_ERR_NULL_POINTER);
+    for (int i = 0; i < 10; i++) CUDA_OK(cudaFree(dev[i]));
 }
 
 int main(int argc, char** argv) {
@@ -1623,6 +1702,7 @@ int main(int argc, char** argv) {
     test_invalid_rows();
     test_graph_capture();
     test_sample_batch(quick ? 4 : 24);
+    test_stop_sequences();
     CUDA_OK(cudaStreamDestroy(g_stream));
     printf("%lld checks, %d failed\n", checks, failures);
     return failures == 0 ? 0 : 1;

@@ -103,7 +103,7 @@ STRUCTS = {"kdt_trees": _lib.KdtTrees, "kdt_draft": _lib.KdtDraft, "kdt_kdtr_arr
            "kdt_logits": _lib.KdtLogits, "kdt_kv_cache": _lib.KdtKvCache,
            "kdt_paged_kv_cache": _lib.KdtPagedKvCache, "kdt_sampling": _lib.KdtSampling,
            "kdt_attention_rows": _lib.KdtAttentionRows, "kdt_attention_cache": _lib.KdtAttentionCache,
-           "kdt_trees_ragged": _lib.KdtTreesRagged}
+           "kdt_trees_ragged": _lib.KdtTreesRagged, "kdt_stop_sequences": _lib.KdtStopSequences}
 
 
 def _matches(c_type: str, ctype) -> bool:

@@ -73,6 +73,7 @@ struct Params {
     kdt_sampling sampling;         // kBatch: device arrays [B]
     const int32_t* stop_tokens;
     int64_t num_stop_tokens;
+    kdt_stop_sequences stops;   // count 0: none (device arrays)
     const int64_t* max_commit;  // [B] or NULL
     int64_t path_capacity;
     int32_t* accepted_nodes;  // [B, path_capacity]
@@ -90,6 +91,7 @@ struct TreeView {
     const int32_t* fc;
     const int32_t* ns;
     const int32_t* target;  // kGiven only
+    const int32_t* hist;    // [history_length] of the stop sequences, or NULL
     int32_t n;
 };
 
@@ -98,8 +100,32 @@ struct Walk {
     int32_t cur;
     int32_t bonus;
     int32_t status;
-    int64_t len;  // accepted draft nodes
+    int64_t len;                            // accepted draft nodes
+    int32_t tail[KDT_MAX_STOP_LENGTH - 1];  // the last accepted tokens, most recent first
 };
+
+// Whether accepting `want` completes one of the stop sequences (verify.c's
+// ends_sequence): lanes take sequences; the stream is the request's history, then the
+// accepted tokens (w.tail). Called by all 32 lanes of warp 0.
+__device__ bool ends_sequence(const Walk& w, int32_t want, const TreeView& t, const Params& p) {
+    const kdt_stop_sequences& q = p.stops;
+    int hit = 0;
+    for (int64_t i = threadIdx.x & 31; i < q.count; i += 32) {
+        const int64_t hi = q.offsets[i + 1], m = hi - q.offsets[i];
+        bool ok = q.tokens[hi - 1] == want;
+        for (int64_t k = 1; ok && k < m; k++) {
+            int32_t have = -1;
+            if (k <= w.len) {
+                have = w.tail[k - 1];
+            } else if (t.hist != nullptr && q.history_length - (k - w.len) >= 0) {
+                have = t.hist[q.history_length - (k - w.len)];
+            }
+            ok = have == q.tokens[hi - 1 - k];
+        }
+        hit |= ok;
+    }
+    return __any_sync(kFullMask, hit) != 0;
+}
 
 // One step of verify.c's walk from w.cur, given the target's token `want` (>= 0) there.
 // Called by all 32 lanes of warp 0 with the same arguments; returns true when the walk
@@ -134,6 +160,7 @@ __device__ bool walk_step(Walk& w, int32_t want, const TreeView& t, const Params
     int stop = 0;
     for (int64_t j = lane; j < p.num_stop_tokens; j += 32) stop |= p.stop_tokens[j] == want;
     stop = __any_sync(kFullMask, stop);
+    if (!stop && p.stops.count > 0) stop = ends_sequence(w, want, t, p);
     if (!stop && w.len + 2 > cap) {  // accepting `next` plus a bonus would pass the cap
         w.bonus = want;
         return true;
@@ -147,6 +174,9 @@ __device__ bool walk_step(Walk& w, int32_t want, const TreeView& t, const Params
         return true;
     }
     w.cur = next;
+#pragma unroll
+    for (int k = KDT_MAX_STOP_LENGTH - 2; k > 0; k--) w.tail[k] = w.tail[k - 1];
+    w.tail[0] = want;
     w.len++;
     if (lane == 0 && path != nullptr) path[w.len] = next;
     return stop != 0;  // an accepted stop token ends the walk without a bonus
@@ -498,6 +528,7 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     const int32_t* g_ns = p.next_sibling + base;
     TreeView t;
     t.n = n;
+    t.hist = p.stops.history != nullptr ? p.stops.history + b * p.stops.history_length : nullptr;
     if (p.stage) {
         t.tok = s_tree;
         t.fc = s_tree + rows;
@@ -529,6 +560,15 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
         for (int64_t i = tid; i < rows; i += nthreads) p.target_out[base + i] = -1;
     }
     bad = __syncthreads_or(bad);
+    // The stop sequences' arrays (device memory, checked here as verify.c checks them on the
+    // host): a malformed one fails every request.
+    int bad_stops = 0;
+    for (int64_t i = tid; i < p.stops.count; i += nthreads) {
+        const int64_t lo = p.stops.offsets[i], m = p.stops.offsets[i + 1] - lo;
+        bad_stops |= (i == 0 && lo != 0) || m < 1 || m > KDT_MAX_STOP_LENGTH;
+        for (int64_t k = 0; !bad_stops && k < m; k++) bad_stops |= p.stops.tokens[lo + k] < 0;
+    }
+    bad_stops = __syncthreads_or(bad_stops);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (csize > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
@@ -550,7 +590,8 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
         dr.key1 = (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32);
         dr.ctr3 = (uint32_t)offset;
     }
-    const int32_t status0 = bad                ? KDT_ERR_VALUE
+    const int32_t status0 = bad_stops          ? KDT_ERR_INVALID_ARGUMENT
+                            : bad              ? KDT_ERR_VALUE
                             : cap < 0          ? KDT_ERR_INVALID_ARGUMENT
                             : bad_setting      ? KDT_ERR_VALUE
                                                : KDT_OK;
@@ -567,7 +608,7 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     int32_t* path = rank == 0 ? p.accepted_nodes + b * p.path_capacity : nullptr;
     if constexpr (M == kGiven) {
         if (warp == 0 && status0 == KDT_OK && cap > 0) {
-            Walk w = {0, -1, KDT_OK, 0};
+            Walk w = {0, -1, KDT_OK, 0, {}};
             for (;;) {
                 const int32_t want = t.target[w.cur];
                 if (want < 0) {
@@ -585,7 +626,7 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
     } else if (status0 == KDT_OK && cap > 0) {  // uniform over the block
         const size_t esize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
         const char* logits = static_cast<const char*>(p.logits.data);
-        Walk w = {0, -1, KDT_OK, 0};  // meaningful in warp 0 only
+        Walk w = {0, -1, KDT_OK, 0, {}};  // meaningful in warp 0 only
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         int parity = 0;  // which s_part array this step's cluster_max uses
 #endif
@@ -656,7 +697,8 @@ __global__ void __launch_bounds__(M == kGiven ? kWalkThreads : kRowThreads) veri
 
 // Host checks shared by the three entry points that need no device data; fills the tree,
 // stop-token, cap and size fields of p. B == 0 is accepted here (the caller returns).
-kdt_status check_scalars(const kdt_trees* trees, int64_t num_stop_tokens, int64_t path_capacity, Params* p) {
+kdt_status check_scalars(const kdt_trees* trees, int64_t num_stop_tokens, const kdt_stop_sequences* stops,
+                         int64_t path_capacity, Params* p) {
     if (trees == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "trees is NULL");
     const int64_t B = trees->batch, N = trees->budget;
     if (B < 0 || B > INT32_MAX || N < 0 || N > kMaxBudget) {
@@ -666,6 +708,18 @@ kdt_status check_scalars(const kdt_trees* trees, int64_t num_stop_tokens, int64_
     }
     if (num_stop_tokens < 0) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "num_stop_tokens %lld is negative", (long long)num_stop_tokens);
+    }
+    if (stops != NULL && (stops->count < 0 || stops->history_length < 0)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "stop_sequences: count (%lld) and history_length (%lld) must be >= 0",
+                        (long long)stops->count, (long long)stops->history_length);
+    }
+    if (stops != NULL && stops->count > 0 && (stops->offsets == NULL || stops->tokens == NULL)) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "stop_sequences->%s is NULL with count %lld",
+                        stops->offsets == NULL ? "offsets" : "tokens", (long long)stops->count);
+    }
+    if (stops != NULL && stops->history_length > 0 && stops->history == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "stop_sequences->history is NULL with history_length %lld",
+                        (long long)stops->history_length);
     }
     if (path_capacity < 1) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "path_capacity %lld must be >= 1", (long long)path_capacity);
@@ -680,6 +734,10 @@ kdt_status check_scalars(const kdt_trees* trees, int64_t num_stop_tokens, int64_
     p->batch = B;
     p->budget = N;
     p->num_stop_tokens = num_stop_tokens;
+    if (stops != NULL && stops->count > 0) {
+        p->stops = *stops;
+        if (p->stops.history_length == 0) p->stops.history = nullptr;
+    }
     p->path_capacity = path_capacity;
     return KDT_OK;
 }
@@ -706,7 +764,9 @@ kdt_status check_pointers(const kdt_trees* trees, const int32_t* stop_tokens, co
         const char* name;
     } aligned[] = {{trees->num_nodes, 4, "trees->num_nodes"}, {trees->tokens, 4, "trees->tokens"},
                    {trees->first_child, 4, "trees->first_child"}, {trees->next_sibling, 4, "trees->next_sibling"},
-                   {stop_tokens, 4, "stop_tokens"}, {max_commit, 8, "max_commit"},
+                   {stop_tokens, 4, "stop_tokens"}, {p->stops.tokens, 4, "stop_sequences->tokens"},
+                   {p->stops.offsets, 8, "stop_sequences->offsets"}, {p->stops.history, 4, "stop_sequences->history"},
+                   {max_commit, 8, "max_commit"},
                    {accepted_nodes, 4, "accepted_nodes"}, {accept_length, 4, "accept_length"},
                    {bonus_token, 4, "bonus_token"}, {request_status, 4, "request_status"}};
     for (const auto& a : aligned) {
@@ -730,11 +790,12 @@ kdt_status check_pointers(const kdt_trees* trees, const int32_t* stop_tokens, co
 // `sample`: the sampling call, whose `temperature` is checked (ignored otherwise).
 // *empty: an empty batch, nothing to launch (the status is then KDT_OK).
 kdt_status prepare_from_logits(const kdt_trees* trees, const kdt_logits* target_logits, const int32_t* stop_tokens,
-                               int64_t num_stop_tokens, const int64_t* max_commit, int64_t path_capacity,
+                               int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences,
+                               const int64_t* max_commit, int64_t path_capacity,
                                int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
                                int32_t* target_tokens, int32_t* request_status, bool sample, float temperature,
                                Params* p, bool* empty) {
-    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, p);
+    kdt_status st = check_scalars(trees, num_stop_tokens, stop_sequences, path_capacity, p);
     if (st != KDT_OK) return st;
     // Below 1e-6, logit / temperature can overflow float32 and every score become -inf or
     // +inf: the draw would no longer be a sample (greedy is verify_greedy_from_logits).
@@ -897,11 +958,11 @@ kdt_status launch_dtype(const Params& p, void* stream, const char* what) {
 
 extern "C" kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
                                              const int32_t* stop_tokens, int64_t num_stop_tokens,
-                                             const int64_t* max_commit, int64_t path_capacity,
-                                             int32_t* accepted_nodes, int32_t* accept_length, int32_t* bonus_token,
-                                             int32_t* request_status, void* stream) {
+                                             const kdt_stop_sequences* stop_sequences, const int64_t* max_commit,
+                                             int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
+                                             int32_t* bonus_token, int32_t* request_status, void* stream) {
     Params p;
-    kdt_status st = check_scalars(trees, num_stop_tokens, path_capacity, &p);
+    kdt_status st = check_scalars(trees, num_stop_tokens, stop_sequences, path_capacity, &p);
     if (st != KDT_OK) return st;
     if (p.batch == 0) return kdt_ok();
     st = check_pointers(trees, stop_tokens, max_commit, accepted_nodes, accept_length, bonus_token, request_status,
@@ -916,14 +977,15 @@ extern "C" kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32
 
 extern "C" kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                          const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                         const kdt_stop_sequences* stop_sequences,
                                                          const int64_t* max_commit, int64_t path_capacity,
                                                          int32_t* accepted_nodes, int32_t* accept_length,
                                                          int32_t* bonus_token, int32_t* target_tokens,
                                                          int32_t* request_status, void* stream) {
     Params p;
     bool empty = false;
-    const kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, max_commit,
-                                              path_capacity, accepted_nodes, accept_length, bonus_token,
+    const kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, stop_sequences,
+                                              max_commit, path_capacity, accepted_nodes, accept_length, bonus_token,
                                               target_tokens, request_status, false, 0.0f, &p, &empty);
     if (st != KDT_OK || empty) return st;
     return launch_dtype<kArgmax>(p, stream, "kdt_verify_greedy_from_logits_cuda");
@@ -932,14 +994,15 @@ extern "C" kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees,
 extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                          float temperature, uint64_t seed, uint64_t offset,
                                                          const int32_t* stop_tokens, int64_t num_stop_tokens,
+                                                         const kdt_stop_sequences* stop_sequences,
                                                          const int64_t* max_commit, int64_t path_capacity,
                                                          int32_t* accepted_nodes, int32_t* accept_length,
                                                          int32_t* bonus_token, int32_t* target_tokens,
                                                          int32_t* request_status, void* stream) {
     Params p;
     bool empty = false;
-    const kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, max_commit,
-                                              path_capacity, accepted_nodes, accept_length, bonus_token,
+    const kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, stop_sequences,
+                                              max_commit, path_capacity, accepted_nodes, accept_length, bonus_token,
                                               target_tokens, request_status, true, temperature, &p, &empty);
     if (st != KDT_OK || empty) return st;
     p.temperature = temperature;
@@ -951,15 +1014,16 @@ extern "C" kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
 
 extern "C" kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
                                                    const kdt_sampling* sampling, const int32_t* stop_tokens,
-                                                   int64_t num_stop_tokens, const int64_t* max_commit,
-                                                   int64_t path_capacity, int32_t* accepted_nodes,
-                                                   int32_t* accept_length, int32_t* bonus_token,
-                                                   int32_t* target_tokens, int32_t* request_status, void* stream) {
+                                                   int64_t num_stop_tokens, const kdt_stop_sequences* stop_sequences,
+                                                   const int64_t* max_commit, int64_t path_capacity,
+                                                   int32_t* accepted_nodes, int32_t* accept_length,
+                                                   int32_t* bonus_token, int32_t* target_tokens,
+                                                   int32_t* request_status, void* stream) {
     Params p;
     bool empty = false;
-    kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, max_commit,
-                                        path_capacity, accepted_nodes, accept_length, bonus_token, target_tokens,
-                                        request_status, false, 0.0f, &p, &empty);
+    kdt_status st = prepare_from_logits(trees, target_logits, stop_tokens, num_stop_tokens, stop_sequences,
+                                        max_commit, path_capacity, accepted_nodes, accept_length, bonus_token,
+                                        target_tokens, request_status, false, 0.0f, &p, &empty);
     if (st != KDT_OK || empty) return st;
     if (sampling == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "sampling is NULL");
     const struct {

@@ -163,6 +163,18 @@ class KdtTreesRagged(ctypes.Structure):
     ]
 
 
+class KdtStopSequences(ctypes.Structure):
+    """struct kdt_stop_sequences."""
+
+    _fields_ = [
+        ("tokens", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("count", ctypes.c_int64),
+        ("history", ctypes.c_void_p),
+        ("history_length", ctypes.c_int64),
+    ]
+
+
 class KdtDraft(ctypes.Structure):
     """struct kdt_draft."""
 
@@ -298,6 +310,7 @@ _f32 = ctypes.c_float
 _u64 = ctypes.c_uint64
 _logits_p = ctypes.POINTER(KdtLogits)
 _trees_p = ctypes.POINTER(KdtTrees)
+_stops_p = ctypes.POINTER(KdtStopSequences)
 
 # name -> (restype, argtypes); "status" marks a kdt_status return checked by errcheck.
 # Each line mirrors the C prototype in include/kdtree.h.
@@ -324,12 +337,13 @@ SIGNATURES: dict[str, tuple[object, list]] = {
         [ctypes.POINTER(KdtDraft), ctypes.POINTER(KdtTrees), _vp, _sz],
     ),
     # kdt_status kdt_verify_greedy_cpu(const kdt_trees* trees, const int32_t* target_tokens,
-    #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
+    #     const int32_t* stop_tokens, int64_t num_stop_tokens,
+    #     const kdt_stop_sequences* stop_sequences, const int64_t* max_commit,
     #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
     #     int32_t* bonus_token)
     "kdt_verify_greedy_cpu": (
         "status",
-        [ctypes.POINTER(KdtTrees), _vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
+        [ctypes.POINTER(KdtTrees), _vp, _vp, _i64, ctypes.POINTER(KdtStopSequences), _vp, _i64, _vp, _vp, _vp],
     ),
     # kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged* out)
     "kdt_trees_ragged_cpu": ("status", [ctypes.POINTER(KdtTrees), ctypes.POINTER(KdtTreesRagged)]),
@@ -381,32 +395,35 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     int32_t* request_status, void* stream)
     "kdt_trees_ragged_cuda": ("status", [_trees_p, ctypes.POINTER(KdtTreesRagged), _vp, _vp]),
     # kdt_status kdt_verify_greedy_cuda(const kdt_trees* trees, const int32_t* target_tokens,
-    #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
+    #     const int32_t* stop_tokens, int64_t num_stop_tokens,
+    #     const kdt_stop_sequences* stop_sequences, const int64_t* max_commit,
     #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
     #     int32_t* bonus_token, int32_t* request_status, void* stream)
-    "kdt_verify_greedy_cuda": ("status", [_trees_p, _vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp]),
+    "kdt_verify_greedy_cuda": ("status", [_trees_p, _vp, _vp, _i64, _stops_p, _vp, _i64, _vp, _vp, _vp, _vp, _vp]),
     # kdt_status kdt_verify_greedy_from_logits_cuda(const kdt_trees* trees,
     #     const kdt_logits* target_logits, const int32_t* stop_tokens, int64_t num_stop_tokens,
-    #     const int64_t* max_commit, int64_t path_capacity, int32_t* accepted_nodes,
-    #     int32_t* accept_length, int32_t* bonus_token, int32_t* target_tokens,
-    #     int32_t* request_status, void* stream)
+    #     const kdt_stop_sequences* stop_sequences, const int64_t* max_commit,
+    #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
+    #     int32_t* bonus_token, int32_t* target_tokens, int32_t* request_status, void* stream)
     "kdt_verify_greedy_from_logits_cuda": (
-        "status", [_trees_p, _logits_p, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp]),
+        "status", [_trees_p, _logits_p, _vp, _i64, _stops_p, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp]),
     # kdt_status kdt_verify_sample_from_logits_cuda(const kdt_trees* trees,
     #     const kdt_logits* target_logits, float temperature, uint64_t seed, uint64_t offset,
-    #     const int32_t* stop_tokens, int64_t num_stop_tokens, const int64_t* max_commit,
+    #     const int32_t* stop_tokens, int64_t num_stop_tokens,
+    #     const kdt_stop_sequences* stop_sequences, const int64_t* max_commit,
     #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
     #     int32_t* bonus_token, int32_t* target_tokens, int32_t* request_status, void* stream)
     "kdt_verify_sample_from_logits_cuda": (
-        "status", [_trees_p, _logits_p, _f32, _u64, _u64, _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp]),
+        "status", [_trees_p, _logits_p, _f32, _u64, _u64, _vp, _i64, _stops_p, _vp, _i64, _vp, _vp, _vp, _vp, _vp,
+                   _vp]),
     # kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits* target_logits,
     #     const kdt_sampling* sampling, const int32_t* stop_tokens, int64_t num_stop_tokens,
-    #     const int64_t* max_commit, int64_t path_capacity, int32_t* accepted_nodes,
-    #     int32_t* accept_length, int32_t* bonus_token, int32_t* target_tokens,
-    #     int32_t* request_status, void* stream)
+    #     const kdt_stop_sequences* stop_sequences, const int64_t* max_commit,
+    #     int64_t path_capacity, int32_t* accepted_nodes, int32_t* accept_length,
+    #     int32_t* bonus_token, int32_t* target_tokens, int32_t* request_status, void* stream)
     "kdt_verify_sample_batch_cuda": (
-        "status", [_trees_p, _logits_p, ctypes.POINTER(KdtSampling), _vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp,
-                   _vp]),
+        "status", [_trees_p, _logits_p, ctypes.POINTER(KdtSampling), _vp, _i64, _stops_p, _vp, _i64, _vp, _vp, _vp,
+                   _vp, _vp, _vp]),
     # kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths,
     #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
     #     int32_t* request_status, void* stream)

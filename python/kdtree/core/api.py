@@ -141,6 +141,8 @@ def verify_greedy(
     errors: str = "raise",
     stream=None,
     out: Acceptance | None = None,
+    stop_sequences=None,
+    stop_history=None,
 ) -> Acceptance:
     """The verification walk (spec: "Verification"): from the root, move to the child whose
     token equals the target's token at the current node, while one exists.
@@ -152,6 +154,15 @@ def verify_greedy(
         stop_tokens: a sequence of token ids (None: none); an accepted stop token ends the
             walk with no bonus token. A single int is a TypeError (write ``[eos_id]``).
             GPU: also a device int32 ``[S]`` array (used in place: no copy).
+        stop_sequences: None, or multi-token stops: a sequence of token sequences (each 1
+            to 16 ids >= 0, e.g. ``[[13, 14], [7, 8, 9]]``); the walk ends, with no bonus
+            token, after an accepted draft token that completes one of them in the
+            committed stream (``stop_history``, then the tokens accepted this round). A
+            bonus token that completes one is committed; end the request there.
+            (``kdt_stop_sequences``.) GPU: copied to the device at each call.
+        stop_history: None, or ints ``[B, H]``: each request's last committed tokens,
+            right-aligned (the last column is the token the root stands for), -1 where a
+            request has fewer; H = 15 always suffices. Only with ``stop_sequences``.
         max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
             each request may commit this round (remaining ``max_new_tokens``). Any other
             shape (a length-1 list for B > 1 included) is a ValueError. GPU: also a device
@@ -183,9 +194,11 @@ def verify_greedy(
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     if _device.is_device_array(trees.num_nodes):
         return _gpu().verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit,
-                                    errors=errors, stream=stream, out=out)
+                                    errors=errors, stream=stream, out=out, stop_sequences=stop_sequences,
+                                    stop_history=stop_history)
     checks.cpu_only(stream, errors, "verify_greedy")
-    acc = host.verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+    acc = host.verify_greedy(trees, target_tokens, stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
+                             stop_sequences=stop_sequences, stop_history=stop_history)
     return _host_out(out, acc, trees)
 
 
@@ -465,6 +478,8 @@ def verify_greedy_from_logits(
     errors: str = "raise",
     stream=None,
     out: Acceptance | None = None,
+    stop_sequences=None,
+    stop_history=None,
 ) -> Acceptance:
     """Greedy verification from the target's logits: argmax per node (ties: lower id), then
     the walk of :func:`verify_greedy`.
@@ -474,7 +489,7 @@ def verify_greedy_from_logits(
         target_logits: ``[B, N+1, V]`` (``[N+1, V]`` for B = 1): row ``i`` is the target's
             output at tree node ``i`` of its verify forward. GPU: float32 / float16 /
             bfloat16, only the rows the walk visits are read.
-        stop_tokens, max_commit: as :func:`verify_greedy`.
+        stop_tokens, max_commit, stop_sequences, stop_history: as :func:`verify_greedy`.
         errors, stream: as :func:`verify_greedy`.
         out: as :func:`verify_greedy`; on the GPU ``out.target_tokens`` (int32 ``[B, N+1]``,
             or None: not computed) is rewritten whole too.
@@ -491,10 +506,11 @@ def verify_greedy_from_logits(
     if _device.is_device_array(target_logits):
         return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
                                          stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
-                                         stream=stream, out=out)
+                                         stream=stream, out=out, stop_sequences=stop_sequences,
+                                         stop_history=stop_history)
     checks.cpu_only(stream, errors, "verify_greedy_from_logits")
     acc = host.verify_greedy_from_logits(trees, target_logits, stop_tokens=stop_tokens, max_commit=max_commit,
-                                         errors=errors)
+                                         errors=errors, stop_sequences=stop_sequences, stop_history=stop_history)
     return _host_out(out, acc, trees)
 
 
@@ -512,6 +528,8 @@ def verify_sample_from_logits(
     errors: str = "raise",
     stream=None,
     out: Acceptance | None = None,
+    stop_sequences=None,
+    stop_history=None,
 ) -> Acceptance:
     """Sampled verification, lossless for any temperature: one draw per visited node from
     ``softmax(logits / temperature)`` (cut by ``top_k`` / ``top_p`` when given), then the
@@ -525,8 +543,8 @@ def verify_sample_from_logits(
     ``log`` rounding; the cuts are the same on both).
 
     Args:
-        trees, target_logits, stop_tokens, max_commit, errors, stream: as
-            :func:`verify_greedy_from_logits`.
+        trees, target_logits, stop_tokens, max_commit, errors, stream, stop_sequences,
+            stop_history: as :func:`verify_greedy_from_logits`.
         temperature: a real number (every request) or ``[B]`` values: 0 is greedy (the
             argmax, ties lower id) for that request, else finite and >= 1e-6.
         seed, offset: 64-bit unsigned ints, or ``[B]`` of them; advance ``offset`` every
@@ -578,10 +596,12 @@ def verify_sample_from_logits(
             if on_gpu:
                 return _gpu().verify_from_logits(trees, target_logits, temperature=float(t32), seed=seed,
                                                  offset=offset, stop_tokens=stop_tokens, max_commit=max_commit,
-                                                 errors=errors, stream=stream, out=out)
+                                                 errors=errors, stream=stream, out=out, stop_sequences=stop_sequences,
+                                                 stop_history=stop_history)
             checks.cpu_only(stream, errors, "verify_sample_from_logits")
             acc = host.verify_sample_from_logits(trees, target_logits, float(t32), seed=seed, offset=offset,
-                                                 stop_tokens=stop_tokens, max_commit=max_commit, errors=errors)
+                                                 stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
+                                                 stop_sequences=stop_sequences, stop_history=stop_history)
             return _host_out(out, acc, trees)
     batch = trees.batch
     kinds = {"temperature": "float", "seed": "u64", "offset": "u64", "top_p": "float", "top_k": "int"}
@@ -589,14 +609,15 @@ def verify_sample_from_logits(
                 checks.per_request_setting(value, name, batch, kinds[name]) for name, value in given.items()}
     if on_gpu:
         return _gpu().verify_sample_batch(trees, target_logits, settings, stop_tokens=stop_tokens,
-                                          max_commit=max_commit, errors=errors, stream=stream, out=out)
+                                          max_commit=max_commit, errors=errors, stream=stream, out=out,
+                                          stop_sequences=stop_sequences, stop_history=stop_history)
     checks.cpu_only(stream, errors, "verify_sample_from_logits")
     if settings["top_p"] is None:
         settings["top_p"] = np.ones(batch, np.float32)
     if settings["top_k"] is None:
         settings["top_k"] = np.zeros(batch, np.int64)
     acc = host.verify_sample_batch(trees, target_logits, settings, stop_tokens=stop_tokens, max_commit=max_commit,
-                                   errors=errors)
+                                   errors=errors, stop_sequences=stop_sequences, stop_history=stop_history)
     return _host_out(out, acc, trees)
 
 

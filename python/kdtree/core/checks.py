@@ -131,6 +131,48 @@ def stop_token_list(stop_tokens) -> list:
     return list(stop_tokens)
 
 
+MAX_STOP_LENGTH = 16  # KDT_MAX_STOP_LENGTH
+
+
+def stop_sequences(sequences, history, batch: int):
+    """Multi-token stops as (tokens int32, offsets int64, history int32 [B, H] or None), or
+    None when there are none. `sequences`: an iterable of token sequences (each 1 ..
+    MAX_STOP_LENGTH ids >= 0); `history`: [B, H] ints (each request's last committed
+    tokens, right-aligned, -1 where fewer) or None."""
+    if sequences is None:
+        seqs = []
+    else:
+        if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
+            raise type_error(f"stop_sequences must be a sequence of token sequences (for example [[13, 14]]), "
+                             f"got {type(sequences).__name__}")
+        seqs = []
+        for i, seq in enumerate(sequences):
+            if isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
+                raise type_error(f"stop_sequences[{i}] must be a sequence of token ids, got {type(seq).__name__}")
+            items = list(seq)
+            a = int_array(items, f"stop_sequences[{i}]").reshape(-1) if items else np.zeros(0, np.int32)
+            if not 1 <= a.size <= MAX_STOP_LENGTH:
+                raise invalid(f"stop_sequences[{i}] has {a.size} tokens; a stop sequence has 1 to {MAX_STOP_LENGTH}")
+            if (a < 0).any():
+                raise invalid(f"stop_sequences[{i}] holds a negative token id {int(a.min())}")
+            seqs.append(a)
+    if history is not None and not seqs:
+        raise invalid("stop_history is given without stop_sequences")
+    if not seqs:
+        return None
+    tokens = np.ascontiguousarray(np.concatenate(seqs), np.int32)
+    offsets = np.concatenate([[0], np.cumsum([a.size for a in seqs])]).astype(np.int64)
+    hist = None
+    if history is not None:
+        hist = np.ascontiguousarray(int_array(history, "stop_history"))
+        if hist.ndim == 1 and batch == 1:
+            hist = hist[None]
+        if hist.ndim != 2 or hist.shape[0] != batch:
+            raise shape_error(f"stop_history must have shape ({batch}, H) (each request's last committed tokens), "
+                              f"got {np.shape(history)}")
+    return tokens, offsets, hist
+
+
 def commit_caps(max_commit, batch: int) -> np.ndarray:
     """max_commit as int64 [B]: an int (the same cap for every request) or one int per
     request. Any other shape is a ValueError naming max_commit (a length-1 list is not

@@ -446,11 +446,30 @@ def _acceptance(out, like, batch: int, width: int, rows: int, targets: bool, s):
             out.target_tokens if targets else None)
 
 
-def _verify_common(trees, stop_tokens, max_commit, s, out, targets):
+def _stop_sequences(stop_sequences, stop_history, like, batch: int, s):
+    """(struct or None, device arrays to keep alive) for kdt_stop_sequences: host lists are
+    checked (checks.stop_sequences) and copied to the device."""
+    seq = checks.stop_sequences(stop_sequences, stop_history, batch)
+    if seq is None:
+        return None, ()
+    dev.require_not_capturing(like, "stop_sequences are host values and would be copied to the device")
+    tokens, offsets, hist = seq
+    arrays = [dev.from_host(like, tokens), dev.from_host(like, offsets)]
+    h_ptr, h_len = None, 0
+    if hist is not None and hist.shape[1] > 0:
+        arrays.append(dev.from_host(like, hist))
+        h_ptr, h_len = dev.view(arrays[2], "stop_history").ptr, hist.shape[1]
+    struct = _lib.KdtStopSequences(dev.view(arrays[0], "stop_sequences").ptr, dev.view(arrays[1], "offsets").ptr,
+                                   offsets.size - 1, h_ptr, h_len)
+    return struct, arrays
+
+
+def _verify_common(trees, stop_tokens, max_commit, s, out, targets, stop_sequences=None, stop_history=None):
     like = trees.num_nodes
     batch = trees.batch
     tstruct, views = _trees_struct(trees, s)
     stops, sv, nstop = _stop_tokens(stop_tokens, like, s)
+    seq_struct, seq_arrays = _stop_sequences(stop_sequences, stop_history, like, batch, s)
     caps, cv = (None, None)
     if max_commit is not None:
         if dev.is_device_array(max_commit):
@@ -461,8 +480,9 @@ def _verify_common(trees, stop_tokens, max_commit, s, out, targets):
     _same_device(views + [v for v in (sv, cv) if v is not None])
     width = checks.path_capacity(trees)
     outs = _acceptance(out, like, batch, width, trees.budget + 1, targets, s)
-    keep = (stops, caps)
-    ptrs = (sv.ptr if sv else None, nstop, cv.ptr if cv else None, width,
+    keep = (stops, caps, seq_struct, seq_arrays)
+    ptrs = (sv.ptr if sv else None, nstop, None if seq_struct is None else ctypes.byref(seq_struct),
+            cv.ptr if cv else None, width,
             dev.view(outs[0], "a").ptr, dev.view(outs[1], "l").ptr, dev.view(outs[2], "b").ptr)
     return tstruct, views, ptrs, outs, keep
 
@@ -473,13 +493,15 @@ def _result(out, outs) -> Acceptance:
     return Acceptance(*outs[:3], request_status=outs[3], target_tokens=outs[4])
 
 
-def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, errors, stream, out=None) -> Acceptance:
+def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, errors, stream, out=None,
+                  stop_sequences=None, stop_history=None) -> Acceptance:
     checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
     lib = _lib.load()
     with dev.on_device(like):
-        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, False)
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, False,
+                                                          stop_sequences, stop_history)
         target, tv = _optional(target_tokens, "target_tokens", "int32", (trees.batch, trees.budget + 1), like, s)
         _same_device([*views, tv])
         lib.kdt_verify_greedy_cuda(ctypes.byref(tstruct), tv.ptr, *ptrs, dev.view(outs[3], "s").ptr, s)
@@ -490,7 +512,7 @@ def verify_greedy(trees: TreeBatch, target_tokens, *, stop_tokens, max_commit, e
 
 
 def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, offset, stop_tokens, max_commit,
-                       errors, stream, out=None) -> Acceptance:
+                       errors, stream, out=None, stop_sequences=None, stop_history=None) -> Acceptance:
     checks.check_errors(errors)
     like = trees.num_nodes
     s = dev.current_stream(like, stream)
@@ -498,7 +520,8 @@ def verify_from_logits(trees: TreeBatch, target_logits, *, temperature, seed, of
     struct = _logits_struct(v, "target_logits")
     lib = _lib.load()
     with dev.on_device(like):
-        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True)
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True,
+                                                          stop_sequences, stop_history)
         _same_device([*views, v])
         tail = (dev.view(outs[4], "t").ptr if outs[4] is not None else None, dev.view(outs[3], "s").ptr, s)
         if temperature is None:
@@ -521,7 +544,7 @@ _SETTING_DTYPES = {"temperature": ("float32",), "top_p": ("float32",), "top_k": 
 
 
 def verify_sample_batch(trees: TreeBatch, target_logits, settings: dict, *, stop_tokens, max_commit, errors, stream,
-                        out=None) -> Acceptance:
+                        out=None, stop_sequences=None, stop_history=None) -> Acceptance:
     """kdt_verify_sample_batch_cuda; settings: name -> device array, host [B] array (copied
     to the device here), or None (top_p, top_k: no cut)."""
     checks.check_errors(errors)
@@ -532,7 +555,8 @@ def verify_sample_batch(trees: TreeBatch, target_logits, settings: dict, *, stop
     batch = trees.batch
     lib = _lib.load()
     with dev.on_device(like):
-        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True)
+        tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True,
+                                                          stop_sequences, stop_history)
         staged, ptr_of = [], {}
         for name, value in settings.items():
             if value is None:

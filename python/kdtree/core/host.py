@@ -259,7 +259,20 @@ def _build_each(lib, lp, ids, roots, pos, limits, vocab: int, pad: int, out: Tre
         out.tokens[b, 0] = root_tok[0]
 
 
-def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors):
+def stops_struct(seq, b: int | None = None) -> _lib.KdtStopSequences | None:
+    """The C view of checks.stop_sequences' result (None: no sequences); b: request b's
+    history row alone (a batch of one)."""
+    if seq is None:
+        return None
+    tokens, offsets, hist = seq
+    h_ptr, h_len = None, 0
+    if hist is not None and hist.shape[1] > 0:
+        h_ptr = checks.ptr(hist) + (0 if b is None else b * hist.strides[0])
+        h_len = hist.shape[1]
+    return _lib.KdtStopSequences(checks.ptr(tokens), checks.ptr(offsets), offsets.size - 1, h_ptr, h_len)
+
+
+def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors, stop_sequences=None, stop_history=None):
     check_tree_fields(trees, TREE_FIELDS)  # the C view takes every field's address
     batch, rows = trees.batch, trees.budget + 1
     target = checks.int_array(target_tokens, "target_tokens")
@@ -270,6 +283,7 @@ def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors):
     stop_list = checks.stop_token_list(stop_tokens)
     stops = checks.int_array(stop_list if stop_list else np.zeros(0, np.int32), "stop_tokens").reshape(-1)
     caps = None if max_commit is None else checks.commit_caps(max_commit, batch)
+    seq = checks.stop_sequences(stop_sequences, stop_history, batch)
     width = checks.path_capacity(trees)
     memory.outputs_fit(batch * width * 4, f"the accepted paths of {batch} request(s) ([B, {width}] int32)")
     accepted = np.empty((batch, width), np.int32)
@@ -280,8 +294,10 @@ def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors):
     struct = trees_struct(trees)
     stop_ptr = checks.ptr(stops) if stops.size else None
     try:
-        lib.kdt_verify_greedy_cpu(ctypes.byref(struct), checks.ptr(target), stop_ptr, stops.size, checks.ptr(caps),
-                                  width, checks.ptr(accepted), checks.ptr(length), checks.ptr(bonus))
+        whole = stops_struct(seq)
+        lib.kdt_verify_greedy_cpu(ctypes.byref(struct), checks.ptr(target), stop_ptr, stops.size,
+                                  None if whole is None else ctypes.byref(whole), checks.ptr(caps), width,
+                                  checks.ptr(accepted), checks.ptr(length), checks.ptr(bonus))
     except _lib.KdtreeError as exc:
         if errors == "raise" or checks.failed_request(exc) is None:
             raise
@@ -290,7 +306,9 @@ def verify_greedy(trees, target_tokens, *, stop_tokens, max_commit, errors):
         for b in range(batch):
             at = lambda a, b=b: checks.ptr(a) + b * a.strides[0]  # noqa: E731
             try:
+                one_seq = stops_struct(seq, b)
                 lib.kdt_verify_greedy_cpu(ctypes.byref(request_struct(trees, b)), at(target), stop_ptr, stops.size,
+                                          None if one_seq is None else ctypes.byref(one_seq),
                                           None if caps is None else at(caps), width, at(accepted), at(length),
                                           at(bonus))
             except _lib.KdtreeError as one:
@@ -482,13 +500,16 @@ def tree_attention_mask(trees, prefix_lengths, *, kind, dtype, columns, errors):
     return TreeMask(np.where(dense, np.float32(0), np.float32(lowest)).astype(np_dtype), None, positions, status)
 
 
-def verify_greedy_from_logits(trees, target_logits, *, stop_tokens, max_commit, errors):
+def verify_greedy_from_logits(trees, target_logits, *, stop_tokens, max_commit, errors, stop_sequences=None,
+                              stop_history=None):
     x = _target_logits(trees, target_logits, "target_logits")
     return _walk_from_rows(trees, x, _argmax_rows(x), False, stop_tokens=stop_tokens, max_commit=max_commit,
+                           stop_sequences=stop_sequences, stop_history=stop_history,
                            errors=errors)
 
 
-def verify_sample_from_logits(trees, target_logits, temperature, *, seed, offset, stop_tokens, max_commit, errors):
+def verify_sample_from_logits(trees, target_logits, temperature, *, seed, offset, stop_tokens, max_commit, errors, stop_sequences=None,
+                              stop_history=None):
     x = _target_logits(trees, target_logits, "target_logits")
     batch, rows = trees.batch, trees.budget + 1
     draws = np.zeros((batch, rows), np.int32)
@@ -496,10 +517,12 @@ def verify_sample_from_logits(trees, target_logits, temperature, *, seed, offset
         n = min(max(int(trees.num_nodes[b]), 0), trees.budget) + 1
         draws[b, :n] = sampling.gumbel_draws(x[b, :n], temperature, seed, offset, b, np.arange(n))
     return _walk_from_rows(trees, x, draws, True, stop_tokens=stop_tokens, max_commit=max_commit,
+                           stop_sequences=stop_sequences, stop_history=stop_history,
                            errors=errors)
 
 
-def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_commit, errors):
+def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_commit, errors, stop_sequences=None,
+                              stop_history=None):
     """Sampled verification with per-request settings (``settings``: temperature float32,
     top_p float32, top_k int64, seed and offset uint64, each [B]), the host twin of
     ``kdt_verify_sample_batch_cuda``: a request whose settings are invalid fails alone
@@ -517,7 +540,8 @@ def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_comm
         n = min(max(int(trees.num_nodes[b]), 0), trees.budget) + 1
         draws[b, :n] = sampling.batch_draws(x[b, :n], t, p, k, int(settings["seed"][b]), int(settings["offset"][b]),
                                             b, np.arange(n))
-    walk = dict(stop_tokens=stop_tokens, max_commit=max_commit)
+    walk = dict(stop_tokens=stop_tokens, max_commit=max_commit,
+                           stop_sequences=stop_sequences, stop_history=stop_history)
     acc = _walk_from_rows(trees, x, draws, True, errors="status", **walk)
     status = acc.request_status
     # The links (KDT_ERR_VALUE) and the cap (KDT_ERR_INVALID_ARGUMENT) come first; a walk

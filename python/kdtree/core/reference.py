@@ -203,16 +203,22 @@ def verify_greedy(
     *,
     stop_tokens: Iterable[int] = (),
     max_commit=None,
+    stop_sequences=None,
+    stop_history=None,
 ) -> Acceptance:
     """Reference for :func:`kdtree.verify_greedy` (spec: "Verification").
 
     Walks from the root while the target's token at the current node is the token of one
-    of its children; a stop token ends the walk with no bonus; ``max_commit`` caps the
-    committed tokens (accepted + bonus).
+    of its children; a stop token, or an accepted token that makes the committed stream
+    (``stop_history[b]``, then the accepted tokens) end with one of ``stop_sequences``,
+    ends the walk with no bonus; ``max_commit`` caps the committed tokens (accepted +
+    bonus).
     """
     target = np.asarray(target_tokens)
     batch = trees.batch
     stops = {int(t) for t in stop_tokens}
+    sequences = [tuple(int(t) for t in seq) for seq in (stop_sequences or [])]
+    history = None if stop_history is None else np.asarray(stop_history).reshape(batch, -1)
     caps: Sequence[int | None]
     if max_commit is None:
         caps = [None] * batch
@@ -241,7 +247,9 @@ def verify_greedy(
                 break
             path.append(nxt)
             cur = nxt
-            if want in stops:
+            stream = ([] if history is None else [int(t) for t in history[b]]) + \
+                [int(trees.tokens[b, i]) for i in path[1:]]
+            if want in stops or any(len(q) <= len(stream) and tuple(stream[-len(q):]) == q for q in sequences):
                 stopped = True
                 break
         tokens = [int(trees.tokens[b, i]) for i in path[1:]]
