@@ -596,6 +596,27 @@ KDT_API kdt_status kdt_trees_build_from_logits_cuda(const kdt_logits* logits, in
                                                     void* workspace, size_t workspace_bytes,
                                                     void* stream);
 
+/*
+ * kdt_topk_merge_cpu on the GPU: the same arguments as device arrays, one thread block per
+ * row, stream-ordered, no allocation, capturable in a CUDA graph. The ids and their order
+ * are the CPU merge's; the log-sum-exp is combined by the same float64 operations in the
+ * same order, with CUDA's exp and log1p (within 1-2 ulp of the C library's), so a log-prob
+ * is within one float32 ulp of the CPU merge's.
+ * k:            0 .. min(vocab, 1024).
+ * row_status:   device int32 [rows]: KDT_OK, or KDT_ERR_VALUE for a row the CPU merge
+ *               rejects (an unsorted list, an id outside [0, vocab), a NaN or +inf logit,
+ *               statistics no shard gives, an id listed by two shards within the first k,
+ *               every logit -inf); such a row's log-probs are NaN and its ids 0 .. k-1.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (shards outside [1,
+ * KDT_TOPK_MAX_SHARDS], k past min(vocab, 1024), rows past INT32_MAX, a misaligned array),
+ * KDT_ERR_OVERFLOW, KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_ids,
+                                       const float* shard_max, const double* shard_sum_rest,
+                                       int64_t shards, int64_t rows, int64_t k, int64_t vocab,
+                                       float* out_logprobs, int32_t* out_ids, int32_t* row_status,
+                                       void* stream);
+
 /* Layouts of kdt_tree_attention_mask_cuda's output. Fixed values. */
 typedef enum kdt_mask_kind {
     KDT_MASK_BOOL = 0,          /* uint8 [B, N+1, C]: 1 visible, 0 hidden                    */

@@ -147,3 +147,9 @@ kdt_status kdt_trees_ragged_cuda(const kdt_trees* trees, kdt_trees_ragged* out, 
                                  void* stream) {
     return no_cuda("kdt_trees_ragged_cuda");
 }
+
+kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_ids, const float* shard_max,
+                               const double* shard_sum_rest, int64_t shards, int64_t rows, int64_t k, int64_t vocab,
+                               float* out_logprobs, int32_t* out_ids, int32_t* row_status, void* stream) {
+    return no_cuda("kdt_topk_merge_cuda");
+}

@@ -240,3 +240,59 @@ def test_ranks_whose_slices_do_not_tile_the_vocabulary_fail_alike(gloo, tmp_path
     errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "offset")]
     assert len(set(errors)) == 1
     assert "do not tile [0, 3001): rank 2 starts at 1901, leaving a gap after 1900" in errors[0]
+
+
+# ---- the merge on the GPU (kdt_topk_merge_cuda) --------------------------------------------------
+
+
+def _to_device(torch, device, arrays):
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shards, k", [(1, 8), (2, 64), (8, 64), (5, 1), (3, 300)])
+def test_gpu_merge_equals_the_cpu_merge(cuda_device, shards, k):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(shards * 31 + k)
+    vocab = 4099
+    logits = (rng.standard_normal((4, 16, vocab)) * 4).astype(np.float32)
+    logits[0, 0, :200] = 7.25  # ties across shard boundaries
+    logits[1, 2, ::3] = -np.inf
+    logits[2, 4] = np.round(logits[2, 4])
+    edges = split_points(rng, vocab, shards, k)
+    parts = [kdtree.topk_shard(logits[..., a:b], k, int(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    stack = [np.stack([p[i] for p in parts]) for i in range(4)]
+    cpu = kdtree.topk_merge(*stack, vocab)
+    gpu = kdtree.topk_merge(*_to_device(torch, cuda_device, stack), vocab)
+    np.testing.assert_array_equal(gpu.ids.cpu().numpy(), cpu.ids)
+    got, want = gpu.logprobs.cpu().numpy(), cpu.logprobs
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert (ulps <= 1).all(), f"log-probs differ by up to {ulps.max()} ulp"
+    assert (gpu.row_status.cpu().numpy() == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_merge_flags_the_rows_the_cpu_rejects(cuda_device):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((2, 3, 50)).astype(np.float32)
+    parts = [kdtree.topk_shard(logits[..., :25], 4, 0), kdtree.topk_shard(logits[..., 25:], 4, 25)]
+    lg, ids, mx, se = (np.stack([p[i] for p in parts]) for i in range(4))
+    lg[1, 0, 1, [1, 2]] = lg[1, 0, 1, [2, 1]]      # row 1: unsorted
+    ids[0, 1, 0, 3] = 50                          # row 3: id out of range
+    se[1, 1, 2] = 1e308                           # row 5: a rest no shard gives
+    out = kdtree.topk_merge(*_to_device(torch, cuda_device, (lg, ids, mx, se)), 50, errors="status")
+    status = out.row_status.cpu().numpy().reshape(-1)
+    value = _lib.STATUS["KDT_ERR_VALUE"]
+    assert status.tolist() == [0, value, 0, value, 0, value]
+    bad_rows = out.logprobs.cpu().numpy().reshape(6, 4)[[1, 3, 5]]
+    assert np.isnan(bad_rows).all()
+    assert (out.ids.cpu().numpy().reshape(6, 4)[[1, 3, 5]] == np.arange(4)).all()
+    good = kdtree.topk_logprobs(logits, 4).ids.reshape(6, 4)
+    np.testing.assert_array_equal(out.ids.cpu().numpy().reshape(6, 4)[[0, 2, 4]], good[[0, 2, 4]])
+    with pytest.raises(kdtree.KdtreeError, match="row 1"):
+        kdtree.topk_merge(*_to_device(torch, cuda_device, (lg, ids, mx, se)), 50)
+    # The same shard twice: a duplicate within the first k.
+    twice = [np.stack([f[0], f[0]]) for f in (lg, ids, mx, se)]
+    out = kdtree.topk_merge(*_to_device(torch, cuda_device, twice), 50, errors="status")
+    assert (out.row_status.cpu().numpy() == _lib.STATUS["KDT_ERR_VALUE"]).all()

@@ -7,16 +7,18 @@ previous iteration left in L2. Baselines run in the same process on the same inp
    ``torch.logsumexp`` on ``.float()`` logits (the published path), with the achieved
    read bandwidth next to the device copy bandwidth measured here (``copy_`` of an equally
    large buffer; bytes read + written over time).
-2. tree build, B=64, L=16, N in {64, 256, 1024}, peaked and flat drafters: kdtree GPU
+2. the vocabulary-sharded top-k's merge (T = 8 shards of V = 163,840) against the top-k
+   of the gathered logits, and the bytes each moves.
+3. tree build, B=64, L=16, N in {64, 256, 1024}, peaked and flat drafters: kdtree GPU
    (from the top-k) vs kdtree's CPU builder (one call, whole batch) vs the published path
    (the top-k copied to the host, then the Python heap per request, kdtree.reference).
-3. per-request budgets: B=64 requests with budgets drawn from 1..256 in one call, against
+4. per-request budgets: B=64 requests with budgets drawn from 1..256 in one call, against
    the batch at its mean budget and padded to the largest (GPU and CPU).
-4. the whole round's overhead for B=64, N=64 (top-k + build from drafter logits, masks,
+5. the whole round's overhead for B=64, N=64 (top-k + build from drafter logits, masks,
    greedy verify from target logits, KV compaction) under one CUDA graph vs the published
    path (torch top-k/logsumexp, host heap per request, masks on the host then copied,
    torch argmax over every node, the walk on the host, torch gather for compaction).
-5. tree attention (the verify forward's attention, one layer, 32 / 8 heads of 128, bf16,
+6. tree attention (the verify forward's attention, one layer, 32 / 8 heads of 128, bf16,
    B x prefix x rows from 1 x 4k x 9 to 16 x 16k x 257): kdtree vs SDPA with the tree
    mask, transformers' sdpa path, SDPA on the prefix alone, and the floor
    (tools/bench_tree_attention.py, which also runs alone).
@@ -194,6 +196,28 @@ def bench_limits(gen, repeats: int, max_budget: int = 256) -> dict:
     return dict(gpu=gpu, cpu=cpu, exact=exact)
 
 
+def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dict:
+    """The vocabulary-sharded top-k's merge (kdt_topk_merge_cuda) for B x L rows, K, T
+    shards: the shards' summaries made on the host (kdtree.topk_shard), the merge timed on
+    the GPU in a CUDA graph, next to the top-k of the gathered bf16 logits on one GPU."""
+    rng = np.random.default_rng(2026)
+    logits = rng.standard_normal((B, L, vocab), dtype=np.float32) * 3
+    edges = np.linspace(0, vocab, shards + 1).astype(int)
+    parts = [kdtree.topk_shard(logits[..., a:b], K, int(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    stack = [torch.from_numpy(np.ascontiguousarray(np.stack([p[i] for p in parts]))).cuda() for i in range(4)]
+    graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
+    merge = cuda_median_us(lambda g: g.replay(), graphs, repeats)
+    full = torch.from_numpy(logits).cuda().to(torch.bfloat16)
+    gathered = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: kdtree.topk_logprobs(x, K, errors="status"),
+                                                              [full]), repeats)
+    got = kdtree.topk_merge(*stack, vocab)
+    want = kdtree.topk_merge(*[t.cpu().numpy() for t in stack], vocab)
+    same = bool(np.array_equal(got.ids.cpu().numpy(), want.ids))
+    shard_bytes = shards * B * L * (K * 8 + 12)
+    return dict(merge=merge, gathered=gathered, same=same, shard_bytes=shard_bytes,
+                full_bytes=B * L * vocab * 2, shards=shards, vocab=vocab)
+
+
 def published_round(draft, target, prefix_host, k_cache, v_cache, budget):
     """The published path: torch top-k, host heap per request, host masks copied up,
     torch argmax at every node, host walk, torch gather for the compaction."""
@@ -280,7 +304,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["topk", "build", "limits", "round", "attention"])
+                        choices=["topk", "merge", "build", "limits", "round", "attention"])
     parser.add_argument("--dump-topk", metavar="PREFIX",
                         help="write the GPU top-k of one peaked bf16 drafter batch (the round's shapes) to "
                              "PREFIX.lp (float32 [B, L, K]) and PREFIX.ids (int32), raw, for "
@@ -314,6 +338,17 @@ def main() -> None:
               f"{100 * theirs_gbs / r['copy_gbs']:.0f}% | 1.00x |")
         print(f"floor at the measured copy rate: {r['nbytes'] / (r['copy_gbs'] * 1e3):.1f} us; "
               f"ids equal to torch's: {100 * r['same_ids']:.2f}%, max |log-prob diff| {r['max_err']:.2e}\n")
+    if "merge" not in args.skip:
+        r = bench_merge(gen, args.repeats)
+        print(f"## sharded top-k merge: B={B}, L={L}, K={K}, T={r['shards']} shards of V={r['vocab']} "
+              "(goal: < 10 us; gathered bytes < 1% of the logits')")
+        print("| variant | us | bytes moved between GPUs |")
+        print("|---|---|---|")
+        print(f"| kdtree merge of the shards' summaries (CUDA graph) | {r['merge']:.1f} | "
+              f"{r['shard_bytes'] / 1e6:.2f} MB ({100 * r['shard_bytes'] / r['full_bytes']:.2f}%) |")
+        print(f"| top-k of the gathered bf16 logits on one GPU | {r['gathered']:.1f} | "
+              f"{r['full_bytes'] / 1e6:.1f} MB (100%) |")
+        print(f"ids equal to the CPU merge's: {r['same']}\n")
     if "build" not in args.skip:
         print(f"## tree build: B={B}, L={L}, K=N, V=32,000 (drafter logits -> top-k on the GPU first)")
         print("| drafter | N | kdtree GPU us (graph) | kdtree CPU us (batch) | published us (host heap) | "

@@ -391,6 +391,11 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     int32_t kind, int64_t columns, void* mask, size_t mask_bytes, int32_t* mask_indptr,
     #     int64_t* positions, int32_t* request_status, void* stream)
     "kdt_tree_attention_mask_cuda": ("status", [_trees_p, _vp, _i32, _i64, _vp, _sz, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_ids,
+    #     const float* shard_max, const double* shard_sum_rest, int64_t shards, int64_t rows,
+    #     int64_t k, int64_t vocab, float* out_logprobs, int32_t* out_ids, int32_t* row_status,
+    #     void* stream)
+    "kdt_topk_merge_cuda": ("status", [_vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _vp]),
     # kdt_status kdt_trees_ragged_cuda(const kdt_trees* trees, kdt_trees_ragged* out,
     #     int32_t* request_status, void* stream)
     "kdt_trees_ragged_cuda": ("status", [_trees_p, ctypes.POINTER(KdtTreesRagged), _vp, _vp]),

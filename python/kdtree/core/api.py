@@ -302,7 +302,8 @@ def topk_shard(logits, k: int, vocab_offset: int) -> TopKShard:
     return host.topk_shard(logits, k, vocab_offset)
 
 
-def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int) -> TopK:
+def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int, *, errors: str = "raise",
+               stream=None) -> TopK:
     """The global top-k log-probs from T shards' :func:`topk_shard` outputs, stacked on a
     leading axis (``[T, ..., k]``, ``[T, ...]``); the shards hold disjoint vocabulary ranges
     covering ``vocab`` entries.
@@ -315,8 +316,15 @@ def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int) -
     every tested row). ``kdt_topk_merge_cpu``; the shards' bytes per row are ``k * 8 + 12``
     (against ``2 V`` for bfloat16 logits).
 
+    GPU (every input a CUDA array: ``shard_logits`` / ``shard_max`` float32, ``shard_ids``
+    int32, ``shard_sum_rest`` float64, C-contiguous): ``kdt_topk_merge_cuda``, one launch,
+    the same ids and order, log-probs within one float32 ulp of the CPU merge's; a bad row
+    gets ``KDT_ERR_VALUE`` in ``row_status`` (NaN log-probs, ids 0 .. k-1), raised with
+    ``errors="raise"`` (which synchronises), recorded only with ``"status"``. k <= 1024.
+
     Returns:
-        :class:`TopK` ``(logprobs float32 [..., k], ids int32 [..., k])``, row statuses 0.
+        :class:`TopK` ``(logprobs float32 [..., k], ids int32 [..., k])`` and the row
+        statuses (host: 0; a host call raises instead).
 
     Raises:
         KdtreeError: T outside [1, 1024], shapes that disagree, an unsorted shard list, an
@@ -325,6 +333,10 @@ def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int) -
         leading axes, and the entry). A shard with a wrong offset whose ids do not collide
         in the top k is not detected (:mod:`kdtree.distributed` checks the ranks' ranges).
     """
+    if _device.is_device_array(shard_logits):
+        return _gpu().topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab, errors=errors,
+                                 stream=stream)
+    checks.cpu_only(stream, errors, "topk_merge")
     return host.topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab)
 
 

@@ -854,3 +854,37 @@ def ragged_trees(trees: TreeBatch, *, capacity, errors, stream) -> RaggedTrees:
     if errors == "raise":
         _raise_on_status(status, "ragged_trees")
     return out
+
+
+def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int, *, errors, stream) -> TopK:
+    checks.check_errors(errors)
+    s = dev.current_stream(shard_logits, stream)
+    lg = _view(shard_logits, "shard_logits", "float32", None, s)
+    if len(lg.shape) < 2:
+        raise checks.shape_error(f"shard_logits must be [T, ..., k], got shape {lg.shape}")
+    shards, lead, k = lg.shape[0], lg.shape[1:-1], lg.shape[-1]
+    ids = _view(shard_ids, "shard_ids", "int32", None, s)
+    mx = _view(shard_max, "shard_max", "float32", None, s)
+    se = _view(shard_sum_rest, "shard_sum_rest", "float64", None, s)
+    for name, v, want in (("shard_ids", ids, lg.shape), ("shard_max", mx, lg.shape[:-1]),
+                          ("shard_sum_rest", se, lg.shape[:-1])):
+        if v.shape != want:
+            raise checks.shape_error(f"{name} has shape {v.shape}, expected {want} (shard_logits is {lg.shape})")
+    _same_device([lg, ids, mx, se])
+    vocab = checks.int_scalar(vocab, "vocab", max(1, k), 2**31)
+    checks.int_scalar(shards, "shards (the leading axis of shard_logits)", 1, 1024)
+    if k > 1024:
+        raise checks.range_error(f"k must be at most 1024 on the GPU, got {k}")
+    rows = int(np.prod(lead, dtype=np.int64))
+    with dev.on_device(shard_logits):
+        out_lp = dev.empty(shard_logits, lead + (k,), "float32")
+        out_ids = dev.empty(shard_logits, lead + (k,), "int32")
+        status = dev.empty(shard_logits, lead if lead else (1,), "int32")
+        if rows > 0:
+            _lib.load().kdt_topk_merge_cuda(lg.ptr, ids.ptr, mx.ptr, se.ptr, shards, rows, k, vocab,
+                                            dev.view(out_lp, "out").ptr if k else None,
+                                            dev.view(out_ids, "out").ptr if k else None,
+                                            dev.view(status, "status").ptr, s)
+    if errors == "raise" and rows > 0:
+        _raise_on_status(status, "topk_merge", unit="row")
+    return TopK(out_lp, out_ids, status)

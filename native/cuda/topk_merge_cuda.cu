@@ -1,0 +1,239 @@
+// The vocabulary-sharded top-k's merge on the GPU: kdt_topk_merge_cuda (kdtree.h), the
+// device twin of kdt_topk_merge_cpu (native/topk.c). One block per row:
+//   1. checks every shard's list and statistics as the CPU does (a failed row: NaN
+//      log-probs, ids 0 .. k-1, KDT_ERR_VALUE);
+//   2. ranks every candidate: an entry at position i of shard t is preceded, in the merged
+//      order (logit descending, ties lower id), by its i predecessors in its own list and,
+//      in every other list, by the entries that come before it, counted by binary search;
+//      an entry whose rank is below k is written there. The same (logit, id) in two lists
+//      (the CPU's duplicate) gives two entries one rank; it is an error where the CPU's
+//      merge would meet it, both copies within the first k;
+//   3. thread 0 combines the log-sum-exp in float64 in shard order with the CPU's
+//      compensated sum; every output is (logit - m) - log1p(rest), rounded once.
+// exp and log1p are CUDA's float64 functions (within 1-2 ulp of the C library's), so a
+// log-prob is within one float32 ulp of the CPU merge's; ids and order are the same.
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+struct MergeParams {
+    const float* logits;  // [T, rows, k]
+    const int32_t* ids;   // [T, rows, k]
+    const float* max;     // [T, rows]
+    const double* rest;   // [T, rows]
+    int64_t shards, rows, k, vocab;
+    float* out_lp;        // [rows, k]
+    int32_t* out_ids;     // [rows, k]
+    int32_t* status;      // [rows]
+};
+
+__device__ __forceinline__ bool worse(float va, int32_t ia, float vb, int32_t ib) {
+    return va < vb || (va == vb && ia > ib);
+}
+
+// Entries of the sorted list (v, id)[0..k) that come before (x, xi): the first position
+// whose entry is not better than it. *equal: that entry is (x, xi) itself.
+__device__ __forceinline__ int64_t better_count(const float* v, const int32_t* id, int64_t k, float x, int32_t xi,
+                                                bool* equal) {
+    int64_t lo = 0, hi = k;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (worse(x, xi, v[mid], id[mid])) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    *equal = lo < k && v[lo] == x && id[lo] == xi;
+    return lo;
+}
+
+struct CompSum {
+    double sum, carry;
+};
+
+__device__ __forceinline__ void comp_add(CompSum* a, double term) {
+    const double t = a->sum + term;
+    a->carry += fabs(a->sum) >= fabs(term) ? (a->sum - t) + term : (term - t) + a->sum;
+    a->sum = t;
+}
+
+__global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
+    __shared__ int s_bad;
+    __shared__ double s_log_sum;
+    __shared__ float s_max;
+    const int64_t r = blockIdx.x;
+    const int64_t T = p.shards, R = p.rows, k = p.k;
+    const size_t per_shard = (size_t)R * (size_t)k;
+    if (threadIdx.x == 0) s_bad = 0;
+    __syncthreads();
+    // 1. The checks (check_shard_row), and the row's max.
+    int bad = 0;
+    for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+        const size_t cell = (size_t)t * (size_t)R + (size_t)r;
+        const float m = p.max[cell];
+        const double rest = p.rest[cell];
+        const float* v = p.logits + (size_t)t * per_shard + (size_t)r * (size_t)k;
+        bad |= isnan(m) || m == INFINITY || !(rest >= 0.0) || rest > (double)p.vocab || (m == -INFINITY && rest != 0.0) ||
+               (k > 0 && v[0] != m);
+    }
+    for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
+        const int64_t t = e / k, c = e % k;
+        const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k + (size_t)c;
+        const float x = p.logits[at];
+        const int32_t xi = p.ids[at];
+        bad |= xi < 0 || (int64_t)xi >= p.vocab || isnan(x) || x == INFINITY;
+        if (c > 0) bad |= !worse(x, xi, p.logits[at - 1], p.ids[at - 1]);
+    }
+    if (bad) atomicOr(&s_bad, 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = -INFINITY;
+        for (int64_t t = 0; t < T; t++) {
+            const float mt = p.max[(size_t)t * (size_t)R + (size_t)r];
+            if (mt > m) m = mt;
+        }
+        s_max = m;
+        if (m == -INFINITY) s_bad = 1;  // every logit is -inf
+    }
+    __syncthreads();
+    const bool row_bad = s_bad != 0;
+    // 2. Ranks (valid rows only: the lists are sorted there).
+    if (!row_bad) {
+        for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
+            const int64_t t = e / k, i = e % k;
+            const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k + (size_t)i;
+            const float x = p.logits[at];
+            const int32_t xi = p.ids[at];
+            int64_t rank = i;
+            bool twin = false;
+            for (int64_t u = 0; u < T && rank < k; u++) {
+                if (u == t) continue;
+                const size_t base = (size_t)u * per_shard + (size_t)r * (size_t)k;
+                bool equal = false;
+                rank += better_count(p.logits + base, p.ids + base, k, x, xi, &equal);
+                twin |= equal;
+            }
+            if (rank >= k) continue;
+            if (twin) {
+                // Two copies take merged positions rank and rank + 1 (the CPU meets the
+                // second at rank + 1 < k); the copy of the lower shard writes.
+                if (rank + 1 < k) atomicOr(&s_bad, 1);
+                bool first = true;
+                for (int64_t u = 0; u < t; u++) {
+                    const size_t base = (size_t)u * per_shard + (size_t)r * (size_t)k;
+                    bool equal = false;
+                    (void)better_count(p.logits + base, p.ids + base, k, x, xi, &equal);
+                    first &= !equal;
+                }
+                if (!first) continue;
+            }
+            p.out_lp[(size_t)r * (size_t)k + (size_t)rank] = x;  // the logit for now
+            p.out_ids[(size_t)r * (size_t)k + (size_t)rank] = xi;
+        }
+    }
+    __syncthreads();
+    // 3. The log-sum-exp, as the CPU combines it.
+    if (threadIdx.x == 0 && s_bad == 0) {
+        const float m = s_max;
+        CompSum s = {0.0, 0.0};
+        bool top = false;
+        for (int64_t t = 0; t < T; t++) {
+            const size_t cell = (size_t)t * (size_t)R + (size_t)r;
+            const float mt = p.max[cell];
+            if (mt == -INFINITY) continue;
+            if (!top && mt == m) {
+                comp_add(&s, p.rest[cell]);
+                top = true;
+                continue;
+            }
+            const double scale = mt == m ? 1.0 : exp((double)mt - (double)m);
+            comp_add(&s, scale);
+            comp_add(&s, p.rest[cell] * scale);
+        }
+        s_log_sum = log1p(s.sum + s.carry);
+    }
+    __syncthreads();
+    const bool failed = s_bad != 0;
+    if (threadIdx.x == 0) p.status[r] = failed ? KDT_ERR_VALUE : KDT_OK;
+    float* ov = p.out_lp + (size_t)r * (size_t)k;
+    int32_t* oi = p.out_ids + (size_t)r * (size_t)k;
+    const double m = (double)s_max, log_sum = s_log_sum;
+    for (int64_t c = threadIdx.x; c < k; c += blockDim.x) {
+        if (failed) {
+            ov[c] = NAN;
+            oi[c] = (int32_t)c;
+        } else {
+            ov[c] = (float)(((double)ov[c] - m) - log_sum);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_ids, const float* shard_max,
+                                          const double* shard_sum_rest, int64_t shards, int64_t rows, int64_t k,
+                                          int64_t vocab, float* out_logprobs, int32_t* out_ids, int32_t* row_status,
+                                          void* stream) {
+    if (shards < 1 || shards > KDT_TOPK_MAX_SHARDS || rows < 0 || k < 0 || vocab < 1 ||
+        vocab > (int64_t)INT32_MAX + 1) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT,
+                        "shards (%lld) must be in [1, %d], rows (%lld) and k (%lld) >= 0, vocab (%lld) in [1, 2^31]",
+                        (long long)shards, KDT_TOPK_MAX_SHARDS, (long long)rows, (long long)k, (long long)vocab);
+    }
+    if (k > vocab || k > 1024) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "k (%lld) must be at most min(vocab %lld, 1024)", (long long)k,
+                        (long long)vocab);
+    }
+    if (rows > INT32_MAX) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "rows %lld exceeds %d", (long long)rows, INT32_MAX);
+    if (rows == 0) return kdt_ok();
+    {
+        const unsigned __int128 entries = (unsigned __int128)(uint64_t)shards * (uint64_t)rows * (uint64_t)(k + 1);
+        if (entries * 8u > (unsigned __int128)INT64_MAX) {
+            return kdt_fail(KDT_ERR_OVERFLOW, "shards * rows * k overflows");
+        }
+    }
+    if (shard_max == NULL || shard_sum_rest == NULL || row_status == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
+                        shard_max == NULL ? "shard_max" : shard_sum_rest == NULL ? "shard_sum_rest" : "row_status");
+    }
+    if (k > 0 && (shard_logits == NULL || shard_ids == NULL || out_logprobs == NULL || out_ids == NULL)) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL",
+                        shard_logits == NULL   ? "shard_logits"
+                        : shard_ids == NULL    ? "shard_ids"
+                        : out_logprobs == NULL ? "out_logprobs"
+                                               : "out_ids");
+    }
+    const struct {
+        const void* ptr;
+        size_t align;
+        const char* name;
+    } aligned[] = {{shard_logits, 4, "shard_logits"}, {shard_ids, 4, "shard_ids"},   {shard_max, 4, "shard_max"},
+                   {shard_sum_rest, 8, "shard_sum_rest"}, {out_logprobs, 4, "out_logprobs"}, {out_ids, 4, "out_ids"},
+                   {row_status, 4, "row_status"}};
+    for (const auto& a : aligned) {
+        const kdt_status st = kdt::check_aligned(a.ptr, a.align, a.name);
+        if (st != KDT_OK) return st;
+    }
+    MergeParams p;
+    p.logits = shard_logits;
+    p.ids = shard_ids;
+    p.max = shard_max;
+    p.rest = shard_sum_rest;
+    p.shards = shards;
+    p.rows = rows;
+    p.k = k;
+    p.vocab = vocab;
+    p.out_lp = out_logprobs;
+    p.out_ids = out_ids;
+    p.status = row_status;
+    merge_kernel<<<(unsigned)rows, kThreads, 0, kdt::as_stream(stream)>>>(p);
+    return kdt::launch_status("sharded top-k merge");
+}
