@@ -104,3 +104,24 @@ def test_compact_kv_op_moves_the_rows_the_function_moves():
     torch.ops.kdtree.compact_kv([k], [v], positions, torch.from_numpy(acc.accepted_nodes),
                                 torch.from_numpy(acc.accept_length), torch.from_numpy(acc.bonus_token))
     assert np.array_equal(k.numpy(), kn) and np.array_equal(v.numpy(), vn)
+
+
+def test_request_limits_and_ragged_ops():
+    drafter, roots, positions, target, width, budget = round_inputs(3)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    budgets, depths = torch.tensor([9, 0, 4], dtype=torch.int32), torch.tensor([4, 4, 2], dtype=torch.int32)
+    fields = torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1, budgets, depths)
+    trees = kdtree.build_trees(lp.numpy(), ids.numpy(), budget, root_tokens=roots.numpy(),
+                               root_positions=positions.numpy(), request_budgets=budgets.numpy(),
+                               request_depths=depths.numpy())
+    for name, got in zip(kdtree.core.types.TREE_FIELDS, fields, strict=True):
+        assert np.array_equal(got.numpy(), getattr(trees, name)), name
+    assert trees.num_nodes.tolist()[1] == 0 and trees.depths[2].max() <= 2
+    torch.library.opcheck(torch.ops.kdtree.build_trees.default, (lp, ids, budget, roots, positions, -1, budgets,
+                                                                  depths))
+    packed = torch.ops.kdtree.ragged_trees(list(fields), budget, drafter.shape[1])
+    want = kdtree.ragged_trees(trees)
+    names = ("cu_rows", "row_request", "row_node", "tokens", "depths", "parents", "positions", "visibility_bits")
+    for name, got in zip(names, packed, strict=True):
+        assert np.array_equal(got.numpy(), getattr(want, name)), name
+    torch.library.opcheck(torch.ops.kdtree.ragged_trees.default, (list(fields), budget, drafter.shape[1]))

@@ -8,6 +8,7 @@ Importing this module registers, under the ``kdtree`` namespace:
 ``torch.ops.kdtree.build_trees``            :func:`kdtree.build_trees` (the tree fields)
 ``torch.ops.kdtree.verify_greedy_from_logits``  :func:`kdtree.verify_greedy_from_logits`
 ``torch.ops.kdtree.compact_kv``             :func:`kdtree.compact_kv` (mutates the caches)
+``torch.ops.kdtree.ragged_trees``           :func:`kdtree.ragged_trees` (the packed rows)
 ==========================================  ===============================================
 
 Each takes and returns torch tensors on the CPU or on a CUDA device and runs the same
@@ -74,17 +75,21 @@ def _(logits, k):
 
 @torch.library.custom_op("kdtree::build_trees", mutates_args=())
 def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None,
-                root_positions: Tensor | None = None, pad_token: int = -1
+                root_positions: Tensor | None = None, pad_token: int = -1, request_budgets: Tensor | None = None,
+                request_depths: Tensor | None = None
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The ten tree fields (``kdtree.torch_ops.TREE_FIELDS`` order) of
-    :func:`kdtree.build_trees` on ``[B, L, K]`` log-probs and ids."""
+    :func:`kdtree.build_trees` on ``[B, L, K]`` log-probs and ids (per-request budgets and
+    depth limits: int32 ``[B]`` tensors or None)."""
     trees = api.build_trees(_arg(logprobs), _arg(token_ids), budget, root_tokens=_arg(root_tokens),
-                            root_positions=_arg(root_positions), pad_token=pad_token)
+                            root_positions=_arg(root_positions), pad_token=pad_token,
+                            request_budgets=_arg(request_budgets), request_depths=_arg(request_depths))
     return tuple(_tensor(getattr(trees, name)).clone() for name in TREE_FIELDS)
 
 
 @build_trees.register_fake
-def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_token=-1):
+def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_token=-1, request_budgets=None,
+      request_depths=None):
     batch, rows = logprobs.shape[0], budget + 1
     words = (rows + 31) // 32
     shapes = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows)}
@@ -133,3 +138,21 @@ def compact_kv(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: T
 @compact_kv.register_fake
 def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_token):
     return None
+
+
+@torch.library.custom_op("kdtree::ragged_trees", mutates_args=())
+def ragged_trees(fields: list[Tensor], budget: int, depth: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(cu_rows, row_request, row_node, tokens, depths, parents, positions, visibility_bits)
+    of :func:`kdtree.ragged_trees` with the default capacity ``B * (N + 1)``."""
+    r = api.ragged_trees(tree_batch(fields, budget, depth))
+    names = ("cu_rows", "row_request", "row_node", "tokens", "depths", "parents", "positions", "visibility_bits")
+    return tuple(_tensor(getattr(r, name)).clone() for name in names)
+
+
+@ragged_trees.register_fake
+def _(fields, budget, depth):
+    batch, rows = fields[0].shape[0], budget + 1
+    cap, new = batch * rows, fields[0].new_empty
+    return (new((batch + 1,), dtype=torch.int32), *(new((cap,), dtype=torch.int32) for _ in range(5)),
+            new((cap,), dtype=torch.int64), new((cap, (rows + 31) // 32), dtype=torch.uint32))
