@@ -1,9 +1,11 @@
-"""kdtree over torch.distributed: the top-k log-probs of a vocabulary-sharded LM head.
+"""kdtree over torch.distributed: a vocabulary-sharded LM head's logits, never gathered.
 
-Under tensor parallelism each rank holds the drafter's logits for a slice of the
-vocabulary. :func:`topk_logprobs_sharded` gives every rank the top-k log-probs of the whole
+Under tensor parallelism each rank holds the logits for a slice of the vocabulary.
+:func:`topk_logprobs_sharded` gives every rank the drafter's top-k log-probs of the whole
 rows while gathering only each rank's :func:`kdtree.topk_shard` summary (k logits, k ids,
-max and sum of exponentials a row) instead of the logits.
+max and sum of exponentials a row); :func:`target_tokens_sharded` gives every rank the
+target's token at every tree node (the greedy argmax or the sampled draw of the unsharded
+verification) while gathering four numbers a row.
 """
 
 from __future__ import annotations
@@ -83,19 +85,110 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     return TopK(torch.from_numpy(merged.logprobs), torch.from_numpy(merged.ids), status)
 
 
+def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temperature=None, seed: int = 0,
+                          offset: int = 0, group=None):
+    """The target's token at every tree node from vocabulary-sharded target logits, equal to
+    the unsharded verification's choice, on every rank.
+
+    Args:
+        local_logits: this rank's ``[B, N+1, V_rank]`` target logits of the verify forward
+            (a CPU torch tensor, any floating dtype, the same shape on every rank but the
+            last axis), vocabulary entries ``vocab_offset .. vocab_offset + V_rank - 1``;
+            the ranks' slices are disjoint and cover ``vocab`` entries.
+        temperature: None or 0: greedy, the argmax (ties: lower global id), as
+            :func:`kdtree.verify_greedy_from_logits`; else a float32 >= 1e-6: the Gumbel-max
+            draw of :func:`kdtree.verify_sample_from_logits` (``seed``, ``offset``: its
+            keys; request b is row b, node i row i), whose noise depends on the global
+            token id alone, so each rank's best of its slice merges to the same draw.
+
+    Returns:
+        torch int32 ``[B, N+1]``, the same on every rank: the token, or -1 for a row with
+        no choice (a NaN logit; sampled: also +inf, or only -inf). Pass it to
+        :func:`kdtree.verify_greedy` with the same ``stop_tokens`` / ``max_commit``: the
+        acceptance equals the unsharded ``verify_*_from_logits`` call's (a -1 at a visited
+        node is that call's error). One all-gather of 13 integers a rank (checked on
+        every rank as :func:`topk_logprobs_sharded` does), then one of four float64 a row
+        (``B (N+1) 32`` bytes a rank, against ``2 V`` bytes a row of bf16 logits).
+
+    Raises:
+        TypeError: not a CPU tensor. KdtreeError on every rank alike: shapes that differ,
+        slices that do not tile ``[0, vocab)``, a temperature below 1e-6 or not finite.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from . import _native as _lib
+    from .core import checks, sampling
+
+    if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
+        raise TypeError("target_tokens_sharded takes a CPU torch tensor, got "
+                        f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
+    x = local_logits.detach().float().numpy()
+    failure = None
+    if x.ndim != 3 or x.shape[-1] < 1:
+        failure = checks.shape_error(f"local_logits must be [B, N+1, V_rank >= 1], got {tuple(x.shape)}")
+    sampled = temperature is not None and float(temperature) != 0.0
+    if sampled:
+        t32 = np.float32(temperature)
+        if not np.isfinite(t32) or not t32 >= np.float32(1e-6):
+            failure = checks.value_error(f"temperature must be 0, None, or finite and >= 1e-6, got {temperature!r}")
+        seed = checks.int_scalar(seed, "seed", 0, 2**64 - 1)
+        offset = checks.int_scalar(offset, "offset", 0, 2**64 - 1)
+    lead = tuple(x.shape[:-1]) if failure is None else ()
+    world = dist.get_world_size(group)
+    meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset),
+                         int(x.shape[-1]) if x.ndim else 0, 0, len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)),
+                        dtype=torch.int64)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    problem = _check_ranks([m.tolist() for m in metas], vocab, dist.get_rank(group), "target_tokens_sharded")
+    if failure is not None:
+        raise failure
+    if problem is not None:
+        raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
+    batch, rows, width = x.shape
+    packed = np.zeros((batch, rows, 4), np.float64)  # best score, its global id, no choice, any finite
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for b in range(batch):
+            for i in range(rows):
+                row = x[b, i]
+                if sampled:
+                    bad = bool(np.isnan(row).any() or np.isposinf(row).any())
+                    score = row / t32 - sampling._gumbel_log_t(width, seed, offset, b, i, start=int(vocab_offset))
+                else:
+                    bad = bool(np.isnan(row).any())
+                    score = row
+                j = int(np.argmax(score))  # first maximum: the lower id
+                packed[b, i] = (score[j], vocab_offset + j, bad, bool((row > -np.inf).any()))
+    mine = torch.from_numpy(packed)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    parts = torch.stack(gathered).numpy()  # [T, B, N+1, 4]
+    score, ids = parts[..., 0], parts[..., 1]
+    best = score.max(axis=0)
+    # The lowest id among the ranks at the best score (ties across slices: lower global id).
+    at_best = np.where(score == best[None], ids, np.inf).min(axis=0)
+    none = parts[..., 2].any(axis=0) | (sampled & ~parts[..., 3].any(axis=0))
+    tokens = np.where(none, -1, at_best).astype(np.int32)
+    return torch.from_numpy(tokens)
+
+
 _MAX_LEAD = 8  # leading axes of the logits the rank check carries
 
 
-def _check_ranks(metas: list[list[int]], vocab: int, me: int) -> str | None:
+def _check_ranks(metas: list[list[int]], vocab: int, me: int, step: str = "topk_shard") -> str | None:
     """What is wrong with the ranks' (status, offset, size, k, ndim, lead...) rows, the same
-    text on every rank, or None."""
+    text on every rank, or None. `step`: what a failed rank was doing (topk_shard names k)."""
     failed = [r for r, m in enumerate(metas) if m[0] != 0]
     if failed:
         others = [r for r in failed if r != me]
-        return f"rank(s) {others or failed} failed in topk_shard (status {metas[failed[0]][0]}); see that rank's error"
+        return f"rank(s) {others or failed} failed in {step} (status {metas[failed[0]][0]}); see that rank's error"
     first = metas[0]
     for r, m in enumerate(metas):
         if m[3] != first[3] or m[4:] != first[4:]:
+            if step != "topk_shard":
+                return (f"rank {r} has leading shape {m[5:5 + m[4]]}, rank 0 {first[5:5 + first[4]]}: every rank "
+                        "needs the same")
             return (f"rank {r} has k {m[3]} and leading shape {m[5:5 + m[4]]}, rank 0 k {first[3]} and "
                     f"{first[5:5 + first[4]]}: every rank needs the same")
     spans = sorted((m[1], m[1] + m[2], r) for r, m in enumerate(metas))

@@ -30,9 +30,10 @@ def philox4x32_10(counter: tuple, key: tuple) -> list[np.ndarray]:
     return [x.astype(np.uint32) for x in c]
 
 
-def _gumbel_log_t(vocab: int, seed: int, offset: int, request: int, node: int) -> np.ndarray:
-    """log(-log(u)) in float32 for the tokens of one row (the noise is its negation)."""
-    v = np.arange(vocab, dtype=np.uint64)
+def _gumbel_log_t(vocab: int, seed: int, offset: int, request: int, node: int, start: int = 0) -> np.ndarray:
+    """log(-log(u)) in float32 for the tokens start .. start + vocab - 1 of one row (the
+    noise is its negation; a token's value depends on its id alone, not on the range)."""
+    v = np.arange(start, start + vocab, dtype=np.uint64)
     key = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
     words = philox4x32_10((v >> np.uint64(2), np.full(vocab, node, np.uint64),
                            np.full(vocab, request, np.uint64), np.full(vocab, offset & 0xFFFFFFFF, np.uint64)), key)

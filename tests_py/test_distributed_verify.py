@@ -1,0 +1,142 @@
+"""Verification from vocabulary-sharded target logits (kdtree.distributed.target_tokens_sharded)
+over torch.distributed with gloo, one process per rank: every rank's tokens, and the
+acceptance of kdtree.verify_greedy on them, equal the unsharded verify_greedy_from_logits
+and verify_sample_from_logits on the gathered logits (greedy with ties across the slices,
+sampled with the same seeds); a rank with a bad shape fails every rank alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kdtree
+from kdtree import _native as _lib
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import kdtree
+    from kdtree import KdtreeError
+    from kdtree.distributed import target_tokens_sharded
+
+    rank, world, edges, mode, out = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rng = np.random.default_rng(11)
+    vocab = edges[-1]
+    batch, depth, width, budget = 4, 5, 3, 12
+    p = rng.dirichlet(np.ones(width + 1), size=(batch, depth))[..., :width]
+    lp = np.ascontiguousarray(np.sort(np.log(p), axis=-1)[..., ::-1].astype(np.float32))
+    ids = np.stack([[rng.permutation(vocab)[:width] for _ in range(depth)] for _ in range(batch)]).astype(np.int32)
+    trees = kdtree.build_trees(lp, ids, budget, root_tokens=np.arange(batch))
+    logits = (rng.standard_normal((batch, budget + 1, vocab)) * 2).astype(np.float32)
+    # The target mostly agrees with the tree: its best child gets a high logit.
+    for b in range(batch):
+        for i in range(budget + 1):
+            c = trees.first_child[b, i]
+            if c >= 0 and rng.random() < 0.8:
+                logits[b, i, trees.tokens[b, c]] = 9.0
+    # Exact ties across the slices' boundaries (greedy: the lower global id wins).
+    logits[0, 0, :] = -1.0
+    logits[0, 0, [edges[1] - 1, edges[1], edges[2]]] = 12.0
+    logits[1, 3, :] = -np.inf  # a row of only -inf (greedy: token 0; sampled: no draw)
+    lo, hi = edges[rank], edges[rank + 1]
+    local = torch.from_numpy(logits[..., lo:hi].copy())
+    if mode == "shape" and rank == 2:
+        local = local[:, :-1]
+    result = {}
+    try:
+        greedy = target_tokens_sharded(local, lo, vocab)
+        sampled = target_tokens_sharded(local, lo, vocab, temperature=0.7, seed=5, offset=9)
+        acc_g = kdtree.verify_greedy(trees, greedy.numpy())
+        cap = np.array([3, 2, 9, 1])
+        acc_s = kdtree.verify_greedy(trees, sampled.numpy(), max_commit=cap, errors="status")
+        np.savez(out, greedy=greedy.numpy(), sampled=sampled.numpy(), logits=logits,
+                 g_nodes=acc_g.accepted_nodes, g_len=acc_g.accept_length, g_bonus=acc_g.bonus_token,
+                 s_nodes=acc_s.accepted_nodes, s_len=acc_s.accept_length, s_bonus=acc_s.bonus_token,
+                 s_status=acc_s.request_status, **{f: getattr(trees, f) for f in kdtree.core.types.TREE_FIELDS})
+    except KdtreeError as exc:
+        open(out + ".err", "w").write(str(exc))
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, mode, world=3, edges=(0, 700, 1400, 2003)):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+               KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    outs = [str(tmp_path / f"{mode}{r}") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), json.dumps(list(edges)), mode,
+                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a gloo rank did not finish within 180 s")
+        assert p.returncode == 0, text
+    return outs
+
+
+@pytest.fixture
+def gloo(lib):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    return torch
+
+
+def test_sharded_verification_equals_the_unsharded(gloo, tmp_path):
+    results = [np.load(o + ".npz") for o in run_ranks(tmp_path, "ok")]
+    first = results[0]
+    trees = kdtree.TreeBatch(**{f: first[f] for f in kdtree.core.types.TREE_FIELDS}, budget=12, depth=5)
+    logits = first["logits"]
+    greedy = kdtree.verify_greedy_from_logits(trees, logits)
+    cap = np.array([3, 2, 9, 1])
+    sampled = kdtree.verify_sample_from_logits(trees, logits, 0.7, seed=5, offset=9, max_commit=cap,
+                                               errors="status")
+    # The tokens themselves: the host argmax, and the host's documented draw, row by row.
+    want_greedy = np.argmax(logits, axis=-1).astype(np.int32)
+    assert want_greedy[0, 0] == 699  # the tie at 699, 700, 1400 goes to the lowest id
+    from kdtree.core import sampling
+    for r in results:
+        np.testing.assert_array_equal(r["greedy"], want_greedy)
+        np.testing.assert_array_equal(r["g_nodes"], greedy.accepted_nodes)
+        np.testing.assert_array_equal(r["g_len"], greedy.accept_length)
+        np.testing.assert_array_equal(r["g_bonus"], greedy.bonus_token)
+        np.testing.assert_array_equal(r["s_len"], sampled.accept_length)
+        np.testing.assert_array_equal(r["s_bonus"], sampled.bonus_token)
+        np.testing.assert_array_equal(r["s_nodes"], sampled.accepted_nodes)
+    for b in range(4):
+        draws = sampling.gumbel_draws(logits[b], 0.7, 5, 9, b, np.arange(13))
+        np.testing.assert_array_equal(first["sampled"][b], draws)
+    assert first["sampled"][1, 3] == -1  # only -inf: no draw
+    assert int(greedy.accept_length.sum()) > 0
+
+
+def test_a_rank_with_another_shape_fails_every_rank(gloo, tmp_path):
+    errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "shape")]
+    assert len(set(errors)) == 1
+    assert "rank 2 has leading shape [4, 12], rank 0 [4, 13]: every rank needs the same" in errors[0]
