@@ -216,3 +216,20 @@ def test_torch_inputs_give_the_numpy_results():
     for k in a:
         np.testing.assert_array_equal(b[k].numpy(), a[k], err_msg=k)
     assert formats.rank_paths(as_torch, 3) == formats.rank_paths(trees, 3)
+
+
+def test_seq_lens_and_num_nodes_are_checked():
+    torch = pytest.importorskip("torch")
+    trees = random_trees(7, budget=8)
+    for bad, match in ((torch.tensor([4, -3, 0, 0, 0, 0]), "seq_lens must be >= 0"),
+                       (torch.tensor([1.5] * 6), "integer"),
+                       (torch.ones(6, 2, dtype=torch.int64), r"seq_lens must have shape \(6,\)")):
+        with pytest.raises((kdtree.KdtreeError, TypeError), match=match):
+            formats.sglang_verify_inputs(trees, bad, mask="qlen")
+    ok = formats.sglang_verify_inputs(trees, torch.arange(6), mask="full")  # numpy trees, torch seq_lens
+    np.testing.assert_array_equal(ok["positions"], (np.arange(6)[:, None] + trees.depths).reshape(-1))
+    trees.num_nodes[2] = 50
+    for call in (lambda: formats.tensorrt_llm_spec_inputs(trees), lambda: formats.rank_paths(trees, 2),
+                 lambda: formats.sglang_verify_inputs(trees, np.zeros(6, int))):
+        with pytest.raises(kdtree.KdtreeError, match=r"request 2: num_nodes 50 outside \[0, 8\]"):
+            call()

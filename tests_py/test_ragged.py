@@ -138,3 +138,15 @@ def test_gpu_matches_cpu(cuda_device):
         cu = r.cu_rows.cpu().numpy()
         assert cu[3] - cu[2] == 1
         gpu_trees.num_nodes.copy_(bad)
+
+
+def test_errors_status_on_the_host_matches_the_gpu_contract():
+    t = random_trees(seed=6)
+    t.num_nodes[1] = 99
+    r = kdtree.ragged_trees(t, errors="status")
+    assert r.request_status.tolist()[1] == _lib.STATUS["KDT_ERR_VALUE"]
+    assert (np.delete(r.request_status, 1) == 0).all()
+    assert r.cu_rows[2] - r.cu_rows[1] == 1 and r.tokens[r.cu_rows[1]] == t.tokens[1, 0]
+    small = kdtree.ragged_trees(random_trees(seed=6), capacity=3, errors="status")
+    assert (small.request_status == _lib.STATUS["KDT_ERR_BUFFER_TOO_SMALL"]).all()
+    assert (small.cu_rows == 0).all() and (small.row_request == -1).all()

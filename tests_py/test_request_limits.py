@@ -276,3 +276,45 @@ def test_gpu_from_logits_with_limits(cuda_device):
         if name == "logw":
             g, c = g.view(np.int64), c.view(np.int64)
         np.testing.assert_array_equal(g, c, err_msg=name)
+
+
+def test_status_fallback_uses_the_requests_own_depth():
+    # A root position valid for the request's own depth limit (1), not for the call's (4):
+    # the failed request's root-only tree keeps it, and nothing raises with errors="status".
+    lp = np.log(np.full((1, 4, 1), 0.5, np.float32))
+    ids = np.ones((1, 4, 1), np.int32)
+    t = kdtree.build_trees(lp, ids, 2, root_positions=[2**63 - 2], request_depths=[1])
+    assert t.num_nodes.tolist() == [1]
+    t = kdtree.build_trees(lp, ids, 2, root_tokens=[-1], root_positions=[2**63 - 2], request_depths=[1],
+                           errors="status")
+    assert t.request_status.tolist() == [_lib.STATUS["KDT_ERR_OUT_OF_RANGE"]]
+    assert t.num_nodes.tolist() == [0] and t.positions[0, 0] == 2**63 - 2
+
+
+def test_a_limit_outside_int32_is_its_requests_error():
+    rng = np.random.default_rng(2)
+    lp, ids = random_draft(rng, 2, 3, 3)
+    with pytest.raises(_lib.KdtreeError, match=r"request 1: budget 2147483648 outside int32 \(request_budgets\)"):
+        kdtree.build_trees(lp, ids, 4, request_budgets=[3, 2**31])
+    t = kdtree.build_trees(lp, ids, 4, request_budgets=[3, 2**31], errors="status")
+    assert t.request_status.tolist() == [0, _lib.STATUS["KDT_ERR_OUT_OF_RANGE"]]
+    assert t.num_nodes[1] == 0 and t.num_nodes[0] == 3
+    empty = kdtree.build_trees(lp[:0], ids[:0], 4, request_budgets=[], request_depths=[], root_tokens=[])
+    assert empty.num_nodes.shape == (0,)
+
+
+def test_from_logits_reads_only_what_the_limits_use():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    x[0, 0, 0] = np.nan
+    # Request 0 has budget 0: it reads nothing, with or without depth limits.
+    a = kdtree.build_trees_from_logits(x, 4, 4, request_budgets=[0, 4])
+    b = kdtree.build_trees_from_logits(x, 4, 4, request_budgets=[0, 4], request_depths=[3, 3])
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.num_nodes.tolist()[0] == 0
+    # Reading the bad row names it.
+    with pytest.raises(_lib.KdtreeError, match=r"request 0, depth 1: logits\[0, 0\] holds a NaN or \+inf"):
+        kdtree.build_trees_from_logits(x, 4, 4, request_budgets=[4, 4])
+    # k' = 0: no row is read (as on the GPU), whatever it holds.
+    none = kdtree.build_trees_from_logits(x, 0, 4)
+    assert none.num_nodes.tolist() == [0, 0]

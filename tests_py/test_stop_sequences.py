@@ -112,7 +112,9 @@ def test_from_logits_walks_use_them():
     ([list(range(17))], None, kdtree.KdtreeError, "1 to 16"),
     ([[3, -4]], None, kdtree.KdtreeError, "negative token id -4"),
     (5, None, TypeError, "sequence of token sequences"),
-    ([7], None, TypeError, r"stop_sequences\[0\] must be a sequence"),
+    ([7], None, TypeError, r"stop_sequences\[0\] must be an ordered sequence"),
+    ([{7, 8}], None, TypeError, r"stop_sequences\[0\] must be an ordered sequence .* got set"),
+    ([np.array(5)], None, TypeError, r"stop_sequences\[0\] must be an ordered sequence"),
     (None, [[1, 2]], kdtree.KdtreeError, "stop_history is given without stop_sequences"),
     ([[1, 2]], [[1, 2], [3, 4]], kdtree.KdtreeError, r"stop_history must have shape \(1, H\)"),
 ])

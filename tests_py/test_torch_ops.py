@@ -125,3 +125,11 @@ def test_request_limits_and_ragged_ops():
     for name, got in zip(names, packed, strict=True):
         assert np.array_equal(got.numpy(), getattr(want, name)), name
     torch.library.opcheck(torch.ops.kdtree.ragged_trees.default, (list(fields), budget, drafter.shape[1]))
+
+
+def test_build_op_on_one_request_without_a_batch_axis():
+    drafter, roots, positions, target, width, budget = round_inputs(4)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter[0], width)  # [L, K]
+    fields = torch.ops.kdtree.build_trees(lp, ids, budget)
+    assert fields[0].shape == (1,) and fields[1].shape == (1, budget + 1)
+    torch.library.opcheck(torch.ops.kdtree.build_trees.default, (lp, ids, budget))

@@ -123,6 +123,11 @@ def _check_trees(trees, fields) -> None:
     for name in fields:
         if getattr(trees, name) is None:
             raise checks.invalid(f"trees.{name} is required")
+    n = trees.num_nodes
+    if isinstance(n, np.ndarray) and n.size:  # (device arrays are not read back for this check)
+        bad = np.flatnonzero((n < 0) | (n > trees.budget))
+        if bad.size:
+            raise checks.value_error(f"request {int(bad[0])}: num_nodes {int(n[bad[0]])} outside [0, {trees.budget}]")
 
 
 def _real(trees, ops):
@@ -140,8 +145,9 @@ def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> d
     Args:
         trees: the :class:`~kdtree.TreeBatch` (its ``tokens``, ``depths``, ``first_child``,
             ``next_sibling`` and ``visibility_bits`` are read).
-        seq_lens: ``[B]`` ints: each request's KV length before this round (SGLang's
+        seq_lens: ``[B]`` ints >= 0: each request's KV length before this round (SGLang's
             ``seq_lens``; the root token is not in the cache yet and sits at that position).
+            Read on the host (a device array is copied: that synchronises).
         mask: SGLang's ``TreeMaskMode``: ``"full"`` (FULL_MASK: bool, per request a
             row-major ``[T, seq_len + T]`` block, prefix columns first, blocks back to back:
             ``[sum(seq_lens) * T + B * T * T]``), ``"qlen"`` (QLEN_ONLY: bool
@@ -165,16 +171,13 @@ def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> d
     _check_trees(trees, ("tokens", "depths", "first_child", "next_sibling", "visibility_bits"))
     ops = _ops(trees.tokens)
     batch, rows = trees.batch, trees.budget + 1
-    lens_host = None
-    if type(seq_lens).__module__.split(".")[0] in ("numpy", "builtins") or isinstance(seq_lens, (list, tuple)):
-        lens_host = checks.per_request(seq_lens, "seq_lens", batch, np.int64)
-        if (lens_host < 0).any():
-            raise checks.range_error(f"seq_lens must be >= 0, got {lens_host.tolist()}")
-        lens = ops.asarray(lens_host, "int64")
-    else:
-        lens = ops.cast(seq_lens, "int64").reshape(-1)
-        if tuple(lens.shape) != (batch,):
-            raise checks.shape_error(f"seq_lens must have shape ({batch},), got {tuple(seq_lens.shape)}")
+    # seq_lens is read on the host (checked; the FULL_MASK blocks are sized by it): a device
+    # array is copied, which synchronises its stream.
+    lens_host = checks.per_request(_host(seq_lens) if hasattr(seq_lens, "shape") and not isinstance(
+        seq_lens, np.ndarray) else seq_lens, "seq_lens", batch, np.int64)
+    if (lens_host < 0).any():
+        raise checks.range_error(f"seq_lens must be >= 0, got {lens_host.tolist()}")
+    lens = ops.asarray(lens_host, "int64")
     out = {
         "draft_token": ops.cast(trees.tokens, "int64").reshape(-1),
         "positions": (lens[:, None] + ops.cast(trees.depths, "int64")).reshape(-1),
@@ -199,8 +202,9 @@ def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> d
     if mask == "qlen":
         out["custom_mask"] = tree.reshape(-1)
         return out
-    if lens_host is None:  # the blocks' sizes: read on the host
-        lens_host = _host(lens)
+    from .core import memory
+
+    memory.outputs_fit(int(lens_host.sum()) * rows + batch * rows * rows, "the FULL_MASK custom mask (bool)")
     real = _real(trees, ops)  # [B, T]
     blocks = []
     for b in range(batch):
@@ -365,6 +369,8 @@ def rank_paths(trees: TreeBatch, b: int = 0) -> tuple[list[tuple[int, ...]], lis
         raise checks.invalid("the batch is empty")
     parents = _host(trees.parents)[b]
     n = int(_host(trees.num_nodes)[b])
+    if not 0 <= n <= trees.budget:
+        raise checks.value_error(f"request {b}: num_nodes {n} outside [0, {trees.budget}]")
     seen_children: dict[int, int] = {}
     path: dict[int, tuple[int, ...]] = {0: ()}
     for i in range(1, n + 1):

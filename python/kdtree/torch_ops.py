@@ -74,7 +74,7 @@ def _(logits, k):
 
 
 @torch.library.custom_op("kdtree::build_trees", mutates_args=())
-def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None,
+def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None = None,
                 root_positions: Tensor | None = None, pad_token: int = -1, request_budgets: Tensor | None = None,
                 request_depths: Tensor | None = None
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -90,7 +90,7 @@ def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: T
 @build_trees.register_fake
 def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_token=-1, request_budgets=None,
       request_depths=None):
-    batch, rows = logprobs.shape[0], budget + 1
+    batch, rows = (logprobs.shape[0] if logprobs.dim() == 3 else 1), budget + 1  # [L, K]: one request
     words = (rows + 31) // 32
     shapes = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows)}
     out = []

@@ -124,6 +124,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lines (every line of a .jsonl file, else lines starting with '{') with \"prompt\" and "
                         "optional max_new_tokens, temperature, top_p, top_k, seed")
     p.add_argument("--top-k", type=_int_in(0), default=0, help="batched engine: top-k for sampling (0: all)")
+    p.add_argument("--tp", action="store_true",
+                   help="shard the target over the ranks of a torchrun launch with transformers' tensor-parallel "
+                        "plan (gloo on --device cpu, NCCL on cuda: each rank on cuda:LOCAL_RANK); every rank "
+                        "decodes the same tokens, rank 0 prints (e.g. torchrun --nproc-per-node 2 -m kdtree "
+                        "generate --tp)")
 
 
 def _default_prompt(args) -> tuple[str, str]:
@@ -200,14 +205,44 @@ def load_models(args: argparse.Namespace):
 
     if (args.target is None) != (args.drafter is None):
         raise UsageError("--target and --drafter go together (or use --models for a folder holding both)")
+    tp = bool(getattr(args, "tp", False))
     if args.target is not None:
         if args.models is not None:
             raise UsageError("--models and --target/--drafter name the models twice: give one or the other")
-        return load_target_and_drafter(args.target, args.drafter, args.device, args.dtype)
-    return load_pair(args.models or DEFAULT_MODELS, args.device, args.dtype)
+        return load_target_and_drafter(args.target, args.drafter, args.device, args.dtype, tp=tp)
+    return load_pair(args.models or DEFAULT_MODELS, args.device, args.dtype, tp=tp)
 
 
-def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dtype: str | None):
+def start_tp(args: argparse.Namespace) -> None:
+    """--tp: join the torchrun launch's process group (gloo on the CPU, NCCL on CUDA, each
+    rank on cuda:LOCAL_RANK) and keep rank 0's output only."""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from .cli import UsageError
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UsageError("--tp runs under torchrun (e.g. torchrun --nproc-per-node 2 -m kdtree generate --tp): "
+                         "RANK and WORLD_SIZE are not set")
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"--tp: LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+        args.plot = None  # rank 0 draws it
+
+
+def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dtype: str | None, *,
+                            tp: bool = False):
     """(tokenizer, target model, drafter model) from a Hugging Face target folder (with its
     tokenizer.json) and a drafter folder (published DFlash format, or kdtree's block
     drafter). The pair is checked on the configs (vocabulary, hidden size, target layers)
@@ -269,7 +304,7 @@ def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dt
             raise UsageError(f"cannot load {flag} {folder}: {type(exc).__name__}: {first}") from None
 
     tok = loaded("--target", target_dir, lambda: Tokenizer.from_file(str(target_dir / "tokenizer.json")))
-    target = loaded("--target", target_dir, lambda: load_causal_lm(target_dir, device=device, dtype=dtype))
+    target = loaded("--target", target_dir, lambda: load_causal_lm(target_dir, device=device, dtype=dtype, tp=tp))
     drafter = loaded("--drafter", drafter_dir, lambda: dflash.load_dflash(drafter_dir, target) if is_dflash
                      else load_drafter(drafter_dir, device=device, dtype=dtype))
     if tok.get_vocab_size(with_added_tokens=True) > int(tc.vocab_size):
@@ -284,7 +319,7 @@ def drafter_kind(model) -> str:
     return "DFlash drafter (published format)" if dflash.is_dflash(model) else "kdtree block drafter (DFlash-style)"
 
 
-def load_pair(models: Path, device: str, dtype: str | None):
+def load_pair(models: Path, device: str, dtype: str | None, *, tp: bool = False):
     """(tokenizer, target model, drafter model) from a folder written by
     tools/train_models.py. Raises UsageError for a missing folder or library."""
     from .cli import UsageError
@@ -314,7 +349,7 @@ def load_pair(models: Path, device: str, dtype: str | None):
         dtype = "float32" if device == "cpu" else "bfloat16"
     try:
         tok = Tokenizer.from_file(str(models / "tokenizer.json"))
-        target = load_causal_lm(models / "target", device=device, dtype=dtype)
+        target = load_causal_lm(models / "target", device=device, dtype=dtype, tp=tp)
         if (models / "drafter" / dflash.CONFIG_NAME).is_file():  # the published DFlash format (errors say why)
             drafter = dflash.load_dflash(models / "drafter", target, device=device, dtype=dtype)
         else:
@@ -482,6 +517,11 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     if getattr(args, "batch_size", None) is not None or getattr(args, "prompts_file", None) is not None:
         from . import batched
 
+        if getattr(args, "tp", False):
+            from .cli import UsageError
+
+            raise UsageError("--tp runs the one-sequence engine; the batched engine (--batch-size, --prompts-file) "
+                             "is not tensor-parallel yet")
         return batched.run(args, header=header)
     if args.budget == "auto" or args.top_k:
         from .cli import UsageError
@@ -501,6 +541,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         raise UsageError("the transformer pair needs torch, transformers and tokenizers; `nox -s demo` "
                          "installs them") from None
     _check_device(args.device)
+    if getattr(args, "tp", False):
+        start_tp(args)
     if args.temperature == 0.0 and args.top_p < 1.0:
         raise UsageError(f"--top-p {args.top_p} applies to sampling only: add --temperature T > 0 "
                          f"(greedy decoding takes the argmax)")

@@ -873,7 +873,11 @@ def ragged_trees(trees: TreeBatch, *, capacity: int | None = None, errors: str =
         capacity: rows each packed array holds; default ``B * (N + 1)``, the most the real
             rows can take (so the call never depends on the trees' sizes: capturable in a
             CUDA graph). A smaller one must still hold every real row.
-        errors: ``"raise"`` or ``"status"`` (GPU: per-request statuses, no synchronisation).
+        errors: ``"raise"``, or ``"status"``: per-request statuses instead of an error, the
+            same on the host and the GPU (a request whose ``num_nodes`` is out of range is
+            packed as its root alone, KDT_ERR_VALUE; real rows past the capacity give every
+            request KDT_ERR_BUFFER_TOO_SMALL and ``cu_rows`` all zeros); on the GPU nothing
+            synchronises.
         stream: GPU only: the CUDA stream (default: the current one of the arrays' library).
 
     Returns:
@@ -891,4 +895,4 @@ def ragged_trees(trees: TreeBatch, *, capacity: int | None = None, errors: str =
     if _device.is_device_array(trees.num_nodes):
         return _gpu().ragged_trees(trees, capacity=capacity, errors=errors, stream=stream)
     checks.cpu_only(stream, errors, "ragged_trees")
-    return host.ragged_trees(trees, capacity=capacity)
+    return host.ragged_trees(trees, capacity=capacity, errors=errors)

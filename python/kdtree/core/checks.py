@@ -71,6 +71,8 @@ def float_array(x, name: str) -> np.ndarray:
 def int_array(x, name: str, dtype=np.int32) -> np.ndarray:
     """C-contiguous int32/int64 array of an integer input, range-checked (never wrapped)."""
     a = host_array(x, name)
+    if a.size == 0 and isinstance(x, (list, tuple)):
+        a = a.astype(dtype)  # [] is float64 to numpy: an empty list is an empty integer array
     if a.dtype.kind not in "iu":
         raise type_error(f"{name} must be an integer array, got dtype {a.dtype}")
     if dtype == np.int32 and a.size and a.dtype.itemsize >= 4 and a.dtype != np.int32:
@@ -147,8 +149,10 @@ def stop_sequences(sequences, history, batch: int):
                              f"got {type(sequences).__name__}")
         seqs = []
         for i, seq in enumerate(sequences):
-            if isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
-                raise type_error(f"stop_sequences[{i}] must be a sequence of token ids, got {type(seq).__name__}")
+            if (isinstance(seq, (str, bytes, set, frozenset, dict)) or not isinstance(seq, Iterable)
+                    or (isinstance(seq, np.ndarray) and seq.ndim == 0)):
+                raise type_error(f"stop_sequences[{i}] must be an ordered sequence of token ids (a list, tuple or "
+                                 f"1-D array), got {type(seq).__name__}")
             items = list(seq)
             a = int_array(items, f"stop_sequences[{i}]").reshape(-1) if items else np.zeros(0, np.int32)
             if not 1 <= a.size <= MAX_STOP_LENGTH:

@@ -199,8 +199,8 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     with dev.on_device(logprobs):
         roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logprobs, s)
         pos, pv = _optional(root_positions, "root_positions", "int64", (batch,), logprobs, s)
-        request_budgets, request_depths = (  # host limits: range-checked before the int32 copy
-            a if a is None or dev.is_device_array(a) else checks.per_request(a, name, batch)
+        request_budgets, request_depths = (  # host limits: int32, one outside it the request's error
+            a if a is None or dev.is_device_array(a) else _host_limit(a, name, batch, errors)
             for a, name in ((request_budgets, "request_budgets"), (request_depths, "request_depths")))
         budgets, bv = _optional(request_budgets, "request_budgets", "int32", (batch,), logprobs, s)
         depths, dv = _optional(request_depths, "request_depths", "int32", (batch,), logprobs, s)
@@ -221,6 +221,12 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     if errors == "raise":
         _raise_on_status(status, "build_trees")
     return out
+
+
+def _host_limit(values, name: str, batch: int, errors: str) -> np.ndarray:
+    from .host import request_limit
+
+    return request_limit(values, name, batch, "", errors)
 
 
 def _out_array(obj, name: str, dtype: str, shape: tuple, like, stream):
@@ -304,7 +310,7 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
     with dev.on_device(logits):
         roots, rv = _optional(root_tokens, "root_tokens", "int32", (batch,), logits, s)
         pos, pv = _optional(root_positions, "root_positions", "int64", (batch,), logits, s)
-        limits = [a if a is None or dev.is_device_array(a) else checks.per_request(a, name, batch)
+        limits = [a if a is None or dev.is_device_array(a) else _host_limit(a, name, batch, errors)
                   for a, name in ((request_budgets, "request_budgets"), (request_depths, "request_depths"))]
         (budgets, bv), (depths, dv) = (_optional(a, name, "int32", (batch,), logits, s)
                                        for a, name in zip(limits, ("request_budgets", "request_depths"), strict=True))

@@ -74,7 +74,8 @@ def check_tree_fields(trees, names) -> None:
         want = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows if name == "visibility" else (rows + 31) // 32)}[ndim]
         a = getattr(trees, name)
         if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != want or not a.flags.c_contiguous:
-            got = f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            got = (f"{a.dtype} of shape {a.shape}{'' if a.flags.c_contiguous else ', not C-contiguous'}"
+                   if isinstance(a, np.ndarray) else type(a).__name__)
             raise checks.shape_error(f"trees.{name} must be a C-contiguous {dtype} array of shape {want}, got {got}")
 
 
@@ -89,7 +90,8 @@ def _check_out(out: TreeBatch, batch: int, budget: int) -> None:
         a = getattr(out, name)
         want = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows if name == "visibility" else words)}[ndim]
         if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != want:
-            got = f"{a.dtype} of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            got = (f"{a.dtype} of shape {a.shape}{'' if a.flags.c_contiguous else ', not C-contiguous'}"
+                   if isinstance(a, np.ndarray) else type(a).__name__)
             raise checks.shape_error(f"out.{name} must be {np.dtype(dtype)} of shape {want} (out= must come from a "
                                      f"call with the same batch and budget, or kdtree.empty_trees), got {got}")
         if not a.flags.c_contiguous or not a.flags.writeable:
@@ -201,7 +203,7 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     roots = None if root_tokens is None else checks.per_request(root_tokens, "root_tokens", batch, batch_from=origin)
     pos = None if root_positions is None else checks.per_request(root_positions, "root_positions", batch, np.int64,
                                                            batch_from=origin)
-    limits = tuple(None if a is None else checks.per_request(a, name, batch, batch_from=origin)
+    limits = tuple(None if a is None else request_limit(a, name, batch, origin, errors)
                    for a, name in ((request_budgets, "request_budgets"), (request_depths, "request_depths")))
     vocab = 0 if vocab_size is None else checks.int_scalar(vocab_size, "vocab_size", 1, 2**63 - 1)
     pad = checks.int_scalar(pad_token, "pad_token", checks.INT32_MIN, checks.INT32_MAX)
@@ -231,6 +233,23 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
     return out
 
 
+def request_limit(values, name: str, batch: int, origin: str, errors: str) -> np.ndarray:
+    """request_budgets / request_depths as int32 [B]. A value outside int32 is its
+    request's error like any out-of-range limit: raised naming the request, or (errors=
+    "status") passed as -1, which the builder reports as that request's
+    KDT_ERR_OUT_OF_RANGE."""
+    wide = checks.per_request(values, name, batch, np.int64, batch_from=origin)
+    outside = np.flatnonzero((wide < checks.INT32_MIN) | (wide > checks.INT32_MAX))
+    if outside.size:
+        b = int(outside[0])
+        what = "budget" if name == "request_budgets" else "depth"
+        if errors == "raise":
+            raise checks.range_error(f"request {b}: {what} {int(wide[b])} outside int32 ({name})")
+        wide = wide.copy()
+        wide[outside] = -1
+    return wide.astype(np.int32)
+
+
 def _build_each(lib, lp, ids, roots, pos, limits, vocab: int, pad: int, out: TreeBatch, status: np.ndarray) -> None:
     """errors="status" after a failed batch: each request alone, as the GPU builder does:
     a failed request gets its status and a root-only tree (its root token, or the pad
@@ -253,8 +272,9 @@ def _build_each(lib, lp, ids, roots, pos, limits, vocab: int, pad: int, out: Tre
         own_depth = depth if limits[1] is None else min(max(int(limits[1][b]), 0), depth)  # clamped, as on the GPU
         if root_pos[0] < 0 or root_pos[0] > 2**63 - 1 - own_depth:
             root_pos[0] = 0
-        # No candidates and no root token (row 0 gets the pad token, unchecked), then the root.
-        bare = _lib.KdtDraft(1, depth, 0, None, None, None, checks.ptr(root_pos), 0, pad)
+        # No candidates and no root token (row 0 gets the pad token, unchecked), then the root;
+        # the request's own depth, against which its root position was just checked.
+        bare = _lib.KdtDraft(1, own_depth, 0, None, None, None, checks.ptr(root_pos), 0, pad)
         lib.kdt_trees_build_cpu(ctypes.byref(bare), ctypes.byref(one), None, 0)
         out.tokens[b, 0] = root_tok[0]
 
@@ -402,13 +422,31 @@ def build_trees_from_logits(logits, width, budget, *, root_tokens, root_position
         raise checks.range_error(f"width {width} exceeds the vocabulary size {vocab}")
     # On the caller's shape, so that errors name its rows; with errors="status" a bad row's NaN
     # log-probs fail its request in the builder (KDT_ERR_VALUE, a root-only tree), as on the GPU.
-    # With depth limits, rows past a request's limit must not fail it: the builder judges.
-    lp, ids = topk_logprobs(x, min(width, budget), errors="status" if request_depths is not None else errors)
+    # With per-request limits, rows past a request's own used part must not fail it: the
+    # builder judges (a bad row's NaN log-probs fail only a request that reads them). With
+    # nothing to read (k' = 0) no row is looked at, as on the GPU.
+    kp = min(width, budget)
+    limited = request_budgets is not None or request_depths is not None
+    if kp == 0:
+        lead = x.shape[:-1]
+        lp, ids = np.zeros(lead + (0,), np.float32), np.zeros(lead + (0,), np.int32)
+        rows_bad = np.zeros(lead, bool)
+    else:
+        top = topk_logprobs(x, kp, errors="status" if limited else errors)
+        lp, ids, rows_bad = top.logprobs, top.ids, top.row_status != 0
     if x.ndim == 2:
-        lp, ids = lp[None], ids[None]
-    return build_trees(lp, ids, budget, root_tokens=root_tokens, root_positions=root_positions,
-                       vocab_size=vocab if vocab > 0 else None, pad_token=pad_token, out=out,
-                       errors=errors, request_budgets=request_budgets, request_depths=request_depths)
+        lp, ids, rows_bad = lp[None], ids[None], rows_bad[None]
+    try:
+        return build_trees(lp, ids, budget, root_tokens=root_tokens, root_positions=root_positions,
+                           vocab_size=vocab if vocab > 0 else None, pad_token=pad_token, out=out,
+                           errors=errors, request_budgets=request_budgets, request_depths=request_depths)
+    except _lib.KdtreeError as exc:
+        found = re.match(r"request (\d+), depth (\d+), rank \d+: NaN log-probability", exc.detail)
+        if found is None or not rows_bad[int(found.group(1)), int(found.group(2)) - 1]:
+            raise
+        b, d = int(found.group(1)), int(found.group(2))
+        raise _lib.KdtreeError(exc.status, f"request {b}, depth {d}: logits[{b}, {d - 1}] holds a NaN or +inf "
+                               "logit, or only -inf logits (no log-probs)", exc.function) from None
 
 
 def tree_attention_mask(trees, prefix_lengths, *, kind, dtype, columns, errors):
@@ -659,7 +697,7 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
     return status
 
 
-def ragged_trees(trees: TreeBatch, *, capacity: int | None) -> RaggedTrees:
+def ragged_trees(trees: TreeBatch, *, capacity: int | None, errors: str = "raise") -> RaggedTrees:
     check_tree_fields(trees, TREE_FIELDS)
     batch, rows = trees.batch, trees.budget + 1
     words = (rows + 31) // 32
@@ -667,7 +705,27 @@ def ragged_trees(trees: TreeBatch, *, capacity: int | None) -> RaggedTrees:
     memory.outputs_fit(cap * (6 * 4 + 8 + 4 * words), f"the ragged rows ({cap} rows)")
     out = RaggedTrees(np.empty(batch + 1, np.int32), *(np.empty(cap, np.dtype(d)) for d in list(
         RAGGED_FIELDS.values())[:-1]), np.empty((cap, words), np.uint32), budget=trees.budget)
+    status = checks.ok_status((batch,))
+    source = trees
+    if errors == "status":
+        # As on the GPU: a request whose num_nodes is out of range is packed as its root
+        # alone (KDT_ERR_VALUE); real rows past the capacity fail every request
+        # (KDT_ERR_BUFFER_TOO_SMALL) with cu_rows all zeros (and filler elsewhere).
+        n = trees.num_nodes
+        bad = (n < 0) | (n > trees.budget)
+        status[bad] = STATUS["KDT_ERR_VALUE"]
+        if bad.any():
+            source = TreeBatch(**{f: getattr(trees, f) for f in TREE_FIELDS if f != "num_nodes"},
+                               num_nodes=np.where(bad, 0, n).astype(np.int32), budget=trees.budget, depth=trees.depth)
+        if int(source.num_nodes.astype(np.int64).sum()) + batch > cap:
+            status[:] = STATUS["KDT_ERR_BUFFER_TOO_SMALL"]
+            out.cu_rows[:] = 0
+            for name, fill in (("row_request", -1), ("row_node", -1), ("tokens", -1), ("parents", -1),
+                               ("depths", 0), ("positions", 0), ("visibility_bits", 0)):
+                getattr(out, name)[...] = fill
+            out.request_status = status
+            return out
     struct = _lib.KdtTreesRagged(cap, checks.ptr(out.cu_rows), *(checks.ptr(getattr(out, f)) for f in RAGGED_FIELDS))
-    _lib.load().kdt_trees_ragged_cpu(ctypes.byref(trees_struct(trees)), ctypes.byref(struct))
-    out.request_status = checks.ok_status((batch,))
+    _lib.load().kdt_trees_ragged_cpu(ctypes.byref(trees_struct(source)), ctypes.byref(struct))
+    out.request_status = status
     return out

@@ -93,7 +93,7 @@ class NonFiniteLogitsError(ValueError):
     of decoding an arbitrary token."""
 
 
-def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
+def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, tp: bool = False):
     """Load a causal LM from a local folder (config + safetensors), in eval mode.
 
     Args:
@@ -101,12 +101,21 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
         device: torch device string, e.g. ``"cpu"`` or ``"cuda"``.
         dtype: torch dtype or its name (``"float64"``, ``"bfloat16"``); default: the
             checkpoint's.
+        tp: shard the model over the ranks of the initialised ``torch.distributed`` world
+            with transformers' own tensor-parallel plan (``tp_plan="auto"``: attention heads
+            and MLP columns split, the LM head whole on every rank), launched with
+            ``torchrun``: gloo on CPUs, NCCL on GPUs (each rank on ``cuda:LOCAL_RANK``;
+            ``device`` is then ignored). Every rank must run the same calls: the engine's
+            round is deterministic, so every rank commits the same tokens.
 
     Raises:
         FileNotFoundError: ``path`` is not a folder with a ``config.json``.
         ValueError: weights the model needs are missing from the checkpoint or have
-            another shape (transformers would initialise them at random).
-        ImportError: torch or transformers is missing.
+            another shape (transformers would initialise them at random); with ``tp``: no
+            initialised process group, a model transformers has no tensor-parallel plan
+            for, or attention / key-value heads that the world size does not divide.
+        ImportError: torch or transformers is missing (with ``tp``: accelerate, which
+            transformers' tensor-parallel loading needs).
     """
     torch = _torch()
     from transformers import AutoModelForCausalLM
@@ -119,8 +128,11 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
         raise FileNotFoundError(f"{folder}: no config.json (expected a folder written by save_pretrained)")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    extra = {}
+    if tp:
+        extra["tp_plan"] = _tp_plan(folder)
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype,
-                                                       output_loading_info=True)
+                                                       output_loading_info=True, **extra)
     # transformers initialises missing weights randomly and only reports it: refuse instead
     # (a tied LM head is not a missing weight: transformers leaves it out of the report)
     problems = [f"{what} {sorted(info.get(key) or [])[:5]}" for key, what in
@@ -128,7 +140,33 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None):
                  ("mismatched_keys", "weights of another shape:")) if info.get(key)]
     if problems:
         raise ValueError(f"{folder}: " + "; ".join(problems) + " (they would be initialised at random)")
+    if tp:
+        return model.eval()  # transformers placed each rank's shard on its device
     return model.to(device).eval()
+
+
+def _tp_plan(folder: Path) -> str:
+    """"auto" after the checks transformers leaves to a failure deep in its loading."""
+    import importlib.util
+
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("tp=True needs an initialised torch.distributed process group (launch with torchrun, "
+                         "then torch.distributed.init_process_group)")
+    if importlib.util.find_spec("accelerate") is None:
+        raise ImportError("tp=True needs accelerate (transformers' tensor-parallel loading uses it): "
+                          "pip install accelerate")
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(f"{folder}: transformers has no tensor-parallel plan for {type(config).__name__}")
+    world = dist.get_world_size()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = int(getattr(config, key, 0) or 0)
+        if heads % world:
+            raise ValueError(f"{folder}: {key} = {heads} is not a multiple of the world size {world}")
+    return "auto"
 
 
 class HFTarget:
