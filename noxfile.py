@@ -27,9 +27,10 @@ PYTHON_DEPS = ["numpy>=1.26", "ml_dtypes>=0.4", "tqdm>=4.60"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "scikit-build-core>=0.10"]
 # The transformer engine (kdtree.hf, kdtree.drafter): transformers is pinned to the release
 # the tests run against. torch stays below 2.14 so that machines holding a local CPU wheel
-# of 2.13 use it; KDTREE_TORCH overrides the requirement (e.g. "torch==2.14.1").
+# of 2.13 use it; KDTREE_TORCH overrides the requirement (e.g. "torch==2.14.1"). accelerate:
+# transformers' tensor-parallel loading (load_causal_lm(tp=True), generate --tp) needs it.
 MODEL_DEPS = [os.environ.get("KDTREE_TORCH", "torch>=2.4,<2.14"), "transformers==5.24.0", "tokenizers==0.23.3",
-              "safetensors==0.8.0", "matplotlib>=3.7"]
+              "safetensors==0.8.0", "matplotlib>=3.7", "accelerate==1.16.0"]
 
 nox.options.sessions = ["build", "test"]
 nox.options.reuse_existing_virtualenvs = True

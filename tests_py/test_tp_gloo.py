@@ -1,0 +1,161 @@
+"""The engine on a tensor-parallel target over torch.distributed (gloo, CPU processes).
+
+A tiny Qwen3 target is loaded with ``load_causal_lm(..., tp=True)`` (transformers' own
+tensor-parallel plan) in two processes: its attention and MLP weights are split across the
+ranks, and every rank's greedy and sampled DDTree decoding (and autoregressive decoding)
+must equal the single-process run's tokens, token for token. The CLI's ``--tp`` refuses to
+run outside torchrun and names the model's heads that the world size does not divide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kdtree
+from kdtree import _native as _lib
+
+torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (transformers' tensor-parallel loading needs "
+                                         "it; nox -s test installs it)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from kdtree.engine import autoregressive_generate, speculative_generate
+    from kdtree.engine.hf import HFTarget, load_causal_lm
+
+    folder, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    model = load_causal_lm(folder, dtype="float64", tp=dist.get_world_size() > 1)
+
+    class RandomDrafter:
+        def __init__(self, vocab, seed):
+            self.vocab_size = vocab
+            self.rng = np.random.default_rng(seed)
+
+        def draft(self, context, depth, features=None):
+            return self.rng.standard_normal((depth, self.vocab_size)) * 2.0
+
+    prompt = [3, 14, 15, 92, 65, 35]
+    w = model.model.layers[0].self_attn.q_proj.weight
+    local = tuple((w.to_local() if hasattr(w, "to_local") else w).shape)
+    ar = autoregressive_generate(HFTarget(model), prompt, 24)
+    greedy = speculative_generate(HFTarget(model), RandomDrafter(97, 1), prompt, 24, budget=16, depth=4)
+    sampled = speculative_generate(HFTarget(model, temperature=0.8, seed=3), RandomDrafter(97, 2), prompt, 24,
+                                   budget=16, depth=4)
+    json.dump({"rank": dist.get_rank(), "local_q": local, "ar": [int(t) for t in ar.tokens],
+               "greedy": [int(t) for t in greedy.tokens], "sampled": [int(t) for t in sampled.tokens],
+               "forwards": int(greedy.target_calls)}, open(out, "w"))
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(world: int, rank: int, port: int) -> dict:
+    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+                KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
+
+
+def run_world(tmp_path, folder, world):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    port = _free_port()
+    outs = [tmp_path / f"w{world}r{r}.json" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(outs[r])], env=_env(world, r, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a gloo rank did not finish within 300 s")
+        assert p.returncode == 0, text[-3000:]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, lib):
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    folder = tmp_path_factory.mktemp("tp") / "target"
+    cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(25.0)  # sharper distributions than the default init
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def test_tensor_parallel_ranks_decode_the_single_process_tokens(tiny_target, tmp_path):
+    single = run_world(tmp_path, tiny_target, 1)[0]
+    ranks = run_world(tmp_path, tiny_target, 2)
+    assert single["local_q"] == [32, 32]
+    for r in ranks:
+        assert r["local_q"] == [16, 32]  # the query heads are split over the two ranks
+        for key in ("ar", "greedy", "sampled"):
+            assert r[key] == single[key], key
+        assert r["forwards"] == single["forwards"]
+    assert single["greedy"] == single["ar"]  # DDTree is lossless on the single process too
+    assert len(single["greedy"]) == 24 and single["forwards"] < 24
+
+
+def test_tp_errors(tiny_target, tmp_path):
+    # Without an initialised process group.
+    from kdtree.engine.hf import load_causal_lm
+
+    with pytest.raises(ValueError, match="initialised torch.distributed process group"):
+        load_causal_lm(tiny_target, tp=True)
+    # The CLI outside torchrun.
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-m", "kdtree", "generate", "--tp", "--max-new-tokens", "4", "--no-ar",
+                        "--repeats", "1"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode != 0 and "--tp runs under torchrun" in r.stderr
+    # Heads the world size does not divide: the shipped pair has 5 (a world of 2).
+    shipped = ROOT / "fixtures" / "models" / "stdlib-qwen3"
+    script = tmp_path / "heads.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch.distributed as dist
+        from kdtree.engine.hf import load_causal_lm
+        dist.init_process_group("gloo")
+        try:
+            load_causal_lm({str(shipped / "target")!r}, tp=True)
+        except ValueError as exc:
+            print("ERR", exc)
+        dist.destroy_process_group()
+    """))
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(script)], env=_env(2, r, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    texts = [p.communicate(timeout=300)[0] for p in procs]
+    for text in texts:
+        assert "num_attention_heads = 5 is not a multiple of the world size 2" in text, text[-2000:]
+    assert np.all([p.returncode == 0 for p in procs])
