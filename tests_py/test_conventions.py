@@ -288,11 +288,12 @@ def test_available_bytes_reads_memavailable():
     assert got is not None and got <= int(found.group(1)) * 1024 * 1.05
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.int8, np.int32])
+@pytest.mark.parametrize("dtype", [np.float64, np.int16, np.int32, np.uint64, np.bool_])
 def test_cpu_compaction_accepts_the_gpu_dtypes_only(dtype):
+    # float16 / bfloat16 / float32 and one-byte types (fp8, int8, uint8: moved as bytes).
     cache = np.zeros((1, 1, 4, 2), dtype)
     acc = kdtree.Acceptance(np.array([[0, 1]], np.int32), np.array([1], np.int32), np.zeros(1, np.int32))
-    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+    with pytest.raises(TypeError, match="float16, bfloat16, float32, or one byte"):
         kdtree.compact_kv([cache], None, [0], acc)
 
 
