@@ -144,7 +144,10 @@ for step in "${steps[@]}"; do
   python)
     # The GPU pytest files, and the host ones whose results the GPU paths must match.
     KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so PYTHONPATH=python python3 -m pytest tests_py/test_gpu.py \
-      tests_py/test_bindings.py tests_py/test_topk_extremes.py tests_py/test_conventions.py -q -p no:cacheprovider \
+      tests_py/test_bindings.py tests_py/test_topk_extremes.py tests_py/test_conventions.py \
+      tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py \
+      tests_py/test_stop_sequences.py tests_py/test_compact_bytes.py tests_py/test_compact_paged.py \
+      -q -p no:cacheprovider \
       2>&1 | tee "$OUT/pytest.txt" | tail -15
     note "pytest (GPU build): $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest.txt" | tail -1)" ;;
   *) echo "unknown step $step"; exit 2 ;;
