@@ -38,9 +38,10 @@ _WORKER = textwrap.dedent("""
     from kdtree.engine import autoregressive_generate, speculative_generate
     from kdtree.engine.hf import HFTarget, load_causal_lm
 
-    folder, out = sys.argv[1], sys.argv[2]
+    folder, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
-    model = load_causal_lm(folder, dtype="float64", tp=dist.get_world_size() > 1)
+    tp = dist.get_world_size() > 1
+    model = load_causal_lm(folder, dtype="float64", tp=tp, vocab_sharded_head=tp and mode == "head")
 
     class RandomDrafter:
         def __init__(self, vocab, seed):
@@ -50,16 +51,41 @@ _WORKER = textwrap.dedent("""
         def draft(self, context, depth, features=None):
             return self.rng.standard_normal((depth, self.vocab_size)) * 2.0
 
+    class SlicedDrafter(RandomDrafter):  # RandomDrafter's logits, this rank's vocabulary slice only
+
+        def __init__(self, vocab, seed, vocab_slice):
+            super().__init__(vocab, seed)
+            self.vocab_slice = vocab_slice
+
+        def draft(self, context, depth, features=None):
+            full = super().draft(context, depth, features)
+            lo, size = self.vocab_slice
+            return full[:, lo:lo + size]
+
     prompt = [3, 14, 15, 92, 65, 35]
     w = model.model.layers[0].self_attn.q_proj.weight
     local = tuple((w.to_local() if hasattr(w, "to_local") else w).shape)
-    ar = autoregressive_generate(HFTarget(model), prompt, 24)
+    result = {"rank": dist.get_rank(), "local_q": local}
+    result["ar"] = [int(t) for t in autoregressive_generate(HFTarget(model), prompt, 24).tokens]
     greedy = speculative_generate(HFTarget(model), RandomDrafter(97, 1), prompt, 24, budget=16, depth=4)
-    sampled = speculative_generate(HFTarget(model, temperature=0.8, seed=3), RandomDrafter(97, 2), prompt, 24,
-                                   budget=16, depth=4)
-    json.dump({"rank": dist.get_rank(), "local_q": local, "ar": [int(t) for t in ar.tokens],
-               "greedy": [int(t) for t in greedy.tokens], "sampled": [int(t) for t in sampled.tokens],
-               "forwards": int(greedy.target_calls)}, open(out, "w"))
+    result["greedy"] = [int(t) for t in greedy.tokens]
+    result["forwards"] = int(greedy.target_calls)
+    if mode == "head":
+        vs = getattr(model, "kdtree_vocab_slice", None) or (0, 97)
+        result["slice"] = list(vs)
+        sliced = speculative_generate(HFTarget(model), SlicedDrafter(97, 1, vs) if tp else RandomDrafter(97, 1),
+                                      prompt, 24, budget=16, depth=4)
+        result["sliced"] = [int(t) for t in sliced.tokens]
+        try:
+            HFTarget(model, temperature=0.8)
+            result["sampling"] = "accepted"
+        except ValueError as exc:
+            result["sampling"] = str(exc)
+    else:
+        sampled = speculative_generate(HFTarget(model, temperature=0.8, seed=3), RandomDrafter(97, 2), prompt, 24,
+                                       budget=16, depth=4)
+        result["sampled"] = [int(t) for t in sampled.tokens]
+    json.dump(result, open(out, "w"))
     dist.destroy_process_group()
 """)
 
@@ -77,12 +103,13 @@ def _env(world: int, rank: int, port: int) -> dict:
                 KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
 
 
-def run_world(tmp_path, folder, world):
+def run_world(tmp_path, folder, world, mode="plan"):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     port = _free_port()
-    outs = [tmp_path / f"w{world}r{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(outs[r])], env=_env(world, r, port),
+    outs = [tmp_path / f"{mode}w{world}r{r}.json" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(outs[r]), mode],
+                              env=_env(world, r, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     for p in procs:
         try:
@@ -124,6 +151,18 @@ def test_tensor_parallel_ranks_decode_the_single_process_tokens(tiny_target, tmp
         assert r["forwards"] == single["forwards"]
     assert single["greedy"] == single["ar"]  # DDTree is lossless on the single process too
     assert len(single["greedy"]) == 24 and single["forwards"] < 24
+
+
+def test_vocabulary_sharded_lm_head_merges_instead_of_gathering(tiny_target, tmp_path):
+    single = run_world(tmp_path, tiny_target, 1, "head")[0]
+    ranks = run_world(tmp_path, tiny_target, 2, "head")
+    assert [r["slice"] for r in ranks] == [[0, 49], [49, 48]]  # 97 rows of the LM head split 49 / 48
+    for r in ranks:
+        assert r["ar"] == single["ar"] and r["greedy"] == single["greedy"]
+        assert r["forwards"] == single["forwards"]
+        assert r["sliced"] == single["ar"]  # a drafter that sees only its slice: the top-k merged
+        assert "not supported yet" in r["sampling"]
+    assert single["sampling"] == "accepted"
 
 
 def test_tp_errors(tiny_target, tmp_path):

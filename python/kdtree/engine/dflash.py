@@ -498,6 +498,8 @@ def load_dflash(folder: str | Path, target: Any, *, device: Any = None, dtype: A
         dtype = getattr(torch, dtype)
     dtype = param.dtype if dtype is None else dtype
     model = DFlashDrafter(cfg, emb, head)
+    if getattr(target, "kdtree_vocab_slice", None) is not None:
+        model.kdtree_vocab_slice = target.kdtree_vocab_slice  # the target's LM head gives a slice
     state = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:

@@ -314,11 +314,15 @@ class BlockDrafterRunner:
         self.max_depth = int(model.max_depth)
         self.feature_size = int(model.feature_size)
         self.calls = 0
+        # A DFlash drafter over a target whose LM head is split by vocabulary returns this
+        # rank's slice of the logits; the engine merges the top-k (kdtree.distributed).
+        self.vocab_slice = getattr(model, "kdtree_vocab_slice", None)
 
     def draft(self, context: Sequence[int], depth: int, features: Any = None) -> np.ndarray:
         torch = _torch()
         if depth == 0:
-            return np.zeros((0, self.vocab_size), dtype=np.float32)
+            width = self.vocab_size if self.vocab_slice is None else self.vocab_slice[1]
+            return np.zeros((0, width), dtype=np.float32)
         if not 1 <= depth <= self.max_depth:
             raise ValueError(f"this drafter drafts 1 .. {self.max_depth} positions, got depth {depth}")
         t = len(context) - 1

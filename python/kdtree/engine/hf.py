@@ -93,7 +93,8 @@ class NonFiniteLogitsError(ValueError):
     of decoding an arbitrary token."""
 
 
-def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, tp: bool = False):
+def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, tp: bool = False,
+                   vocab_sharded_head: bool = False):
     """Load a causal LM from a local folder (config + safetensors), in eval mode.
 
     Args:
@@ -107,6 +108,12 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, 
             ``torchrun``: gloo on CPUs, NCCL on GPUs (each rank on ``cuda:LOCAL_RANK``;
             ``device`` is then ignored). Every rank must run the same calls: the engine's
             round is deterministic, so every rank commits the same tokens.
+        vocab_sharded_head: with ``tp``, split the LM head by vocabulary and leave each
+            rank its slice of the logits (never gathered): the model gets
+            ``kdtree_vocab_slice = (offset, size)``, which :class:`HFTarget` (greedy) and a
+            DFlash drafter over this target read to merge their choices and top-k through
+            :mod:`kdtree.distributed` (a few numbers a row instead of the vocabulary). Not
+            for a model whose LM head is tied to its embedding.
 
     Raises:
         FileNotFoundError: ``path`` is not a folder with a ``config.json``.
@@ -129,8 +136,10 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     extra = {}
+    if vocab_sharded_head and not tp:
+        raise ValueError("vocab_sharded_head=True needs tp=True")
     if tp:
-        extra["tp_plan"] = _tp_plan(folder)
+        extra["tp_plan"] = _tp_plan(folder, vocab_sharded_head)
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype,
                                                        output_loading_info=True, **extra)
     # transformers initialises missing weights randomly and only reports it: refuse instead
@@ -141,12 +150,31 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, 
     if problems:
         raise ValueError(f"{folder}: " + "; ".join(problems) + " (they would be initialised at random)")
     if tp:
+        if vocab_sharded_head:
+            model.kdtree_vocab_slice = _vocab_slice(model)
         return model.eval()  # transformers placed each rank's shard on its device
     return model.to(device).eval()
 
 
-def _tp_plan(folder: Path) -> str:
-    """"auto" after the checks transformers leaves to a failure deep in its loading."""
+def _vocab_slice(model: Any) -> tuple[int, int]:
+    """(offset, size) of this rank's rows of the vocabulary-sharded LM head: the ranks'
+    sizes gathered, offsets in rank order."""
+    import torch.distributed as dist
+
+    w = model.get_output_embeddings().weight
+    size = int((w.to_local() if hasattr(w, "to_local") else w).shape[0])
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, size)
+    offset = sum(sizes[: dist.get_rank()])
+    if sum(sizes) != int(model.config.vocab_size):
+        raise ValueError(f"the LM head's slices {sizes} do not make the vocabulary of {model.config.vocab_size}")
+    return offset, size
+
+
+def _tp_plan(folder: Path, vocab_sharded_head: bool = False) -> str | dict:
+    """"auto" (or, with vocab_sharded_head, transformers' plan with the LM head split by
+    vocabulary and not gathered) after the checks transformers leaves to a failure deep in
+    its loading."""
     import importlib.util
 
     import torch.distributed as dist
@@ -166,7 +194,20 @@ def _tp_plan(folder: Path) -> str:
         heads = int(getattr(config, key, 0) or 0)
         if heads % world:
             raise ValueError(f"{folder}: {key} = {heads} is not a multiple of the world size {world}")
-    return "auto"
+    if not vocab_sharded_head:
+        return "auto"
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"{folder}: vocab_sharded_head needs an LM head of its own (tie_word_embeddings is set)")
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    prefix = getattr(cls, "base_model_prefix", "model")
+    plan = {f"{prefix}.{k}": v for k, v in config.base_model_tp_plan.items()}
+    plan.update(getattr(cls, "_tp_plan", None) or {})
+    if "lm_head" not in plan:
+        raise ValueError(f"{folder}: transformers' plan for {cls.__name__} does not name lm_head")
+    plan["lm_head"] = "colwise"  # each rank keeps its slice of the logits
+    return plan
 
 
 class HFTarget:
@@ -207,6 +248,12 @@ class HFTarget:
                                  f"{n_layers}-layer model)")
         self.model = model.eval()
         self.vocab_size = int(model.config.vocab_size)
+        # (offset, size) of a vocabulary-sharded LM head (load_causal_lm(vocab_sharded_head=
+        # True)): the logits are this rank's slice, merged by kdtree.distributed.
+        self.vocab_slice = getattr(model, "kdtree_vocab_slice", None)
+        if self.vocab_slice is not None and temperature != 0.0:
+            raise ValueError("sampling from a vocabulary-sharded LM head is not supported yet (temperature 0 "
+                             "only); load the target without vocab_sharded_head to sample")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.feature_layers = layers
@@ -440,6 +487,8 @@ class HFTarget:
                              f"{logits.dtype} of shape {tuple(logits.shape)}")
         if np.shape(positions) != (logits.shape[0],):
             raise ValueError(f"positions: one per row of logits ({logits.shape[0]}), got shape {np.shape(positions)}")
+        if self.vocab_slice is not None:
+            return self._choose_sharded(logits)
         nan_rows = torch.isnan(logits).any(dim=-1).nonzero()
         if len(nan_rows):
             raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(nan_rows[0, 0])} of {logits.shape[0]} "
@@ -470,6 +519,21 @@ class HFTarget:
         last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
         draws = torch.minimum(draws, last)
         return draws.to(torch.int32).cpu().numpy()
+
+    def _choose_sharded(self, logits: Any) -> np.ndarray:
+        """The argmax over every rank's slice (kdtree.distributed.target_tokens_sharded:
+        ties to the lower global id); a row that gives no token fails on every rank."""
+        from ..distributed import target_tokens_sharded
+
+        offset, size = self.vocab_slice
+        if logits.shape[1] != size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, this rank's vocabulary slice {size}")
+        tokens = target_tokens_sharded(logits.detach().float().cpu()[None], offset, self.vocab_size)[0].numpy()
+        bad = np.flatnonzero(tokens < 0)
+        if bad.size:
+            raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(bad[0])} of {logits.shape[0]} "
+                                       "(on some rank's vocabulary slice)")
+        return tokens.astype(np.int32)
 
     def _forward(self, tokens: list[int], positions: list[int], mask: Any):
         torch = _torch()

@@ -219,6 +219,17 @@ def _useful_budget(budget: int, depth: int, width: int) -> int:
     return min(budget, total)
 
 
+def _sharded_topk(logits: np.ndarray, k: int, vocab_slice, vocab: int):
+    """The top-k log-probs of drafter logits split by vocabulary over the ranks
+    (kdtree.distributed.topk_logprobs_sharded), as numpy arrays."""
+    import torch
+
+    from ..distributed import topk_logprobs_sharded
+
+    top = topk_logprobs_sharded(torch.from_numpy(np.ascontiguousarray(logits, np.float32)), k, vocab_slice[0], vocab)
+    return top.logprobs.numpy(), top.ids.numpy()
+
+
 def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int],
                          max_new_tokens: int, *, budget: int, depth: int,
                          stop_tokens: Sequence[int] = (), ops: Any = None,
@@ -263,6 +274,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
     k = min(budget if width is None else width, vocab)
     stops = {int(t) for t in stop_tokens}
     stop_list = sorted(stops)
+    vocab_slice = getattr(drafter, "vocab_slice", None)
     res = GenerationResult(tokens=[])
     tm = res.times
     context = [int(t) for t in prompt]
@@ -275,9 +287,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
         t0 = time.perf_counter()
         logits = np.asarray(drafter.draft(context, depth, target.drafter_features()))
         res.drafter_calls += 1
-        if logits.shape != (depth, vocab):
+        width_v = vocab if vocab_slice is None else vocab_slice[1]
+        if logits.shape != (depth, width_v):
             raise ValueError(f"drafter returned logits of shape {logits.shape}, "
-                             f"expected ({depth}, {vocab})")
+                             f"expected ({depth}, {width_v})")
         # Near the target's position limit the tree gets shallower (down to the root
         # alone, one token a round), as autoregressive decoding would still run there.
         left = positions_left() if callable(positions_left) else None
@@ -286,7 +299,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
             logits = logits[:round_depth]
         round_budget = _useful_budget(budget, round_depth, k)
         t1 = time.perf_counter()
-        lp, ids = ops.topk_logprobs(logits, k)
+        if vocab_slice is None:
+            lp, ids = ops.topk_logprobs(logits, k)
+        else:  # this rank's slice of the vocabulary: the shards' summaries merged
+            lp, ids = _sharded_topk(logits, k, vocab_slice, vocab)
         t2 = time.perf_counter()
         trees = ops.build_trees(lp, ids, round_budget, root_tokens=[context[-1]],
                                 root_positions=[len(context) - 1], vocab_size=vocab)
