@@ -623,3 +623,22 @@ def test_a_commit_that_fails_midway_leaves_a_refusing_target(model, monkeypatch)
     monkeypatch.undo()
     target.prefill([4, 8, 15, 16])  # starts again
     assert target.next_token() == autoregressive_generate(HFTarget(model), [4, 8, 15, 16], 1).tokens[0]
+
+
+def test_gumbel_sampler_is_lossless_and_documented(model):
+    from kdtree.core import sampling
+
+    prompt = [5, 17, 3, 44]
+    ar = autoregressive_generate(HFTarget(model, temperature=8.0, seed=4, sampler="gumbel"), prompt, 16)
+    res = speculative_generate(HFTarget(model, temperature=8.0, seed=4, sampler="gumbel"), RandomDrafter(97, 3),
+                               prompt, 16, budget=12, depth=4)
+    assert res.tokens == ar.tokens
+    greedy = autoregressive_generate(HFTarget(model), prompt, 16)
+    assert ar.tokens != greedy.tokens
+    # The first draw is the documented one: the Philox-Gumbel draw keyed by (seed, position).
+    first = sampling.gumbel_draws(causal_logits(model, prompt)[None].numpy(), 8.0, 4, 0, 0, np.array([len(prompt)]))
+    assert ar.tokens[0] == int(first[0])
+    with pytest.raises(ValueError, match="no top_p cut"):
+        HFTarget(model, temperature=0.9, top_p=0.5, sampler="gumbel")
+    with pytest.raises(ValueError, match="sampler must be"):
+        HFTarget(model, sampler="bogus")

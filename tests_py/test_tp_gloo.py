@@ -81,6 +81,11 @@ _WORKER = textwrap.dedent("""
             result["sampling"] = "accepted"
         except ValueError as exc:
             result["sampling"] = str(exc)
+        gumbel = dict(temperature=0.8, seed=3, sampler="gumbel")
+        result["gumbel_ar"] = [int(t) for t in autoregressive_generate(HFTarget(model, **gumbel), prompt, 24).tokens]
+        result["gumbel"] = [int(t) for t in speculative_generate(
+            HFTarget(model, **gumbel), SlicedDrafter(97, 2, vs) if tp else RandomDrafter(97, 2), prompt, 24,
+            budget=16, depth=4).tokens]
     else:
         sampled = speculative_generate(HFTarget(model, temperature=0.8, seed=3), RandomDrafter(97, 2), prompt, 24,
                                        budget=16, depth=4)
@@ -161,8 +166,12 @@ def test_vocabulary_sharded_lm_head_merges_instead_of_gathering(tiny_target, tmp
         assert r["ar"] == single["ar"] and r["greedy"] == single["greedy"]
         assert r["forwards"] == single["forwards"]
         assert r["sliced"] == single["ar"]  # a drafter that sees only its slice: the top-k merged
-        assert "not supported yet" in r["sampling"]
+        assert "needs sampler='gumbel'" in r["sampling"]
+        # Sampled: the Gumbel draws of each slice merge to the single process's draws.
+        assert r["gumbel"] == single["gumbel"] and r["gumbel_ar"] == single["gumbel_ar"]
     assert single["sampling"] == "accepted"
+    assert single["gumbel"] == single["gumbel_ar"]  # lossless: DDTree samples what AR samples
+    assert single["gumbel"] != single["ar"]  # (and sampling is not greedy here)
 
 
 def test_tp_errors(tiny_target, tmp_path):

@@ -86,7 +86,7 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
 
 
 def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temperature=None, seed: int = 0,
-                          offset: int = 0, group=None):
+                          offset: int = 0, nodes=None, group=None):
     """The target's token at every tree node from vocabulary-sharded target logits, equal to
     the unsharded verification's choice, on every rank.
 
@@ -98,8 +98,9 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
         temperature: None or 0: greedy, the argmax (ties: lower global id), as
             :func:`kdtree.verify_greedy_from_logits`; else a float32 >= 1e-6: the Gumbel-max
             draw of :func:`kdtree.verify_sample_from_logits` (``seed``, ``offset``: its
-            keys; request b is row b, node i row i), whose noise depends on the global
-            token id alone, so each rank's best of its slice merges to the same draw.
+            keys; request b is row b, node i row i, or ``nodes[b, i]`` when given: ints
+            ``[B, N+1]`` in [0, 2^32)), whose noise depends on the global token id alone, so
+            each rank's best of its slice merges to the same draw.
 
     Returns:
         torch int32 ``[B, N+1]``, the same on every rank: the token, or -1 for a row with
@@ -147,6 +148,9 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     if problem is not None:
         raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
     batch, rows, width = x.shape
+    keys = np.broadcast_to(np.arange(rows), (batch, rows)) if nodes is None else np.asarray(nodes)
+    if keys.shape != (batch, rows):
+        raise checks.shape_error(f"nodes must have shape ({batch}, {rows}), got {keys.shape}")
     packed = np.zeros((batch, rows, 4), np.float64)  # best score, its global id, no choice, any finite
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for b in range(batch):
@@ -154,7 +158,8 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
                 row = x[b, i]
                 if sampled:
                     bad = bool(np.isnan(row).any() or np.isposinf(row).any())
-                    score = row / t32 - sampling._gumbel_log_t(width, seed, offset, b, i, start=int(vocab_offset))
+                    score = row / t32 - sampling._gumbel_log_t(width, seed, offset, b, int(keys[b, i]),
+                                                               start=int(vocab_offset))
                 else:
                     bad = bool(np.isnan(row).any())
                     score = row

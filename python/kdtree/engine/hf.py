@@ -225,13 +225,22 @@ class HFTarget:
             autoregressive step for one position use the same draw), run after run.
         feature_layers: indices into the model's hidden states (0 = embeddings, i = output
             of layer i) returned by :meth:`drafter_features`, concatenated; empty: none.
+        sampler: how a draw is made at temperature > 0: ``"inverse_cdf"`` (default: the
+            first token id whose cumulative probability, float64 in id order, exceeds the
+            keyed uniform; takes top_p) or ``"gumbel"``: the argmax of ``logit / T`` minus
+            Philox4x32-10 Gumbel noise keyed by (seed, the chosen token's position, token
+            id), in float32, as :func:`kdtree.verify_sample_from_logits` draws (request 0,
+            node = position, offset 0); each token's noise depends on its id alone, so a
+            vocabulary-sharded LM head gives the same draws (top_p must be 1).
 
     Raises:
-        ValueError: temperature < 0, top_p outside (0, 1], a feature layer out of range.
+        ValueError: temperature < 0, top_p outside (0, 1], a feature layer out of range,
+            an unknown sampler, top_p < 1 with the Gumbel sampler, sampling from a
+            vocabulary-sharded head with the inverse-CDF sampler.
     """
 
     def __init__(self, model: Any, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 feature_layers: Sequence[int] = ()):
+                 feature_layers: Sequence[int] = (), sampler: str = "inverse_cdf"):
         if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature < float("inf")):
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {temperature}")
         if not 0.0 < top_p <= 1.0:
@@ -251,9 +260,14 @@ class HFTarget:
         # (offset, size) of a vocabulary-sharded LM head (load_causal_lm(vocab_sharded_head=
         # True)): the logits are this rank's slice, merged by kdtree.distributed.
         self.vocab_slice = getattr(model, "kdtree_vocab_slice", None)
-        if self.vocab_slice is not None and temperature != 0.0:
-            raise ValueError("sampling from a vocabulary-sharded LM head is not supported yet (temperature 0 "
-                             "only); load the target without vocab_sharded_head to sample")
+        if sampler not in ("inverse_cdf", "gumbel"):
+            raise ValueError(f"sampler must be 'inverse_cdf' or 'gumbel', got {sampler!r}")
+        if sampler == "gumbel" and top_p < 1.0:
+            raise ValueError(f"the Gumbel sampler takes no top_p cut (got top_p {top_p}); use sampler='inverse_cdf'")
+        if self.vocab_slice is not None and temperature != 0.0 and sampler != "gumbel":
+            raise ValueError("sampling from a vocabulary-sharded LM head needs sampler='gumbel' (the inverse-CDF "
+                             "draw reads the whole distribution)")
+        self.sampler = sampler
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.feature_layers = layers
@@ -488,7 +502,17 @@ class HFTarget:
         if np.shape(positions) != (logits.shape[0],):
             raise ValueError(f"positions: one per row of logits ({logits.shape[0]}), got shape {np.shape(positions)}")
         if self.vocab_slice is not None:
-            return self._choose_sharded(logits)
+            return self._choose_sharded(logits, positions)
+        if self.temperature != 0.0 and self.sampler == "gumbel":
+            from ..core import sampling
+
+            draws = sampling.gumbel_draws(logits.detach().float().cpu().numpy(), self.temperature, self.seed, 0, 0,
+                                          np.asarray(positions, dtype=np.int64))
+            bad = np.flatnonzero(draws < 0)
+            if bad.size:
+                raise NonFiniteLogitsError(f"the target's logits in row {int(bad[0])} of {logits.shape[0]} hold a NaN "
+                                           "or +inf, or no finite value (its weights or inputs are broken)")
+            return draws
         nan_rows = torch.isnan(logits).any(dim=-1).nonzero()
         if len(nan_rows):
             raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(nan_rows[0, 0])} of {logits.shape[0]} "
@@ -520,15 +544,19 @@ class HFTarget:
         draws = torch.minimum(draws, last)
         return draws.to(torch.int32).cpu().numpy()
 
-    def _choose_sharded(self, logits: Any) -> np.ndarray:
-        """The argmax over every rank's slice (kdtree.distributed.target_tokens_sharded:
-        ties to the lower global id); a row that gives no token fails on every rank."""
+    def _choose_sharded(self, logits: Any, positions: Any) -> np.ndarray:
+        """The argmax, or the Gumbel draw, over every rank's slice
+        (kdtree.distributed.target_tokens_sharded: ties to the lower global id); a row that
+        gives no token fails on every rank."""
         from ..distributed import target_tokens_sharded
 
         offset, size = self.vocab_slice
         if logits.shape[1] != size:
             raise ValueError(f"logits have {logits.shape[1]} columns, this rank's vocabulary slice {size}")
-        tokens = target_tokens_sharded(logits.detach().float().cpu()[None], offset, self.vocab_size)[0].numpy()
+        sampled = self.temperature != 0.0
+        tokens = target_tokens_sharded(logits.detach().float().cpu()[None], offset, self.vocab_size,
+                                       temperature=self.temperature if sampled else None, seed=self.seed, offset=0,
+                                       nodes=np.asarray(positions, dtype=np.int64)[None])[0].numpy()
         bad = np.flatnonzero(tokens < 0)
         if bad.size:
             raise NonFiniteLogitsError(f"the target's logits hold a NaN in row {int(bad[0])} of {logits.shape[0]} "
