@@ -642,3 +642,25 @@ def test_gumbel_sampler_is_lossless_and_documented(model):
         HFTarget(model, temperature=0.9, top_p=0.5, sampler="gumbel")
     with pytest.raises(ValueError, match="sampler must be"):
         HFTarget(model, sampler="bogus")
+
+
+def test_stop_sequences_end_ar_and_ddtree_alike(model):
+    prompt = [5, 17, 3, 44]
+    # Sampled (the Gumbel draw, keyed by position): a varied continuation, the same for AR
+    # and DDTree.
+    kw = dict(temperature=8.0, seed=9, sampler="gumbel")
+    free = autoregressive_generate(HFTarget(model, **kw), prompt, 20).tokens
+    # A pair from inside the continuation whose first occurrence ends at position j.
+    pairs = [tuple(free[i - 1: i + 1]) for i in range(1, len(free))]
+    j = next(j for j in range(3, len(free)) if pairs[j - 1] not in pairs[: j - 1]
+             and pairs[j - 1] != (prompt[-1], free[0]))
+    for seqs, want in (([list(pairs[j - 1])], free[: j + 1]),             # inside the round(s)
+                       ([[prompt[-2], prompt[-1], free[0]]], free[:1]),  # spanning the prompt
+                       ([[999, 998]], free)):                             # never
+        ar = autoregressive_generate(HFTarget(model, **kw), prompt, 20, stop_sequences=seqs)
+        assert ar.tokens == want
+        for drafter in (RandomDrafter(97, 5), NoisyOracleDrafter(model, 0.9, 1)):
+            dd = speculative_generate(HFTarget(model, **kw), drafter, prompt, 20, budget=12, depth=5,
+                                      stop_sequences=seqs)
+            assert dd.tokens == want
+            assert dd.stop_reason == ("max_new_tokens" if want == free else "stop_sequence")

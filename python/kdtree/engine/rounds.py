@@ -114,7 +114,7 @@ class GenerationResult:
         drafter_calls    drafter calls (0 for AR)
         accepted         per round, accepted draft tokens (root excluded)
         committed        per round, committed tokens (accepted draft tokens + bonus)
-        stop_reason      "max_new_tokens" or "stop_token"
+        stop_reason      "max_new_tokens", "stop_token" or "stop_sequence"
         times            seconds per stage (``STAGES``; AR uses "target" and "commit")
         wall             seconds for the whole call
         snapshot         the round selected for display, or None
@@ -170,19 +170,40 @@ def _check_common(prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     return out
 
 
+def _stop_sequences(stop_sequences) -> list[tuple[int, ...]]:
+    """The stop sequences as tuples of token ids (checked as the verify functions check them)."""
+    from ..core import checks
+
+    seq = checks.stop_sequences(stop_sequences, None, 1)
+    if seq is None:
+        return []
+    tokens, offsets, _ = seq
+    return [tuple(int(t) for t in tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def _ends_with_one(stream: Sequence[int], sequences: list[tuple[int, ...]]) -> bool:
+    return any(len(q) <= len(stream) and tuple(stream[-len(q):]) == q for q in sequences)
+
+
 def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_tokens: int, *,
                             stop_tokens: Sequence[int] = (),
-                            on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
+                            on_tokens: Callable[[int], None] | None = None,
+                            stop_sequences=()) -> GenerationResult:
     """Plain autoregressive decoding: one target call per new token.
 
-    Stops after ``max_new_tokens`` tokens or right after a stop token (which is kept).
+    Stops after ``max_new_tokens`` tokens, right after a stop token (which is kept), or
+    right after a token that makes the committed stream (prompt and new tokens) end with
+    one of ``stop_sequences`` (token sequences of 1 to 16 ids; kept; ``stop_reason``
+    "stop_sequence").
 
     Raises:
-        ValueError: empty prompt or negative ``max_new_tokens``. TypeError: a prompt element
-            or ``max_new_tokens`` that is not an integer.
+        ValueError: empty prompt or negative ``max_new_tokens``, a malformed stop sequence.
+        TypeError: a prompt element or ``max_new_tokens`` that is not an integer.
     """
     prompt = _check_common(prompt, max_new_tokens)
     stops = {int(t) for t in stop_tokens}
+    sequences = _stop_sequences(stop_sequences)
+    stream = list(prompt)
     res = GenerationResult(tokens=[])
     t_start = time.perf_counter()
     target.prefill(prompt)
@@ -197,10 +218,14 @@ def autoregressive_generate(target: Target, prompt: Sequence[int], max_new_token
         res.target_calls += 1
         res.target_rows += 1
         res.tokens.append(tok)
+        stream.append(tok)
         if on_tokens is not None:
             on_tokens(1)
         if tok in stops:
             res.stop_reason = "stop_token"
+            break
+        if sequences and _ends_with_one(stream, sequences):
+            res.stop_reason = "stop_sequence"
             break
     res.wall = time.perf_counter() - t_start
     return res
@@ -235,7 +260,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
                          stop_tokens: Sequence[int] = (), ops: Any = None,
                          snapshot: str | int | None = "best",
                          on_tokens: Callable[[int], None] | None = None,
-                         width: int | None = None) -> GenerationResult:
+                         width: int | None = None, stop_sequences=()) -> GenerationResult:
     """DDTree speculative decoding of ``target`` with ``drafter`` (see the module docstring).
 
     Args:
@@ -245,6 +270,11 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
         budget: N >= 0, draft nodes per tree (root excluded).
         depth: L >= 0, draft positions per drafter call (tree depth limit).
         stop_tokens: generation ends right after one is committed (it is kept).
+        stop_sequences: token sequences (1 to 16 ids each): generation ends right after the
+            committed stream (prompt and new tokens) ends with one (kept), as in
+            :func:`autoregressive_generate`; the walk itself stops at an accepted token
+            that completes one (``kdtree.verify_greedy``'s ``stop_sequences``, with the
+            last committed tokens as its history).
         ops: the module providing ``topk_logprobs``, ``build_trees`` and ``verify_greedy``
             (default :mod:`kdtree`, the native library; :mod:`kdtree.reference` also works).
         snapshot: which round to keep in ``result.snapshot``: "best" (the first round
@@ -274,6 +304,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
     k = min(budget if width is None else width, vocab)
     stops = {int(t) for t in stop_tokens}
     stop_list = sorted(stops)
+    sequences = _stop_sequences(stop_sequences)
+    history_len = max((len(q) for q in sequences), default=1) - 1
     vocab_slice = getattr(drafter, "vocab_slice", None)
     res = GenerationResult(tokens=[])
     tm = res.times
@@ -311,7 +343,12 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
         res.target_calls += 1
         res.target_rows += int(trees.budget) + 1
         t4 = time.perf_counter()
-        acc = ops.verify_greedy(trees, chosen, stop_tokens=stop_list, max_commit=remaining)
+        if sequences:
+            hist = [-1] * max(0, history_len - len(context)) + context[max(0, len(context) - history_len):]
+            acc = ops.verify_greedy(trees, chosen, stop_tokens=stop_list, max_commit=remaining,
+                                    stop_sequences=sequences, stop_history=np.array([hist], np.int64))
+        else:
+            acc = ops.verify_greedy(trees, chosen, stop_tokens=stop_list, max_commit=remaining)
         t5 = time.perf_counter()
         committed = acc.committed(trees, 0)
         target.commit(committed, trees, acc)
@@ -334,6 +371,9 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
             raise RuntimeError("a round committed no token")
         if committed[-1] in stops:
             res.stop_reason = "stop_token"
+            break
+        if sequences and _ends_with_one(context, sequences):
+            res.stop_reason = "stop_sequence"
             break
     res.wall = time.perf_counter() - t_start
     return res
