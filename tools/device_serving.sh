@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The serving features' GPU side in one device call (per-request budgets, ragged rows, the
+# sharded top-k merge, stop sequences, one-byte compaction): build libkdtree (sm_90a) with
+# its CUDA tests; benchmarks first (bench_gpu's merge and per-request budget sections); the
+# CUDA C tests; the GPU pytest files; compute-sanitizer memcheck and racecheck over the
+# Python GPU tests of the new kernels.
+# Usage: tools/device_serving.sh [build] [bench] [ctest] [pytest] [sanitize]   (default: all)
+# Logs go to $OUT (default /tmp/kdt-out). Needs torch with CUDA and the pinned transformers
+# (carry the wheels: pip install --no-deps .whl/*.whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/kdt-out}
+mkdir -p "$OUT"
+START=$(date +%s)
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build bench ctest pytest sanitize)
+say() { echo "[$(($(date +%s) - START)) s] $*"; }
+export PYTHONPATH=$ROOT/python KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so
+GPU_TESTS=(tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py
+           tests_py/test_stop_sequences.py tests_py/test_compact_bytes.py tests_py/test_compact_paged.py
+           tests_py/test_gpu.py)
+for step in "${steps[@]}"; do
+  case $step in
+  build)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
+      -DKDTREE_WERROR=ON > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+    cmake --build build-gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -B2 -A8 -m5 "error" "$OUT/build.log"; exit 1; }
+    say "build ok" ;;
+  bench)
+    python3 tools/bench_gpu.py --skip topk build round attention --repeats 100 2>&1 | tee "$OUT/bench.txt"
+    say "bench done" ;;
+  ctest)
+    ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest.txt" 2>&1
+    say "ctest: $(grep -E 'tests passed|tests failed' "$OUT/ctest.txt" | tail -1)" ;;
+  pytest)
+    python3 -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs > "$OUT/pytest.txt" 2>&1
+    tail -15 "$OUT/pytest.txt"
+    say "pytest: $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest.txt" | tail -1)" ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
+        python3 -m pytest tests_py/test_ragged.py tests_py/test_topk_sharded.py tests_py/test_stop_sequences.py \
+        tests_py/test_request_limits.py -q -p no:cacheprovider -k "gpu" > "$OUT/sanitize-$tool.txt" 2>&1
+      say "$tool: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitize-$tool.txt" | tail -1))"
+    done ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
