@@ -103,10 +103,11 @@ struct ref_tree {
     uint32_t bits[ROWS * WORDS];
 };
 
-/* One request: lp/ids are [L][K] (row stride K), K' = min(K, N). */
-static void ref_build(const float* lp, const int32_t* ids, int L, int K, int N, int32_t root,
+/* One request: lp/ids are [L][K] (row stride K), N + 1 rows, at most `limit` <= N nodes
+ * (the request's own budget), K' = min(K, limit). */
+static void ref_build(const float* lp, const int32_t* ids, int L, int K, int N, int limit, int32_t root,
                       int64_t root_pos, int32_t pad, struct ref_tree* t) {
-    const int Kp = K < N ? K : N;
+    const int Kp = K < limit ? K : limit;
     struct heap h;
     int n = 0;
     h.size = 0;
@@ -128,7 +129,7 @@ static void ref_build(const float* lp, const int32_t* ids, int L, int K, int N, 
         c0.path[0] = 0;
         if (c0.logw != -INFINITY) heap_push(&h, &c0);
     }
-    while (h.size > 0 && n < N) {
+    while (h.size > 0 && n < limit) {
         const struct cand c = heap_pop(&h);
         const int node = ++n;
         t->tokens[node] = ids[(c.depth - 1) * K + c.rank];
@@ -215,7 +216,6 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint8_t pad_byte = next_byte(&rd);
     const int32_t pad = pad_byte == 255 ? -1 : (int32_t)pad_byte;
     const int nstop = next_byte(&rd) % 3;
-    const int Kp = K < N ? K : N;
     const int W = (N + 1 + 31) / 32;
     int32_t stop[2] = {0, 0}, roots[MAX_B], ids[MAX_B * MAX_L * MAX_K];
     int64_t root_pos[MAX_B], caps[MAX_B];
@@ -228,6 +228,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     static uint8_t vis[MAX_B * ROWS * ROWS];
     uint32_t bits[MAX_B * ROWS * WORDS];
     int expect_value = 0, expect_range = 0;
+    int32_t own_n[MAX_B], own_l[MAX_B]; /* per-request budgets and depth limits (flags & 128) */
     kdt_draft draft;
     kdt_trees out;
     kdt_status st;
@@ -268,13 +269,18 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (int i = 0; i < B * L * K; ++i) {
         ids[i] = (flags & 32) ? (int32_t)next_u32(&rd) : (int32_t)(next_byte(&rd) % VOCAB);
     }
-
-    /* What the spec's validation says about the used part [L][K']. */
     for (int b = 0; b < B; ++b) {
-        for (int d = 0; d < L && Kp > 0; ++d) {
+        own_n[b] = (flags & 128) ? next_byte(&rd) % (N + 1) : N;
+        own_l[b] = (flags & 128) ? next_byte(&rd) % (L + 1) : L;
+    }
+
+    /* What the spec's validation says about each request's used part [L_b][K'_b]. */
+    for (int b = 0; b < B; ++b) {
+        const int Kpb = K < own_n[b] ? K : own_n[b];
+        for (int d = 0; d < own_l[b] && Kpb > 0; ++d) {
             const float* row = lp + (b * L + d) * K;
             const int32_t* id = ids + (b * L + d) * K;
-            for (int r = 0; r < Kp; ++r) {
+            for (int r = 0; r < Kpb; ++r) {
                 if (isnan(row[r]) || row[r] == INFINITY || (r > 0 && row[r] > row[r - 1])) expect_value = 1;
                 /* a log-prob above float32 rounding of 0 (32 FLT_EPSILON = 2^-18; kdtree.h) */
                 if (r == 0 && row[r] > 0x1p-18f) expect_value = 1;
@@ -284,6 +290,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
     }
 
+    memset(&draft, 0, sizeof draft);
     draft.batch = B;
     draft.depth = L;
     draft.width = K;
@@ -293,6 +300,8 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     draft.root_positions = (flags & 4) ? root_pos : NULL;
     draft.vocab_size = (flags & 1) ? VOCAB : 0;
     draft.pad_token = pad;
+    draft.request_budgets = (flags & 128) ? own_n : NULL;
+    draft.request_depths = (flags & 128) ? own_l : NULL;
     memset(&out, 0, sizeof out);
     out.batch = B;
     out.budget = N;
@@ -329,7 +338,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (int b = 0; b < B; ++b) {
         const struct ref_tree* t = &ref[b];
         const size_t o = (size_t)b * (N + 1);
-        ref_build(lp + b * L * K, ids + b * L * K, L, K, N, (flags & 2) ? roots[b] : pad,
+        ref_build(lp + b * L * K, ids + b * L * K, own_l[b], K, N, own_n[b], (flags & 2) ? roots[b] : pad,
                   (flags & 4) ? root_pos[b] : 0, pad, &ref[b]);
         if (num_nodes[b] != t->num_nodes) FAIL("request %d: num_nodes %d, reference %d", b, num_nodes[b], t->num_nodes);
 #define SAME(arr, field, n)                                                                      \
