@@ -233,3 +233,22 @@ def test_seq_lens_and_num_nodes_are_checked():
                  lambda: formats.sglang_verify_inputs(trees, np.zeros(6, int))):
         with pytest.raises(kdtree.KdtreeError, match=r"request 2: num_nodes 50 outside \[0, 8\]"):
             call()
+
+
+def test_flashinfer_ragged_mask():
+    trees = random_trees(8, budget=10, budgets=[10, 0, 4, 10, 7, 1])
+    prefix = np.array([3, 0, 9, 1, 0, 5])
+    m = formats.flashinfer_ragged_mask(trees, prefix)
+    real = trees.num_nodes + 1
+    np.testing.assert_array_equal(m["qo_indptr"], np.concatenate([[0], np.cumsum(real)]))
+    for b in range(trees.batch):
+        r, p = int(real[b]), int(prefix[b])
+        lo, hi = int(m["mask_indptr"][b]), int(m["mask_indptr"][b + 1])
+        assert hi - lo == (r * (p + r) + 7) // 8
+        flat = np.unpackbits(m["custom_mask"][lo:hi], bitorder="little")[: r * (p + r)].reshape(r, p + r)
+        assert flat[:, :p].all()
+        for i in range(r):
+            assert set(np.flatnonzero(flat[i, p:]).tolist()) == ancestors(trees.parents[b], i)
+    assert m["custom_mask"].size == int(m["mask_indptr"][-1])
+    with pytest.raises(kdtree.KdtreeError, match="prefix_lengths must be >= 0"):
+        formats.flashinfer_ragged_mask(trees, [0, 0, -1, 0, 0, 0])

@@ -34,7 +34,8 @@ import numpy as np
 from .core import checks
 from .core.types import Acceptance, TreeBatch
 
-__all__ = ["rank_paths", "sglang_accept_outputs", "sglang_verify_inputs", "tensorrt_llm_spec_inputs"]
+__all__ = ["flashinfer_ragged_mask", "rank_paths", "sglang_accept_outputs", "sglang_verify_inputs",
+           "tensorrt_llm_spec_inputs"]
 
 
 # ---- array-library shim: numpy / CuPy (numpy's API) or torch -----------------------------------
@@ -265,6 +266,62 @@ def sglang_accept_outputs(trees: TreeBatch, acceptance: Acceptance, target_token
     predicts[last[has_bonus]] = bonus[has_bonus]
     return {"accept_index": ops.cast(index, "int32"), "accept_token_num": ops.cast(length, "int32"),
             "predicts": ops.cast(predicts, "int32")}
+
+
+# ---- FlashInfer ---------------------------------------------------------------------------------
+
+
+def flashinfer_ragged_mask(trees: TreeBatch, prefix_lengths) -> dict:
+    """FlashInfer's packed custom mask over the real rows only (no padding row is a query).
+
+    Request b's queries are its ``num_nodes[b] + 1`` real tree rows (root first), its keys
+    its ``p = prefix_lengths[b]`` cached tokens then those rows; its bool mask
+    ``[R_b, p + R_b]`` (a row sees the whole prefix and itself and its ancestors) is
+    flattened row-major and packed 8 per byte little-endian, as FlashInfer's
+    ``segment_packbits(..., bitorder="little")`` does, each request's segment starting at a
+    byte.
+
+    Returns:
+        dict of numpy arrays: ``qo_indptr`` int32 ``[B + 1]`` (row offsets, the
+        ``cu_rows`` of :func:`kdtree.ragged_trees`), ``mask_indptr`` int32 ``[B + 1]`` (byte
+        offsets of the segments) and ``custom_mask`` uint8. ``kdt_tree_attention_mask_cuda``'s
+        ``KDT_MASK_FLASHINFER`` is the padded form (every request N + 1 rows).
+
+    Raises:
+        KdtreeError: prefix lengths of the wrong shape or negative, a corrupted num_nodes,
+        a mask past int32 bytes or this machine's memory.
+    """
+    from .core import memory
+
+    _check_trees(trees, ("visibility_bits",))
+    batch = trees.batch
+    prefix = checks.per_request(_host(prefix_lengths) if hasattr(prefix_lengths, "shape") and not isinstance(
+        prefix_lengths, np.ndarray) else prefix_lengths, "prefix_lengths", batch, np.int64)
+    if (prefix < 0).any():
+        raise checks.range_error(f"prefix_lengths must be >= 0, got {prefix.tolist()}")
+    n = _host(trees.num_nodes).astype(np.int64)
+    if ((n < 0) | (n > trees.budget)).any():
+        b = int(np.flatnonzero((n < 0) | (n > trees.budget))[0])
+        raise checks.value_error(f"request {b}: num_nodes {int(n[b])} outside [0, {trees.budget}]")
+    real = n + 1
+    seg = (real * (prefix + real) + 7) // 8
+    total = int(seg.sum())
+    if total > 2**31 - 1:
+        raise checks.range_error(f"the mask needs {total} bytes, past int32 offsets")
+    memory.outputs_fit(total, "the FlashInfer custom mask")
+    bits = _host(trees.visibility_bits)
+    out = np.zeros(total, np.uint8)
+    at = 0
+    for b in range(batch):
+        r, p = int(real[b]), int(prefix[b])
+        tree = np.unpackbits(np.ascontiguousarray(bits[b, :r]).view(np.uint8), axis=1, bitorder="little")[:, :r]
+        block = np.concatenate([np.ones((r, p), np.uint8), tree], axis=1).reshape(-1)
+        packed = np.packbits(block, bitorder="little")
+        out[at: at + packed.size] = packed
+        at += int(seg[b])
+    offsets = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)
+    return {"qo_indptr": np.concatenate([[0], np.cumsum(real)]).astype(np.int32), "mask_indptr": offsets,
+            "custom_mask": out}
 
 
 # ---- TensorRT-LLM ------------------------------------------------------------------------------
