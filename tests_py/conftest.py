@@ -88,3 +88,51 @@ def cuda_device(lib):
 def repo_root() -> Path:
     """The checkout's root folder (the one holding include/, python/, build/)."""
     return ROOT
+
+
+@pytest.fixture
+def spawn_ranks(lib, tmp_path):
+    """A function running ``script`` (Python source) as ``world`` processes of one
+    torch.distributed world on this machine (gloo): each gets MASTER_ADDR/MASTER_PORT,
+    RANK, WORLD_SIZE and LOCAL_RANK, this checkout's package and library, and the
+    arguments ``args(rank)``; every process must exit 0 within ``timeout`` seconds (else
+    the test fails with its output). Returns the processes' outputs. Skips without torch
+    or its gloo backend."""
+    import os
+    import socket
+    import subprocess
+
+    import kdtree
+    from kdtree import _native as _lib
+
+    torch = pytest.importorskip("torch", reason="torch is not installed (the distributed tests use torch)")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+
+    def run(script: str, world: int, args=lambda rank: [], timeout: float = 180.0) -> list[str]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        path = tmp_path / f"rank_script_{port}.py"
+        path.write_text(script)
+        pythonpath = os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
+                       KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
+            procs.append(subprocess.Popen([sys.executable, str(path), *map(str, args(rank))], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = []
+        for p in procs:
+            try:
+                text, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"a rank did not finish within {timeout:.0f} s")
+            assert p.returncode == 0, text[-3000:]
+            outputs.append(text)
+        return outputs
+
+    return run

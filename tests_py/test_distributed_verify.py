@@ -8,18 +8,12 @@ sampled with the same seeds); a rank with a bad shape fails every rank alike.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import kdtree
-from kdtree import _native as _lib
 
 _WORKER = textwrap.dedent("""
     import json, sys
@@ -71,45 +65,14 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(tmp_path, mode, world=3, edges=(0, 700, 1400, 2003)):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-               KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
+def run_ranks(spawn_ranks, tmp_path, mode, world=3, edges=(0, 700, 1400, 2003)):
     outs = [str(tmp_path / f"{mode}{r}") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), json.dumps(list(edges)), mode,
-                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a gloo rank did not finish within 180 s")
-        assert p.returncode == 0, text
+    spawn_ranks(_WORKER, world, lambda r: [r, world, json.dumps(list(edges)), mode, outs[r]])
     return outs
 
 
-@pytest.fixture
-def gloo(lib):
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
-    return torch
-
-
-def test_sharded_verification_equals_the_unsharded(gloo, tmp_path):
-    results = [np.load(o + ".npz") for o in run_ranks(tmp_path, "ok")]
+def test_sharded_verification_equals_the_unsharded(spawn_ranks, tmp_path):
+    results = [np.load(o + ".npz") for o in run_ranks(spawn_ranks, tmp_path, "ok")]
     first = results[0]
     trees = kdtree.TreeBatch(**{f: first[f] for f in kdtree.core.types.TREE_FIELDS}, budget=12, depth=5)
     logits = first["logits"]
@@ -136,7 +99,7 @@ def test_sharded_verification_equals_the_unsharded(gloo, tmp_path):
     assert int(greedy.accept_length.sum()) > 0
 
 
-def test_a_rank_with_another_shape_fails_every_rank(gloo, tmp_path):
-    errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "shape")]
+def test_a_rank_with_another_shape_fails_every_rank(spawn_ranks, tmp_path):
+    errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "shape")]
     assert len(set(errors)) == 1
     assert "rank 2 has leading shape [4, 12], rank 0 [4, 13]: every rank needs the same" in errors[0]

@@ -8,10 +8,6 @@ process per rank) with kdtree.distributed.topk_logprobs_sharded.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -184,60 +180,29 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(tmp_path, mode, world=3, edges=(0, 1000, 1900, 3001)):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-               KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
+def run_ranks(spawn_ranks, tmp_path, mode, world=3, edges=(0, 1000, 1900, 3001)):
     outs = [str(tmp_path / f"{mode}{r}") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), json.dumps(list(edges)), mode,
-                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a gloo rank did not finish within 120 s")
-        assert p.returncode == 0, text
+    spawn_ranks(_WORKER, world, lambda r: [r, world, json.dumps(list(edges)), mode, outs[r]], timeout=120)
     return outs
 
 
-@pytest.fixture
-def gloo():
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
-    return torch
-
-
-def test_torch_distributed_gloo_ranks_get_the_gathered_top_k(gloo, tmp_path):
-    results = [np.load(o + ".npz") for o in run_ranks(tmp_path, "ok")]
+def test_torch_distributed_gloo_ranks_get_the_gathered_top_k(spawn_ranks, tmp_path):
+    results = [np.load(o + ".npz") for o in run_ranks(spawn_ranks, tmp_path, "ok")]
     want = kdtree.topk_logprobs(results[0]["logits"], 32)
     for r in results:
         assert np.array_equal(r["ids"], want.ids)
         assert np.array_equal(r["logprobs"], want.logprobs)
 
 
-def test_one_rank_failing_fails_every_rank_at_once(gloo, tmp_path):
-    errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "nan")]
+def test_one_rank_failing_fails_every_rank_at_once(spawn_ranks, tmp_path):
+    errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "nan")]
     assert "request 2, position 3" in errors[1] and "column 5: NaN logit" in errors[1]
     for e in (errors[0], errors[2]):
         assert "rank(s) [1] failed in topk_shard" in e
 
 
-def test_ranks_whose_slices_do_not_tile_the_vocabulary_fail_alike(gloo, tmp_path):
-    errors = [Path(o + ".err").read_text() for o in run_ranks(tmp_path, "offset")]
+def test_ranks_whose_slices_do_not_tile_the_vocabulary_fail_alike(spawn_ranks, tmp_path):
+    errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "offset")]
     assert len(set(errors)) == 1
     assert "do not tile [0, 3001): rank 2 starts at 1901, leaving a gap after 1900" in errors[0]
 

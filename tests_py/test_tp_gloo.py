@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
-
-import kdtree
-from kdtree import _native as _lib
 
 torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
@@ -95,44 +90,14 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(world: int, rank: int, port: int) -> dict:
-    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(Path(kdtree.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-                KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
-
-
-def run_world(tmp_path, folder, world, mode="plan"):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    port = _free_port()
+def run_world(spawn_ranks, tmp_path, folder, world, mode="plan"):
     outs = [tmp_path / f"{mode}w{world}r{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(outs[r]), mode],
-                              env=_env(world, r, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a gloo rank did not finish within 300 s")
-        assert p.returncode == 0, text[-3000:]
+    spawn_ranks(_WORKER, world, lambda r: [folder, outs[r], mode], timeout=300)
     return [json.loads(o.read_text()) for o in outs]
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory, lib):
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+def tiny_target(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp") / "target"
     cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -145,9 +110,9 @@ def tiny_target(tmp_path_factory, lib):
     return folder
 
 
-def test_tensor_parallel_ranks_decode_the_single_process_tokens(tiny_target, tmp_path):
-    single = run_world(tmp_path, tiny_target, 1)[0]
-    ranks = run_world(tmp_path, tiny_target, 2)
+def test_tensor_parallel_ranks_decode_the_single_process_tokens(spawn_ranks, tiny_target, tmp_path):
+    single = run_world(spawn_ranks, tmp_path, tiny_target, 1)[0]
+    ranks = run_world(spawn_ranks, tmp_path, tiny_target, 2)
     assert single["local_q"] == [32, 32]
     for r in ranks:
         assert r["local_q"] == [16, 32]  # the query heads are split over the two ranks
@@ -158,9 +123,9 @@ def test_tensor_parallel_ranks_decode_the_single_process_tokens(tiny_target, tmp
     assert len(single["greedy"]) == 24 and single["forwards"] < 24
 
 
-def test_vocabulary_sharded_lm_head_merges_instead_of_gathering(tiny_target, tmp_path):
-    single = run_world(tmp_path, tiny_target, 1, "head")[0]
-    ranks = run_world(tmp_path, tiny_target, 2, "head")
+def test_vocabulary_sharded_lm_head_merges_instead_of_gathering(spawn_ranks, tiny_target, tmp_path):
+    single = run_world(spawn_ranks, tmp_path, tiny_target, 1, "head")[0]
+    ranks = run_world(spawn_ranks, tmp_path, tiny_target, 2, "head")
     assert [r["slice"] for r in ranks] == [[0, 49], [49, 48]]  # 97 rows of the LM head split 49 / 48
     for r in ranks:
         assert r["ar"] == single["ar"] and r["greedy"] == single["greedy"]
@@ -174,7 +139,7 @@ def test_vocabulary_sharded_lm_head_merges_instead_of_gathering(tiny_target, tmp
     assert single["gumbel"] != single["ar"]  # (and sampling is not greedy here)
 
 
-def test_tp_errors(tiny_target, tmp_path):
+def test_tp_errors(spawn_ranks, tiny_target, tmp_path):
     # Without an initialised process group.
     from kdtree.engine.hf import load_causal_lm
 
@@ -189,8 +154,7 @@ def test_tp_errors(tiny_target, tmp_path):
     assert r.returncode != 0 and "--tp runs under torchrun" in r.stderr
     # Heads the world size does not divide: the shipped pair has 5 (a world of 2).
     shipped = ROOT / "fixtures" / "models" / "stdlib-qwen3"
-    script = tmp_path / "heads.py"
-    script.write_text(textwrap.dedent(f"""
+    texts = spawn_ranks(textwrap.dedent(f"""
         import torch.distributed as dist
         from kdtree.engine.hf import load_causal_lm
         dist.init_process_group("gloo")
@@ -199,11 +163,6 @@ def test_tp_errors(tiny_target, tmp_path):
         except ValueError as exc:
             print("ERR", exc)
         dist.destroy_process_group()
-    """))
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(script)], env=_env(2, r, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    texts = [p.communicate(timeout=300)[0] for p in procs]
+    """), 2, timeout=300)
     for text in texts:
         assert "num_attention_heads = 5 is not a multiple of the world size 2" in text, text[-2000:]
-    assert np.all([p.returncode == 0 for p in procs])
