@@ -55,7 +55,18 @@ _WORKER = textwrap.dedent("""
         acc_g = kdtree.verify_greedy(trees, greedy.numpy())
         cap = np.array([3, 2, 9, 1])
         acc_s = kdtree.verify_greedy(trees, sampled.numpy(), max_commit=cap, errors="status")
-        np.savez(out, greedy=greedy.numpy(), sampled=sampled.numpy(), logits=logits,
+        # Per request: a greedy request among sampled ones, each with its own seed and offset.
+        mixed = target_tokens_sharded(local, lo, vocab, temperature=[0.7, 0.0, 1.3, 0.5], seed=[5, 6, 7, 2**64 - 1],
+                                      offset=np.array([9, 10, 11, 12], np.uint64))
+        acc_m = kdtree.verify_greedy(trees, mixed.numpy(), errors="status")
+        try:
+            target_tokens_sharded(local, lo, vocab, temperature=[0.7, 0.0, 1e-9, 0.5])
+            bad = "accepted"
+        except KdtreeError as exc:
+            bad = str(exc)
+        open(out + ".bad", "w").write(bad)
+        np.savez(out, greedy=greedy.numpy(), sampled=sampled.numpy(), logits=logits, mixed=mixed.numpy(),
+                 m_nodes=acc_m.accepted_nodes, m_len=acc_m.accept_length, m_bonus=acc_m.bonus_token,
                  g_nodes=acc_g.accepted_nodes, g_len=acc_g.accept_length, g_bonus=acc_g.bonus_token,
                  s_nodes=acc_s.accepted_nodes, s_len=acc_s.accept_length, s_bonus=acc_s.bonus_token,
                  s_status=acc_s.request_status, **{f: getattr(trees, f) for f in kdtree.core.types.TREE_FIELDS})
@@ -72,7 +83,8 @@ def run_ranks(spawn_ranks, tmp_path, mode, world=3, edges=(0, 700, 1400, 2003)):
 
 
 def test_sharded_verification_equals_the_unsharded(spawn_ranks, tmp_path):
-    results = [np.load(o + ".npz") for o in run_ranks(spawn_ranks, tmp_path, "ok")]
+    outs = run_ranks(spawn_ranks, tmp_path, "ok")
+    results = [np.load(o + ".npz") for o in outs]
     first = results[0]
     trees = kdtree.TreeBatch(**{f: first[f] for f in kdtree.core.types.TREE_FIELDS}, budget=12, depth=5)
     logits = first["logits"]
@@ -97,6 +109,22 @@ def test_sharded_verification_equals_the_unsharded(spawn_ranks, tmp_path):
         np.testing.assert_array_equal(first["sampled"][b], draws)
     assert first["sampled"][1, 3] == -1  # only -inf: no draw
     assert int(greedy.accept_length.sum()) > 0
+    # Per-request temperatures, seeds and offsets: the unsharded call with the same arrays.
+    temps, seeds, offsets = [0.7, 0.0, 1.3, 0.5], [5, 6, 7, 2**64 - 1], [9, 10, 11, 12]
+    mixed = kdtree.verify_sample_from_logits(trees, logits, np.array(temps, np.float32),
+                                             seed=np.array(seeds, np.uint64), offset=np.array(offsets, np.uint64),
+                                             errors="status")
+    for r in results:
+        np.testing.assert_array_equal(r["m_nodes"], mixed.accepted_nodes)
+        np.testing.assert_array_equal(r["m_len"], mixed.accept_length)
+        np.testing.assert_array_equal(r["m_bonus"], mixed.bonus_token)
+    np.testing.assert_array_equal(first["mixed"][1], want_greedy[1])  # temperature 0: the argmax
+    for b in (0, 2, 3):
+        draws = sampling.gumbel_draws(logits[b], temps[b], seeds[b], offsets[b], b, np.arange(13))
+        np.testing.assert_array_equal(first["mixed"][b], draws)
+    # A bad per-request temperature is the same error, naming the request, on every rank.
+    bad = {Path(o + ".bad").read_text() for o in outs}
+    assert len(bad) == 1 and "temperature of request 2 must be 0, or finite and >= 1e-6" in bad.pop()
 
 
 def test_a_rank_with_another_shape_fails_every_rank(spawn_ranks, tmp_path):

@@ -100,7 +100,11 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
             draw of :func:`kdtree.verify_sample_from_logits` (``seed``, ``offset``: its
             keys; request b is row b, node i row i, or ``nodes[b, i]`` when given: ints
             ``[B, N+1]`` in [0, 2^32)), whose noise depends on the global token id alone, so
-            each rank's best of its slice merges to the same draw.
+            each rank's best of its slice merges to the same draw. Per request: a
+            ``[B]`` sequence or array of temperatures (0: that request is greedy), with
+            ``seed`` and ``offset`` ints or ``[B]`` ints in [0, 2^64), as
+            :func:`kdtree.verify_sample_from_logits` takes them (without top_p / top_k:
+            their cuts are not built for sharded rows).
 
     Returns:
         torch int32 ``[B, N+1]``, the same on every rank: the token, or -1 for a row with
@@ -113,7 +117,9 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
 
     Raises:
         TypeError: not a CPU tensor. KdtreeError on every rank alike: shapes that differ,
-        slices that do not tile ``[0, vocab)``, a temperature below 1e-6 or not finite.
+        slices that do not tile ``[0, vocab)``, a temperature (any request's) that is
+        not 0 and below 1e-6 or not finite, a seed or offset out of range, per-request
+        values of another length than B.
     """
     import torch
     import torch.distributed as dist
@@ -128,13 +134,14 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     failure = None
     if x.ndim != 3 or x.shape[-1] < 1:
         failure = checks.shape_error(f"local_logits must be [B, N+1, V_rank >= 1], got {tuple(x.shape)}")
-    sampled = temperature is not None and float(temperature) != 0.0
-    if sampled:
-        t32 = np.float32(temperature)
-        if not np.isfinite(t32) or not t32 >= np.float32(1e-6):
-            failure = checks.value_error(f"temperature must be 0, None, or finite and >= 1e-6, got {temperature!r}")
-        seed = checks.int_scalar(seed, "seed", 0, 2**64 - 1)
-        offset = checks.int_scalar(offset, "offset", 0, 2**64 - 1)
+    batch = int(x.shape[0]) if x.ndim == 3 else 0
+    temps, seeds, offsets = np.zeros(batch, np.float32), np.zeros(batch, np.uint64), np.zeros(batch, np.uint64)
+    if failure is None:
+        try:
+            temps, seeds, offsets = _per_request(temperature, seed, offset, batch)
+        except _lib.KdtreeError as exc:
+            failure = exc
+    sampled = temps != 0
     lead = tuple(x.shape[:-1]) if failure is None else ()
     world = dist.get_world_size(group)
     meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset),
@@ -156,10 +163,10 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
         for b in range(batch):
             for i in range(rows):
                 row = x[b, i]
-                if sampled:
+                if sampled[b]:
                     bad = bool(np.isnan(row).any() or np.isposinf(row).any())
-                    score = row / t32 - sampling._gumbel_log_t(width, seed, offset, b, int(keys[b, i]),
-                                                               start=int(vocab_offset))
+                    score = row / temps[b] - sampling._gumbel_log_t(width, int(seeds[b]), int(offsets[b]), b,
+                                                                    int(keys[b, i]), start=int(vocab_offset))
                 else:
                     bad = bool(np.isnan(row).any())
                     score = row
@@ -173,12 +180,42 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     best = score.max(axis=0)
     # The lowest id among the ranks at the best score (ties across slices: lower global id).
     at_best = np.where(score == best[None], ids, np.inf).min(axis=0)
-    none = parts[..., 2].any(axis=0) | (sampled & ~parts[..., 3].any(axis=0))
+    none = parts[..., 2].any(axis=0) | (sampled[:, None] & ~parts[..., 3].any(axis=0))
     tokens = np.where(none, -1, at_best).astype(np.int32)
     return torch.from_numpy(tokens)
 
 
 _MAX_LEAD = 8  # leading axes of the logits the rank check carries
+
+
+def _per_request(temperature, seed, offset, batch: int):
+    """(float32 temperatures, uint64 seeds, uint64 offsets), each ``[batch]``, from
+    scalars or per-request sequences; KdtreeError naming the request of a bad value."""
+    from .core import checks
+
+    def spread(value, name, default):
+        if value is None:
+            value = default
+        if np.ndim(value) == 0:
+            return [value] * batch
+        vals = list(np.asarray(value).reshape(-1)) if not isinstance(value, (list, tuple)) else list(value)
+        if np.ndim(value) != 1 or len(vals) != batch:
+            raise checks.shape_error(f"{name} must be a scalar or [B = {batch}] values, got shape {np.shape(value)}")
+        return vals
+
+    temps = np.zeros(batch, np.float32)
+    for b, t in enumerate(spread(temperature, "temperature", 0.0)):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)):
+            raise checks.type_error(f"temperature of request {b} must be a real number, got {t!r}")
+        t32 = np.float32(t)
+        if t32 != 0 and (not np.isfinite(t32) or not t32 >= np.float32(1e-6)):
+            raise checks.value_error(f"temperature of request {b} must be 0, or finite and >= 1e-6, got {t!r}")
+        temps[b] = t32
+    seeds = np.array([checks.int_scalar(v, f"seed of request {b}", 0, 2**64 - 1)
+                      for b, v in enumerate(spread(seed, "seed", 0))], np.uint64).reshape(batch)
+    offsets = np.array([checks.int_scalar(v, f"offset of request {b}", 0, 2**64 - 1)
+                        for b, v in enumerate(spread(offset, "offset", 0))], np.uint64).reshape(batch)
+    return temps, seeds, offsets
 
 
 def _check_ranks(metas: list[list[int]], vocab: int, me: int, step: str = "topk_shard") -> str | None:

@@ -105,6 +105,10 @@ def kdtree_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = module.layer_idx
     step = cache.step
     b, kv_heads, q, d = key.shape
+    if kv_heads != cache.keys[layer].shape[1] or d != cache.keys[layer].shape[3]:
+        raise RuntimeError(f"layer {layer} computed keys of {kv_heads} heads x {d} dims, but the engine's cache holds "
+                           f"{cache.keys[layer].shape[1]} x {cache.keys[layer].shape[3]} (a model sharded or changed "
+                           "after the engine was built)")
     if step.slots is None:
         kc, vc = cache.keys[layer][:b], cache.values[layer][:b]
         idx = step.rows[:, None, :, None].expand(b, kv_heads, q, d)
@@ -204,8 +208,7 @@ def attach(model: Any, slots: int, capacity: int) -> StaticKV:
     register()
     param = next(model.parameters())
     n_layers = int(cfg.num_hidden_layers)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    kv_heads, head_dim = local_kv_heads(model)
     shape = (int(slots), kv_heads, int(capacity), head_dim)
     cache = StaticKV(keys=[torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(n_layers)],
                      values=[torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(n_layers)])
@@ -214,6 +217,29 @@ def attach(model: Any, slots: int, capacity: int) -> StaticKV:
         raise ValueError(f"found {found} attention modules with layer_idx in a {n_layers}-layer model; the kdtree "
                          "attention supports the Llama, Qwen2 and Qwen3 families")
     return cache
+
+
+def local_kv_heads(model: Any) -> tuple[int, int]:
+    """(key-value heads, head_dim) of this process's share of ``model``: the config's
+    heads, or under tensor parallelism (a model loaded with
+    :func:`kdtree.engine.hf.load_causal_lm` ``tp=True``) the heads of this rank's slice of
+    the key projection.
+
+    Raises:
+        ValueError: a key projection whose rows are not a whole number of heads.
+    """
+    cfg = model.config
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    for mod in model.modules():
+        if hasattr(mod, "layer_idx") and hasattr(mod, "k_proj"):
+            w = mod.k_proj.weight
+            rows = int((w.to_local() if hasattr(w, "to_local") else w).shape[0])
+            if rows % head_dim or not 1 <= rows // head_dim <= kv_heads:
+                raise ValueError(f"the key projection has {rows} rows here, not a whole number of heads of "
+                                 f"{head_dim} dims (at most {kv_heads})")
+            return rows // head_dim, head_dim
+    return kv_heads, head_dim
 
 
 @contextmanager

@@ -79,11 +79,11 @@ def _torch():
     return torch
 
 
-def _cache_bytes(cfg: Any, slots: int, rows: int, elem: int) -> int:
-    """Bytes of the target's static K/V cache: keys and values of every layer."""
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+def _cache_bytes(model: Any, slots: int, rows: int, elem: int) -> int:
+    """Bytes of the target's static K/V cache: keys and values of every layer (this
+    rank's heads under tensor parallelism)."""
+    cfg = model.config
+    kv_heads, head_dim = attention.local_kv_heads(model)
     return 2 * int(cfg.num_hidden_layers) * slots * kv_heads * rows * head_dim * elem
 
 
@@ -224,6 +224,16 @@ class _State:
         self.out_counts = torch.zeros(slots, dtype=torch.int32, device=device)
         self.out_status = torch.zeros(slots, dtype=torch.int32, device=device)
         self.curve = torch.zeros(max(budget, 1), dtype=torch.float64, device=device)
+
+
+def tensor_parallel_size(model: Any) -> int:
+    """The ranks ``model`` is sharded over by a tensor-parallel plan (its parameters are
+    DTensors on a device mesh, as transformers' ``tp_plan`` leaves them), or 1."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return int(mesh.size())
+    return 1
 
 
 def _kernel_unfit(torch, cfg, device, dtype) -> str:
@@ -380,23 +390,37 @@ class Engine:
                 raise ValueError(f"the drafter is on {dparam.device}, the target on {self.device}")
             if dparam.dtype != self.dtype:
                 raise ValueError(f"the drafter is {dparam.dtype}, the target {self.dtype}: load both in one dtype")
-        need = _cache_bytes(cfg, self.max_batch, self.capacity, param.element_size())
-        # An earlier engine on this model left its cache bound to the model's attention
-        # modules: unbound here, a dropped engine's cache is freed before this one's is
-        # counted and allocated (an engine still in use binds its own again when it runs).
-        attention.unbind(target)
-        gc.collect()
-        free = _free_bytes(torch, self.device)
-        if free is not None and need > free:
-            raise ValueError(f"the target's K/V cache needs {need / 2**30:.2f} GiB (max_batch {self.max_batch} x "
-                             f"{self.capacity} rows = max_length + N + 1), more than the {free / 2**30:.2f} GiB free "
-                             f"on {self.device}: lower max_length or max_batch")
         if tree_attention not in ("auto", "kdtree", "sdpa"):
             raise ValueError(f"tree_attention must be 'auto', 'kdtree' or 'sdpa', got {tree_attention!r}")
         why_not = _kernel_unfit(torch, cfg, self.device, self.dtype)
         if tree_attention == "kdtree" and why_not:
             raise ValueError(f"tree_attention='kdtree': {why_not}")
         self.tree_attention = "sdpa" if tree_attention == "sdpa" or why_not else "kdtree"
+        # tensor parallelism: the ranks the target is sharded over, and the vocabulary
+        # slices of a vocabulary-sharded LM head (the target's, and a DFlash drafter's over it)
+        self.tp = tensor_parallel_size(target)
+        self.vocab_slice = getattr(target, "kdtree_vocab_slice", None)
+        self.draft_slice = None if drafter is None else getattr(drafter, "kdtree_vocab_slice", None)
+        if (self.vocab_slice is not None or self.draft_slice is not None) and self.on_cuda:
+            raise ValueError("a vocabulary-sharded LM head (load_causal_lm(vocab_sharded_head=True)) runs the batched "
+                             "engine on the CPU only: the GPU form of the sharded top-k and target choices is not "
+                             "built; on CUDA load the target with vocab_sharded_head=False")
+        need = _cache_bytes(target, self.max_batch, self.capacity, param.element_size())
+        # An earlier engine on this model left its cache bound to the model's attention
+        # modules: unbound here, a dropped engine's cache is freed before this one's is
+        # counted and allocated (an engine still in use binds its own again when it runs).
+        attention.unbind(target)
+        gc.collect()
+        free = _free_bytes(torch, self.device)
+        memory = None
+        if free is not None and need > free:
+            memory = (f"the target's K/V cache needs {need / 2**30:.2f} GiB (max_batch {self.max_batch} x "
+                      f"{self.capacity} rows = max_length + N + 1), more than the {free / 2**30:.2f} GiB free "
+                      f"on {self.device}: lower max_length or max_batch")
+        if self.tp > 1:  # every rank raises the same error, or none does
+            self._agree_across_ranks(memory, sorted({int(t) for t in stop_list}))
+        elif memory is not None:
+            raise ValueError(memory)
         self.kv = attention.attach(target, self.max_batch, self.capacity)
         self.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         if drafter is not None:
@@ -437,6 +461,37 @@ class Engine:
             self._events = [torch.cuda.Event() for _ in range(2)]
             self._flip = 0
 
+    def _agree_across_ranks(self, problem: str | None, stops: list[int]) -> None:
+        """Under tensor parallelism every rank runs each round's forward, top-k and verify
+        together: the ranks must build the same engine. Gathers each rank's settings,
+        vocabulary slices and local problem (e.g. too little memory) and raises the same
+        ValueError on every rank for the first that differs, so that no rank goes on to
+        wait in a collective that another never joins."""
+        import torch.distributed as dist
+
+        mine = {"mode": self.mode, "budgets": list(self.budgets), "max_batch": self.max_batch,
+                "max_length": self.max_length, "prefill_chunk": self.prefill_chunk, "sampling": self.sampling,
+                "stop_tokens": stops, "use_graphs": self.use_graphs, "tree_attention": self.tree_attention,
+                "depth": self.depth, "vocab_size": self.vocab_size, "sharded LM head": self.vocab_slice is not None,
+                "sharded drafter logits": self.draft_slice is not None}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (problem, mine, self.draft_slice))
+        for r, (p, _, _) in enumerate(every):
+            if p is not None:
+                raise ValueError(f"rank {r}: {p}")
+        first = every[0][1]
+        for r, (_, theirs, _) in enumerate(every):
+            for key in first:
+                if theirs[key] != first[key]:
+                    raise ValueError(f"every rank must build the same engine (the ranks run each round together): "
+                                     f"rank {r} has {key} = {theirs[key]!r}, rank 0 {first[key]!r}")
+        if self.draft_slice is not None and self.mode != "ar":
+            smallest = min(int(s[1]) for _, _, s in every)
+            k = min(self.width, max(self.budgets)) if self.mode == "ddtree" else 1
+            if k > smallest:
+                raise ValueError(f"the trees take the drafter's top-{k} at each depth, more than the smallest "
+                                 f"rank's vocabulary slice ({smallest} entries): lower the budget or the ranks")
+
     # ---- requests ------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None, *,
@@ -467,6 +522,9 @@ class Engine:
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__} {sampling!r}")
         if not sampling.greedy and not self.sampling:
             raise ValueError("this engine verifies greedily; build it with sampling=True for temperature > 0")
+        if self.vocab_slice is not None and not sampling.greedy and (sampling.top_p < 1 or sampling.top_k > 0):
+            raise ValueError("top_p and top_k are not supported over a vocabulary-sharded LM head (their cuts need "
+                             "the whole row); sample with temperature alone")
         rid = self._next_id
         self._next_id += 1
         out = RequestOutput(rid, tokens)
@@ -769,7 +827,13 @@ class Engine:
             trees = api.build_trees(lp, ids, nb, root_tokens=roots, root_positions=lengths,
                                     vocab_size=self.vocab_size, pad_token=0, out=full["trees"], errors="status")
         else:
-            lp, ids = api.topk_logprobs(logits.float().numpy(), k)
+            if self.draft_slice is None:
+                lp, ids = api.topk_logprobs(logits.float().numpy(), k)
+            else:  # this rank's slice of the drafter's logits: the ranks' top-k merged
+                from ..distributed import topk_logprobs_sharded
+
+                top = topk_logprobs_sharded(logits.float(), k, self.draft_slice[0], self.vocab_size)
+                lp, ids = top.logprobs.numpy(), top.ids.numpy()
             lp[np.broadcast_to(deep.numpy(), lp.shape)] = -np.inf
             trees = _trees_to_torch(api.build_trees(lp, ids, nb, root_tokens=roots.numpy(),
                                                     root_positions=lengths.numpy(),
@@ -840,16 +904,27 @@ class Engine:
             return api.verify_greedy_from_logits(trees, logits, stop_tokens=stops, max_commit=caps,
                                                  out=buf["acc"], errors="status")
         tn = _trees_to_numpy(trees)
-        x = logits.float().numpy()
         stop_list = sorted(self.stop_tokens)
-        if self.sampling:
+        if self.vocab_slice is not None:  # this rank's slice of the target's logits: the choices merged
+            from ..distributed import target_tokens_sharded
+
+            temps = st.temperature[:b].numpy() if self.sampling else None
+            tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size, temperature=temps,
+                                           seed=st.seed[:b].numpy().astype(np.uint64),
+                                           offset=st.offset[:b].numpy().astype(np.uint64))
+            acc = api.verify_greedy(tn, tokens.numpy(), stop_tokens=stop_list, max_commit=caps.numpy())
+            if self.sampling:
+                st.offset[:b] += 1
+        elif self.sampling:
+            x = logits.float().numpy()
             acc = api.verify_sample_from_logits(
                 tn, x, st.temperature[:b].numpy(), seed=st.seed[:b].numpy().astype(np.uint64),
                 offset=st.offset[:b].numpy().astype(np.uint64), top_p=st.top_p[:b].numpy(),
                 top_k=st.top_k[:b].numpy(), stop_tokens=stop_list, max_commit=caps.numpy())
             st.offset[:b] += 1
         else:
-            acc = api.verify_greedy_from_logits(tn, x, stop_tokens=stop_list, max_commit=caps.numpy())
+            acc = api.verify_greedy_from_logits(tn, logits.float().numpy(), stop_tokens=stop_list,
+                                                max_commit=caps.numpy())
         return Acceptance(*(torch.from_numpy(np.asarray(a)) for a in (acc.accepted_nodes, acc.accept_length,
                                                                        acc.bonus_token)),
                           request_status=torch.from_numpy(np.asarray(acc.request_status)))
@@ -1078,6 +1153,12 @@ class Engine:
                         end.synchronize()
                         times.append(start.elapsed_time(end) / 10)
                     self.costs[(b, n)] = float(np.median(times))
+        if self.auto and self.tp > 1:  # rank 0's costs on every rank: every rank picks the same budgets
+            import torch.distributed as dist
+
+            shared = [self.costs]
+            dist.broadcast_object_list(shared, src=0)
+            self.costs = shared[0]
         self.state.offset.zero_()
         torch.cuda.synchronize(self.device)
 

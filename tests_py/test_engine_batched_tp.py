@@ -1,0 +1,169 @@
+"""The batched engine (kdtree.engine.batched.Engine) on a tensor-parallel target over
+torch.distributed (gloo, two CPU processes).
+
+A tiny Qwen3 target is loaded with ``load_causal_lm(..., tp=True)`` (transformers' own
+tensor-parallel plan: attention heads and MLP columns split over the ranks, so each rank's
+K/V cache holds its own heads) with a DFlash drafter over it. Every rank's outputs must
+equal the single-process engine's, token for token, in every mode: autoregressive, chain,
+greedy DDTree, sampled DDTree (greedy and sampled requests in one batch) and budget="auto";
+with the LM head whole on every rank, and split by vocabulary (the drafter's top-k and the
+target's choices merged across the ranks, never gathered). Ranks that build different
+engines fail alike, before any round.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (nox -s test installs it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (nox -s test installs it)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (transformers' tensor-parallel loading needs "
+                                         "it; nox -s test installs it)")
+
+NEW = 14
+VOCAB = 96
+
+# (name, Engine keyword arguments, sampling settings: None, or per prompt (temperature, seed))
+CASES = [
+    ("ar", dict(mode="ar"), None),
+    ("chain", dict(mode="chain"), None),
+    ("ddtree", dict(budget=12), None),
+    ("sampled", dict(budget=12, sampling=True), [(0.0, 0), (0.8, 1), (1.3, 2), (0.6, 3), (0.0, 0), (0.9, 5)]),
+    ("auto", dict(budget="auto", auto_budgets=(4, 12)), None),
+]
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from kdtree.engine.batched import Engine, SamplingParams
+    from kdtree.engine.dflash import load_dflash
+    from kdtree.engine.hf import load_causal_lm
+
+    folder, out, head = sys.argv[1], sys.argv[2], sys.argv[3] == "head"
+    cases = json.loads(open(folder + "/cases.json").read())
+    prompts = json.loads(open(folder + "/prompts.json").read())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    target = load_causal_lm(folder + "/target", dtype="float64", tp=True, vocab_sharded_head=head)
+    drafter = load_dflash(folder + "/drafter", target)
+    result = {"slice": getattr(target, "kdtree_vocab_slice", None)}
+    for name, kw, sampling in cases:
+        params = None if sampling is None else [SamplingParams(temperature=t, seed=s) for t, s in sampling]
+        eng = Engine(target, drafter, max_batch=4, max_length=96, prefill_chunk=8, **kw)
+        outs = eng.generate(prompts, %(new)d, params)
+        result[name] = [o.tokens for o in outs]
+        result[name + " rounds"] = eng.stats.rounds
+        result["tp"] = eng.tp
+        result["cache heads"] = int(eng.kv.keys[0].shape[1])
+    try:  # rank 1 asks for another budget: every rank refuses, with the same words
+        Engine(target, drafter, max_batch=4, max_length=96, budget=12 + rank)
+        result["mismatch"] = "accepted"
+    except ValueError as exc:
+        result["mismatch"] = str(exc)
+    try:  # the drafter's top-k at each depth cannot exceed a rank's slice of the vocabulary
+        Engine(target, drafter, max_batch=4, max_length=96, budget=64)
+        result["wide"] = "accepted"
+    except ValueError as exc:
+        result["wide"] = str(exc)
+    eng = Engine(target, drafter, max_batch=2, max_length=96, budget=4, sampling=True)
+    try:
+        eng.submit([1, 2, 3], 4, SamplingParams(temperature=0.7, top_p=0.9))
+        result["top_p"] = "accepted"
+    except ValueError as exc:
+        result["top_p"] = str(exc)
+    json.dump(result, open(out, "w"))
+    dist.destroy_process_group()
+""") % {"new": NEW}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Qwen3 target (4 query heads, 2 KV heads, an LM head of its own) and a DFlash
+    drafter over it, saved; prompts of 1 .. 30 tokens."""
+    from kdtree.engine import dflash
+
+    folder = tmp_path_factory.mktemp("engine_tp")
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = transformers.Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(20.0)  # logits of tens, as a trained model's
+    target.save_pretrained(str(folder / "target"))
+    dcfg = dflash.dflash_config(dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=256, block_size=6, num_target_layers=4,
+                                     dflash_config={"mask_token_id": 5, "target_layer_ids": [1, 3]}))
+    torch.manual_seed(1)
+    drafter = dflash.DFlashDrafter(dcfg, target.get_input_embeddings(), target.get_output_embeddings())
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    dflash.save_dflash(drafter.to(torch.float64), folder / "drafter")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 2, 9, 17, 30, 5)]
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+    (folder / "cases.json").write_text(json.dumps(CASES))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single(models):
+    """The single-process engine's outputs (no process group: the same Engine, unsharded)."""
+    from kdtree.engine.batched import Engine, SamplingParams
+    from kdtree.engine.dflash import load_dflash
+    from kdtree.engine.hf import load_causal_lm
+
+    target = load_causal_lm(models / "target", dtype="float64")
+    drafter = load_dflash(models / "drafter", target)
+    prompts = json.loads((models / "prompts.json").read_text())
+    result = {}
+    for name, kw, sampling in CASES:
+        params = None if sampling is None else [SamplingParams(temperature=t, seed=s) for t, s in sampling]
+        eng = Engine(target, drafter, max_batch=4, max_length=96, prefill_chunk=8, **kw)
+        result[name] = [o.tokens for o in eng.generate(prompts, NEW, params)]
+        result[name + " rounds"] = eng.stats.rounds
+        assert eng.tp == 1
+    return result
+
+
+def run_world(spawn_ranks, models, tmp_path, head: bool):
+    outs = [tmp_path / f"{'head' if head else 'plan'}{r}.json" for r in range(2)]
+    spawn_ranks(_WORKER, 2, lambda r: [models, outs[r], "head" if head else "plan"], timeout=600)
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def check_ranks(ranks, single):
+    for r in ranks:
+        assert r["tp"] == 2 and r["cache heads"] == 1  # each rank caches its one of the two KV heads
+        for name, *_ in CASES:
+            assert r[name] == single[name], name
+            assert r[name + " rounds"] == single[name + " rounds"], name
+    # the cases decode something worth comparing: the modes differ in rounds, sampling in tokens
+    assert single["ddtree"] == single["ar"] and single["chain"] == single["ar"]
+    assert single["sampled"][0] == single["ar"][0] and single["sampled"][1] != single["ar"][1]
+    assert single["ddtree rounds"] < single["ar rounds"]
+    mismatch = {r["mismatch"] for r in ranks}
+    assert len(mismatch) == 1
+    assert "every rank must build the same engine" in (m := mismatch.pop()) and "rank 1 has budgets = [13]" in m
+
+
+def test_engine_on_a_tensor_parallel_target_decodes_the_single_process_tokens(spawn_ranks, models, single, tmp_path):
+    ranks = run_world(spawn_ranks, models, tmp_path, head=False)
+    check_ranks(ranks, single)
+    assert all(r["slice"] is None for r in ranks)
+    assert all(r["wide"] == "accepted" and r["top_p"] == "accepted" for r in ranks)
+
+
+def test_engine_on_a_vocabulary_sharded_lm_head(spawn_ranks, models, single, tmp_path):
+    ranks = run_world(spawn_ranks, models, tmp_path, head=True)
+    assert [r["slice"] for r in ranks] == [[0, 48], [48, 48]]
+    check_ranks(ranks, single)
+    for r in ranks:
+        assert "top-64 at each depth, more than the smallest rank's vocabulary slice (48 entries)" in r["wide"]
+        assert "top_p and top_k are not supported over a vocabulary-sharded LM head" in r["top_p"]
