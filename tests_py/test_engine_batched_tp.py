@@ -167,3 +167,63 @@ def test_engine_on_a_vocabulary_sharded_lm_head(spawn_ranks, models, single, tmp
     for r in ranks:
         assert "top-64 at each depth, more than the smallest rank's vocabulary slice (48 entries)" in r["wide"]
         assert "top_p and top_k are not supported over a vocabulary-sharded LM head" in r["top_p"]
+
+
+_CLI = textwrap.dedent("""
+    import sys
+    from kdtree.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_cli_batched_engine_under_torchrun(spawn_ranks, tmp_path):
+    """``generate --tp --batch-size`` in a two-rank world prints what one process prints
+    (the requests' texts, every output equal to autoregressive decoding), from rank 0 only."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kdtree.engine import dflash
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = root / "fixtures" / "models" / "stdlib-qwen3"
+    cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(20.0)
+    target.save_pretrained(str(tmp_path / "target"))
+    shutil.copy(shipped / "tokenizer.json", tmp_path / "target" / "tokenizer.json")
+    dcfg = dflash.dflash_config(dict(vocab_size=8192, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=512, block_size=5, num_target_layers=2,
+                                     dflash_config={"mask_token_id": 5, "target_layer_ids": [0, 1]}))
+    drafter = dflash.DFlashDrafter(dcfg, target.get_input_embeddings(), target.get_output_embeddings())
+    dflash.save_dflash(drafter, tmp_path / "drafter")
+    (tmp_path / "prompts.txt").write_text("def main():\n\nimport os, sys\n\nclass Engine:\n")
+    args = ["generate", "--target", tmp_path / "target", "--drafter", tmp_path / "drafter", "--prompts-file",
+            tmp_path / "prompts.txt", "--batch-size", "2", "--budget", "8", "--max-new-tokens", "10", "--device",
+            "cpu", "--dtype", "float32", "--no-progress", "--no-eos-stop"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "python"), env.get("PYTHONPATH", "")])
+    one = subprocess.run([sys.executable, "-m", "kdtree", *map(str, args)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    two = spawn_ranks(_CLI, 2, lambda r: [*args, "--tp"], timeout=300)
+
+    def requests(text):  # the request sections: each request's header line and its decoded text
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("---- request 0"))
+        end = next(i for i, line in enumerate(lines) if line.startswith("-" * 66))
+        return [line for line in lines[start:end] if line.strip()]
+
+    want = requests(one.stdout)
+    assert len([line for line in want if line.startswith("---- request")]) == 3
+    assert "identical  : 3 of 3 outputs equal greedy autoregressive decoding" in one.stdout
+    assert requests(two[0]) == want
+    assert "identical  : 3 of 3 outputs equal greedy autoregressive decoding" in two[0]
+    assert "---- request" not in two[1]  # rank 1 prints nothing of its own

@@ -82,6 +82,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     from .generate import EOS, _check_device, load_models
 
     _check_device(args.device)
+    if getattr(args, "tp", False):
+        from .generate import start_tp
+
+        start_tp(args)
     # options of the single-sequence run that the batched run has no use for: refused, not ignored
     from .generate import TREE_NODES
 

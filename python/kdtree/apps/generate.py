@@ -126,9 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=_int_in(0), default=0, help="batched engine: top-k for sampling (0: all)")
     p.add_argument("--tp", action="store_true",
                    help="shard the target over the ranks of a torchrun launch with transformers' tensor-parallel "
-                        "plan (gloo on --device cpu, NCCL on cuda: each rank on cuda:LOCAL_RANK); every rank "
-                        "decodes the same tokens, rank 0 prints (e.g. torchrun --nproc-per-node 2 -m kdtree "
-                        "generate --tp)")
+                        "plan (gloo on --device cpu, NCCL on cuda: each rank on cuda:LOCAL_RANK), with either "
+                        "engine; every rank decodes the same tokens, rank 0 prints (e.g. torchrun "
+                        "--nproc-per-node 2 -m kdtree generate --tp)")
 
 
 def _default_prompt(args) -> tuple[str, str]:
@@ -239,6 +239,7 @@ def start_tp(args: argparse.Namespace) -> None:
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
         args.plot = None  # rank 0 draws it
+        args.no_progress = True  # and shows the progress bars
 
 
 def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dtype: str | None, *,
@@ -517,11 +518,6 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     if getattr(args, "batch_size", None) is not None or getattr(args, "prompts_file", None) is not None:
         from . import batched
 
-        if getattr(args, "tp", False):
-            from .cli import UsageError
-
-            raise UsageError("--tp runs the one-sequence engine; the batched engine (--batch-size, --prompts-file) "
-                             "is not tensor-parallel yet")
         return batched.run(args, header=header)
     if args.budget == "auto" or args.top_k:
         from .cli import UsageError
