@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The serving features' GPU side in one device call (per-request budgets, ragged rows, the
 # sharded top-k merge, stop sequences, one-byte compaction): build libkdtree (sm_90a) with
-# its CUDA tests; benchmarks first (bench_gpu's merge and per-request budget sections); the
+# its CUDA tests; benchmarks first (bench_gpu's merge and per-request budget sections, the
+# torch operators' host cost); the
 # CUDA C tests; the GPU pytest files; compute-sanitizer memcheck and racecheck over the
 # Python GPU tests of the new kernels.
 # Usage: tools/device_serving.sh [build] [bench] [ctest] [pytest] [sanitize]   (default: all)
@@ -30,6 +31,8 @@ for step in "${steps[@]}"; do
     say "build ok" ;;
   bench)
     python3 tools/bench_gpu.py --skip topk build round attention --repeats 100 2>&1 | tee "$OUT/bench.txt"
+    python3 tools/bench_torch_ops.py --device cuda --json "$OUT/torch-ops-cuda.json" 2>&1 | tee "$OUT/torch-ops.txt"
+    python3 tools/bench_torch_ops.py --device cpu --no-compile 2>&1 | tee -a "$OUT/torch-ops.txt"
     say "bench done" ;;
   ctest)
     ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest.txt" 2>&1
