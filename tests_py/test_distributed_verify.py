@@ -51,6 +51,9 @@ _WORKER = textwrap.dedent("""
     result = {}
     try:
         greedy = target_tokens_sharded(local, lo, vocab)
+        # The GPU form's merge (no host round trip; one all_gather_into_tensor) on these CPU tensors.
+        from kdtree import distributed
+        device_form = distributed._target_tokens_sharded_cuda(local, lo, None, None)
         sampled = target_tokens_sharded(local, lo, vocab, temperature=0.7, seed=5, offset=9)
         acc_g = kdtree.verify_greedy(trees, greedy.numpy())
         cap = np.array([3, 2, 9, 1])
@@ -66,6 +69,7 @@ _WORKER = textwrap.dedent("""
             bad = str(exc)
         open(out + ".bad", "w").write(bad)
         np.savez(out, greedy=greedy.numpy(), sampled=sampled.numpy(), logits=logits, mixed=mixed.numpy(),
+                 device_form=device_form.numpy(),
                  m_nodes=acc_m.accepted_nodes, m_len=acc_m.accept_length, m_bonus=acc_m.bonus_token,
                  g_nodes=acc_g.accepted_nodes, g_len=acc_g.accept_length, g_bonus=acc_g.bonus_token,
                  s_nodes=acc_s.accepted_nodes, s_len=acc_s.accept_length, s_bonus=acc_s.bonus_token,
@@ -98,6 +102,7 @@ def test_sharded_verification_equals_the_unsharded(spawn_ranks, tmp_path):
     from kdtree.core import sampling
     for r in results:
         np.testing.assert_array_equal(r["greedy"], want_greedy)
+        np.testing.assert_array_equal(r["device_form"], want_greedy)
         np.testing.assert_array_equal(r["g_nodes"], greedy.accepted_nodes)
         np.testing.assert_array_equal(r["g_len"], greedy.accept_length)
         np.testing.assert_array_equal(r["g_bonus"], greedy.bonus_token)

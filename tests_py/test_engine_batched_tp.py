@@ -227,3 +227,49 @@ def test_cli_batched_engine_under_torchrun(spawn_ranks, tmp_path):
     assert requests(two[0]) == want
     assert "identical  : 3 of 3 outputs equal greedy autoregressive decoding" in two[0]
     assert "---- request" not in two[1]  # rank 1 prints nothing of its own
+
+
+_GPU_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from kdtree.engine.batched import Engine
+    from kdtree.engine.dflash import load_dflash
+    from kdtree.engine.hf import load_causal_lm
+
+    folder, out = sys.argv[1], sys.argv[2]
+    prompts = json.loads(open(folder + "/prompts.json").read())
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    result = {}
+    for name, tp in (("plain", False), ("sharded head", True)):
+        if tp:
+            target = load_causal_lm(folder + "/target", dtype="float32", tp=True, vocab_sharded_head=True)
+        else:
+            target = load_causal_lm(folder + "/target", device="cuda", dtype="float32")
+        drafter = load_dflash(folder + "/drafter", target)
+        eng = Engine(target, drafter, max_batch=4, max_length=96, budget=12)
+        result[name] = [o.tokens for o in eng.generate(prompts, %(new)d)]
+        result[name + " slice"] = getattr(target, "kdtree_vocab_slice", None)
+        try:
+            Engine(target, drafter, max_batch=4, max_length=96, budget=12, sampling=True)
+            result[name + " sampling"] = "accepted"
+        except ValueError as exc:
+            result[name + " sampling"] = str(exc)
+    json.dump(result, open(out, "w"))
+    dist.destroy_process_group()
+""") % {"new": NEW}
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_a_vocabulary_sharded_head_in_a_one_rank_nccl_world(cuda_device, spawn_ranks, models,
+                                                                             tmp_path):
+    """The CUDA-graph round with the sharded top-k and target choices (NCCL collectives in
+    the graph) on one GPU: a world of one rank, whose slice is the whole vocabulary, decodes
+    what the plain engine decodes."""
+    out = tmp_path / "gpu.json"
+    spawn_ranks(_GPU_WORKER, 1, lambda r: [models, out], timeout=600)
+    r = json.loads(out.read_text())
+    assert r["sharded head slice"] == [0, VOCAB]
+    assert r["sharded head"] == r["plain"]
+    assert "runs on the CPU only" in r["sharded head sampling"] and r["plain sampling"] == "accepted"

@@ -261,3 +261,105 @@ def test_gpu_merge_flags_the_rows_the_cpu_rejects(cuda_device):
     twice = [np.stack([f[0], f[0]]) for f in (lg, ids, mx, se)]
     out = kdtree.topk_merge(*_to_device(torch, cuda_device, twice), 50, errors="status")
     assert (out.row_status.cpu().numpy() == _lib.STATUS["KDT_ERR_VALUE"]).all()
+
+
+# ---- the GPU form of kdtree.distributed (shard_summary, NCCL) ----------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shards, k", [(1, 8), (3, 64), (8, 16)])
+def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
+    """Each slice's GPU summary is topk_shard's four fields (logits, ids, max exactly; the
+    rest within float64 rounding), and merging the summaries on the GPU gives the gathered
+    row's top-k (ids exactly, log-probs within one float32 ulp of the CPU merge)."""
+    torch = pytest.importorskip("torch")
+    from kdtree.distributed import shard_summary
+
+    rng = np.random.default_rng(shards * 7 + k)
+    vocab = 3001
+    logits = (rng.standard_normal((3, 6, vocab)) * 4).astype(np.float32)
+    logits[0, 0, :300] = 7.25  # ties inside and across the slices
+    logits[1, 2, ::3] = -np.inf
+    logits[2, 1, 1000:2100] = -np.inf  # a slice of only -inf, for some cuts
+    logits[2, 4] = np.round(logits[2, 4])
+    dev_logits = torch.from_numpy(logits).to(cuda_device).to(getattr(torch, dtype))
+    host = dev_logits.float().cpu().numpy()  # the values the GPU sees (bfloat16: rounded)
+    edges = split_points(rng, vocab, shards, k)
+    packed = []
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        got = shard_summary(dev_logits[..., a:b], k, int(a)).cpu().numpy().reshape(3, 6, 2 * k + 2)
+        want = kdtree.topk_shard(host[..., a:b], k, int(a))
+        np.testing.assert_array_equal(got[..., :k].astype(np.float32), want.logits)
+        np.testing.assert_array_equal(got[..., k:2 * k].astype(np.int32), want.ids)
+        np.testing.assert_array_equal(got[..., 2 * k].astype(np.float32), want.max)
+        np.testing.assert_allclose(got[..., 2 * k + 1], want.sum_rest, rtol=1e-13, atol=0)
+        packed.append(got)
+    stack = np.stack(packed)
+    merged = kdtree.topk_merge(*_to_device(torch, cuda_device, (
+        stack[..., :k].astype(np.float32), stack[..., k:2 * k].astype(np.int32),
+        stack[..., 2 * k].astype(np.float32), stack[..., 2 * k + 1])), vocab)
+    want = kdtree.topk_logprobs(host, k)
+    np.testing.assert_array_equal(merged.ids.cpu().numpy(), want.ids)
+    got_lp = merged.logprobs.cpu().numpy()
+    ulps = np.abs(got_lp.view(np.int32).astype(np.int64) - want.logprobs.view(np.int32).astype(np.int64))
+    assert (ulps <= 1).all(), f"log-probs differ by up to {ulps.max()} ulp"
+
+
+@pytest.mark.gpu
+def test_gpu_shard_summary_marks_bad_rows(cuda_device):
+    torch = pytest.importorskip("torch")
+    from kdtree.distributed import shard_summary
+
+    logits = np.zeros((4, 40), np.float32)
+    logits[1, 7] = np.nan
+    logits[2, 30] = np.inf
+    logits[3] = -np.inf  # only -inf: a valid slice (max -inf, rest 0)
+    got = shard_summary(torch.from_numpy(logits).to(cuda_device), 4, 100).cpu().numpy()
+    rest = got[:, -1]
+    assert rest[0] == 39.0 and np.isnan(rest[1]) and np.isnan(rest[2]) and rest[3] == 0.0
+    assert got[3, 8] == -np.inf and (got[3, 4:8] == 100 + np.arange(4)).all()
+
+
+_NCCL_WORKER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from kdtree.distributed import target_tokens_sharded, topk_logprobs_sharded
+
+    out = sys.argv[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((4, 9, 1000)) * 3).astype(np.float32)
+    logits[0, 0, [10, 500]] = 20.0  # a tie: the lower id
+    x = torch.from_numpy(logits).cuda()
+    top = topk_logprobs_sharded(x, 16, 0, 1000)
+    tokens = target_tokens_sharded(x, 0, 1000)
+    try:
+        target_tokens_sharded(x, 0, 1000, temperature=0.7)
+        refused = "accepted"
+    except Exception as exc:
+        refused = str(exc)
+    np.savez(out, logits=logits, lp=top.logprobs.cpu().numpy(), ids=top.ids.cpu().numpy(),
+             status=top.row_status.cpu().numpy(), tokens=tokens.cpu().numpy(), refused=refused)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_sharded_top_k_and_choices_in_a_one_rank_nccl_world(cuda_device, spawn_ranks, tmp_path):
+    """The collective path of the GPU form on one GPU (a world of one rank, NCCL): the whole
+    vocabulary is the rank's slice, so the results are the plain top-k and argmax."""
+    pytest.importorskip("torch")
+    out = tmp_path / "nccl.npz"
+    spawn_ranks(_NCCL_WORKER, 1, lambda r: [out], timeout=300)
+    r = np.load(out)
+    want = kdtree.topk_logprobs(r["logits"], 16)
+    np.testing.assert_array_equal(r["ids"], want.ids)
+    ulps = np.abs(r["lp"].view(np.int32).astype(np.int64) - want.logprobs.view(np.int32).astype(np.int64))
+    assert (ulps <= 1).all() and (r["status"] == 0).all()
+    np.testing.assert_array_equal(r["tokens"], np.argmax(r["logits"], -1))
+    assert r["tokens"][0, 0] == 10
+    assert "on CUDA it takes the greedy choice" in str(r["refused"])

@@ -6,6 +6,12 @@ rows while gathering only each rank's :func:`kdtree.topk_shard` summary (k logit
 max and sum of exponentials a row); :func:`target_tokens_sharded` gives every rank the
 target's token at every tree node (the greedy argmax or the sampled draw of the unsharded
 verification) while gathering four numbers a row.
+
+Both take CPU tensors (gloo) or CUDA tensors (NCCL). The GPU forms make no host round
+trip: no per-call check that the ranks agree (the batched engine checks that once, when it
+is built), bad rows reported as statuses, one ``all_gather_into_tensor`` each, so a round
+that calls them can be captured in a CUDA graph. :func:`shard_summary` is the GPU form's
+per-rank step (testable without a process group).
 """
 
 from __future__ import annotations
@@ -36,19 +42,31 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     every rank checks, then ``(2 k + 2)`` float64 values a row (ids and float32 logits are
     exact in float64).
 
+    CUDA tensors (NCCL): the same ids and order, log-probs within one float32 ulp of the
+    CPU form's; each rank's summary is :func:`shard_summary`, one all-gather moves them
+    (``(2 k + 2) x 8`` bytes a row a rank) and ``kdt_topk_merge_cuda`` merges them on every
+    rank. No host synchronisation and no rank check: the ranks must pass the same k and
+    leading shape and slices that tile ``[0, vocab)`` (a mismatch is undefined: NCCL may
+    hang). The result's ``row_status`` is KDT_ERR_VALUE for a row with a NaN or +inf logit
+    in any slice, or only -inf in all of them (its log-probs NaN, so a tree built from it
+    fails its request).
+
     Raises:
-        TypeError: a tensor that is not on the CPU. KdtreeError, on every rank alike: a
-        rank's :func:`kdtree.topk_shard` failed (that rank raises its own error, the others
-        name it), k or the leading shape differ between ranks, or the slices do not tile
-        ``[0, vocab)``; then as :func:`kdtree.topk_merge`.
+        TypeError: a tensor that is neither a CPU nor a CUDA tensor. KdtreeError, on every
+        rank alike (CPU): a rank's :func:`kdtree.topk_shard` failed (that rank raises its
+        own error, the others name it), k or the leading shape differ between ranks, or the
+        slices do not tile ``[0, vocab)``; then as :func:`kdtree.topk_merge`. CUDA: k outside
+        ``[1, min(V_rank, 1024)]`` (raised before any collective).
     """
     import torch
     import torch.distributed as dist
 
     from . import _native as _lib
 
+    if isinstance(local_logits, torch.Tensor) and local_logits.is_cuda:
+        return _topk_logprobs_sharded_cuda(local_logits, k, vocab_offset, vocab, group)
     if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
-        raise TypeError("topk_logprobs_sharded takes a CPU torch tensor (the GPU form is not built yet), got "
+        raise TypeError("topk_logprobs_sharded takes a CPU or CUDA torch tensor, got "
                         f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
     x = local_logits.detach()
     if x.dtype != torch.float32:
@@ -115,8 +133,15 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
         every rank as :func:`topk_logprobs_sharded` does), then one of four float64 a row
         (``B (N+1) 32`` bytes a rank, against ``2 V`` bytes a row of bf16 logits).
 
+    CUDA tensors (NCCL), greedy only: each rank's best of its slice (``torch.max``: the
+    first maximum, the lower id; a NaN marks the row), one all-gather of three float64 a
+    row, the merge on the device; no host synchronisation and no rank check (as
+    :func:`topk_logprobs_sharded`'s GPU form). Sampled choices on the GPU need the
+    Philox-Gumbel noise on the device, which is not built: a temperature other than None
+    or 0 is a KdtreeError (KDT_ERR_UNSUPPORTED).
+
     Raises:
-        TypeError: not a CPU tensor. KdtreeError on every rank alike: shapes that differ,
+        TypeError: not a CPU or CUDA tensor. KdtreeError on every rank alike: shapes that differ,
         slices that do not tile ``[0, vocab)``, a temperature (any request's) that is
         not 0 and below 1e-6 or not finite, a seed or offset out of range, per-request
         values of another length than B.
@@ -127,8 +152,10 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     from . import _native as _lib
     from .core import checks, sampling
 
+    if isinstance(local_logits, torch.Tensor) and local_logits.is_cuda:
+        return _target_tokens_sharded_cuda(local_logits, vocab_offset, temperature, group)
     if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
-        raise TypeError("target_tokens_sharded takes a CPU torch tensor, got "
+        raise TypeError("target_tokens_sharded takes a CPU or CUDA torch tensor, got "
                         f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
     x = local_logits.detach().float().numpy()
     failure = None
@@ -186,6 +213,102 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
 
 
 _MAX_LEAD = 8  # leading axes of the logits the rank check carries
+
+
+def shard_summary(local_logits, k: int, vocab_offset: int):
+    """One rank's summary of its vocabulary slice on the GPU, packed for the all-gather.
+
+    Args:
+        local_logits: CUDA torch tensor ``[..., V_rank]`` (float32, float16 or bfloat16).
+        k: 1 .. min(V_rank, 1024).
+        vocab_offset: the slice's first global token id.
+
+    Returns:
+        float64 ``[rows, 2 k + 2]`` (rows = the leading axes' product): the slice's k
+        largest logits best first (ties: lower id; the selection of
+        :func:`kdtree.topk_logprobs`), their global ids, the slice's max and the rest of its
+        sum of exponentials (``exp(logit - max)`` over every entry but the first at the max,
+        in float64) -- :func:`kdtree.topk_shard`'s four fields, exact in float64. A row
+        with a NaN or +inf logit gets a NaN rest (which :func:`kdtree.topk_merge` rejects);
+        a row of only -inf has max -inf and rest 0, as the CPU summary.
+
+    Raises:
+        KdtreeError: k out of range; as :func:`kdtree.topk_logprobs`.
+    """
+    import torch
+
+    from .core import checks
+    from .core.api import topk_logprobs
+
+    vr = int(local_logits.shape[-1])
+    k = checks.int_scalar(k, "k", 1, min(vr, 1024))
+    flat = local_logits.detach().reshape(-1, vr)
+    top = topk_logprobs(flat, k, errors="status")
+    idx = top.ids.long()
+    vals = flat.gather(1, idx).float()
+    mx = vals[:, 0]
+    terms = torch.exp(flat.double() - mx.double()[:, None])
+    terms.scatter_(1, idx[:, :1], 0.0)  # the first entry at the max: its term 1 is not part of the rest
+    only_neg_inf = mx == float("-inf")
+    rest = torch.where(only_neg_inf, torch.zeros_like(mx, dtype=torch.float64), terms.sum(1))
+    # a NaN or +inf logit (the top-k's status; a row of only -inf is a valid slice here)
+    bad = (top.row_status != 0) & ~only_neg_inf
+    rest = torch.where(bad, torch.full_like(rest, float("nan")), rest)
+    return torch.cat([vals.double(), (idx + int(vocab_offset)).double(), mx.double()[:, None], rest[:, None]], 1)
+
+
+def _all_gather(packed, world: int, group):
+    """[world, *packed.shape]: every rank's ``packed``, by one all_gather_into_tensor into
+    the concatenated layout (the one every backend takes), viewed per rank."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty((world * packed.shape[0],) + tuple(packed.shape[1:]), dtype=packed.dtype, device=packed.device)
+    dist.all_gather_into_tensor(out, packed.contiguous(), group=group)
+    return out.view((world,) + tuple(packed.shape))
+
+
+def _topk_logprobs_sharded_cuda(x, k, vocab_offset, vocab, group):
+    import torch
+    import torch.distributed as dist
+
+    from .core.api import topk_merge
+
+    lead = tuple(x.shape[:-1])
+    packed = shard_summary(x, k, vocab_offset)
+    world = dist.get_world_size(group)
+    gathered = _all_gather(packed, world, group)
+    merged = topk_merge(gathered[..., :k].float().contiguous(), gathered[..., k:2 * k].to(torch.int32).contiguous(),
+                        gathered[..., 2 * k].float().contiguous(), gathered[..., 2 * k + 1].contiguous(), vocab,
+                        errors="status")
+    return TopK(merged.logprobs.reshape(lead + (k,)), merged.ids.reshape(lead + (k,)),
+                merged.row_status.reshape(lead if lead else (1,)))
+
+
+def _target_tokens_sharded_cuda(x, vocab_offset, temperature, group):
+    import torch
+    import torch.distributed as dist
+
+    from . import _native as _lib
+
+    if temperature is not None and (np.ndim(temperature) != 0 or float(temperature) != 0.0):
+        raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_UNSUPPORTED"],
+                               "target_tokens_sharded samples on CPU tensors only (the Philox-Gumbel noise of a "
+                               "sharded row is not built for the GPU); on CUDA it takes the greedy choice")
+    if x.dim() != 3 or x.shape[-1] < 1:
+        from .core import checks
+
+        raise checks.shape_error(f"local_logits must be [B, N+1, V_rank >= 1], got {tuple(x.shape)}")
+    xf = x.detach().float()
+    best, at = xf.max(-1)  # the first maximum: the lower id (NaN propagates; flagged below)
+    packed = torch.stack([best.double(), (at + int(vocab_offset)).double(), torch.isnan(xf).any(-1).double()], -1)
+    world = dist.get_world_size(group)
+    gathered = _all_gather(packed, world, group)
+    score, ids, nan = gathered[..., 0], gathered[..., 1], gathered[..., 2]
+    top = score.amax(0)
+    lowest = torch.where(score == top[None], ids, torch.full_like(ids, float("inf"))).amin(0)
+    none = nan.amax(0) > 0
+    return torch.where(none, torch.full_like(lowest, -1), lowest).to(torch.int32)
 
 
 def _per_request(temperature, seed, offset, batch: int):

@@ -401,10 +401,10 @@ class Engine:
         self.tp = tensor_parallel_size(target)
         self.vocab_slice = getattr(target, "kdtree_vocab_slice", None)
         self.draft_slice = None if drafter is None else getattr(drafter, "kdtree_vocab_slice", None)
-        if (self.vocab_slice is not None or self.draft_slice is not None) and self.on_cuda:
-            raise ValueError("a vocabulary-sharded LM head (load_causal_lm(vocab_sharded_head=True)) runs the batched "
-                             "engine on the CPU only: the GPU form of the sharded top-k and target choices is not "
-                             "built; on CUDA load the target with vocab_sharded_head=False")
+        if self.vocab_slice is not None and self.on_cuda and self.sampling:
+            raise ValueError("sampling from a vocabulary-sharded LM head (load_causal_lm(vocab_sharded_head=True)) "
+                             "runs on the CPU only (the sharded Philox-Gumbel draw is not built for the GPU): on "
+                             "CUDA use sampling=False, or load the target with vocab_sharded_head=False")
         need = _cache_bytes(target, self.max_batch, self.capacity, param.element_size())
         # An earlier engine on this model left its cache bound to the model's attention
         # modules: unbound here, a dropped engine's cache is freed before this one's is
@@ -822,7 +822,15 @@ class Engine:
                 topk = full["topk"] = TopK(torch.empty(shape, dtype=torch.float32, device=self.device),
                                            torch.empty(shape, dtype=torch.int32, device=self.device),
                                            torch.empty(shape[:2], dtype=torch.int32, device=self.device))
-            lp, ids = api.topk_logprobs(logits, k, out=topk, errors="status")
+            if self.draft_slice is None:
+                lp, ids = api.topk_logprobs(logits, k, out=topk, errors="status")
+            else:  # this rank's slice of the drafter's logits: the ranks' top-k merged (NCCL)
+                from ..distributed import topk_logprobs_sharded
+
+                merged = topk_logprobs_sharded(logits, k, self.draft_slice[0], self.vocab_size)
+                topk.logprobs.copy_(merged.logprobs)
+                topk.ids.copy_(merged.ids)
+                lp, ids = topk.logprobs, topk.ids
             lp.masked_fill_(deep, float("-inf"))
             trees = api.build_trees(lp, ids, nb, root_tokens=roots, root_positions=lengths,
                                     vocab_size=self.vocab_size, pad_token=0, out=full["trees"], errors="status")
@@ -895,6 +903,12 @@ class Engine:
         caps = st.remaining[:b]
         stops = st.stops if st.stops.numel() else ()
         if self.on_cuda:
+            if self.vocab_slice is not None:  # this rank's slice of the target's logits: the choices merged (NCCL)
+                from ..distributed import target_tokens_sharded
+
+                tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size)
+                return api.verify_greedy(trees, tokens, stop_tokens=stops, max_commit=caps, out=buf["acc"],
+                                         errors="status")
             if self.sampling:
                 acc = api.verify_sample_from_logits(
                     trees, logits, st.temperature[:b], seed=st.seed[:b], offset=st.offset[:b], top_p=st.top_p[:b],
