@@ -59,6 +59,14 @@ _WORKER = textwrap.dedent("""
         result[name + " rounds"] = eng.stats.rounds
         result["tp"] = eng.tp
         result["cache heads"] = int(eng.kv.keys[0].shape[1])
+    # The same target built whole on every rank and sharded in memory (shard_causal_lm).
+    from kdtree.engine.hf import shard_causal_lm
+    whole = load_causal_lm(folder + "/target", dtype="float64")
+    shard_causal_lm(whole, vocab_sharded_head=head)
+    eng = Engine(whole, load_dflash(folder + "/drafter", whole), max_batch=4, max_length=96, prefill_chunk=8,
+                 budget=12)
+    result["sharded in memory"] = [o.tokens for o in eng.generate(prompts, %(new)d)]
+    result["sharded in memory slice"] = getattr(whole, "kdtree_vocab_slice", None)
     try:  # rank 1 asks for another budget: every rank refuses, with the same words
         Engine(target, drafter, max_batch=4, max_length=96, budget=12 + rank)
         result["mismatch"] = "accepted"
@@ -148,6 +156,9 @@ def check_ranks(ranks, single):
     assert single["ddtree"] == single["ar"] and single["chain"] == single["ar"]
     assert single["sampled"][0] == single["ar"][0] and single["sampled"][1] != single["ar"][1]
     assert single["ddtree rounds"] < single["ar rounds"]
+    for r in ranks:
+        assert r["sharded in memory"] == single["ddtree"]
+        assert r["sharded in memory slice"] == r["slice"]
     mismatch = {r["mismatch"] for r in ranks}
     assert len(mismatch) == 1
     assert "every rank must build the same engine" in (m := mismatch.pop()) and "rank 1 has budgets = [13]" in m

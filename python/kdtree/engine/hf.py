@@ -196,18 +196,79 @@ def _tp_plan(folder: Path, vocab_sharded_head: bool = False) -> str | dict:
             raise ValueError(f"{folder}: {key} = {heads} is not a multiple of the world size {world}")
     if not vocab_sharded_head:
         return "auto"
-    if getattr(config, "tie_word_embeddings", False):
-        raise ValueError(f"{folder}: vocab_sharded_head needs an LM head of its own (tie_word_embeddings is set)")
+    try:
+        return tp_plan_of(config, vocab_sharded_head=True)
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from None
+
+
+def tp_plan_of(config: Any, *, vocab_sharded_head: bool = False) -> dict[str, str]:
+    """transformers' tensor-parallel plan for a causal LM of ``config`` (module-name
+    patterns, ``*`` for a layer number, to parallel styles): the base model's plan under its
+    prefix and the LM head's; with ``vocab_sharded_head`` the head is ``"colwise"`` (each
+    rank keeps its slice of the logits).
+
+    Raises:
+        ValueError: no plan for the model, a head tied to the embedding with
+            ``vocab_sharded_head``, or a plan that does not name ``lm_head``.
+    """
     from transformers import AutoModelForCausalLM
 
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(f"transformers has no tensor-parallel plan for {type(config).__name__}")
+    if vocab_sharded_head and getattr(config, "tie_word_embeddings", False):
+        raise ValueError("vocab_sharded_head needs an LM head of its own (tie_word_embeddings is set)")
     cls = AutoModelForCausalLM._model_mapping[type(config)]
     prefix = getattr(cls, "base_model_prefix", "model")
     plan = {f"{prefix}.{k}": v for k, v in config.base_model_tp_plan.items()}
     plan.update(getattr(cls, "_tp_plan", None) or {})
     if "lm_head" not in plan:
-        raise ValueError(f"{folder}: transformers' plan for {cls.__name__} does not name lm_head")
-    plan["lm_head"] = "colwise"  # each rank keeps its slice of the logits
+        raise ValueError(f"transformers' plan for {cls.__name__} does not name lm_head")
+    if vocab_sharded_head:
+        plan["lm_head"] = "colwise"
     return plan
+
+
+def shard_causal_lm(model: Any, *, vocab_sharded_head: bool = False) -> Any:
+    """Shards an already built causal LM (e.g. random weights of a published shape, for a
+    benchmark) over the initialised ``torch.distributed`` world with transformers' own
+    tensor-parallel plan (:func:`tp_plan_of`), as ``load_causal_lm(..., tp=True)`` loads
+    one: every rank must hold the same full weights before the call; each keeps its shard
+    (DTensors on a one-dimensional device mesh of the model's device type). With
+    ``vocab_sharded_head`` the model gets ``kdtree_vocab_slice`` as from
+    :func:`load_causal_lm`. Returns the model.
+
+    Raises:
+        ValueError: no initialised process group; heads the world size does not divide;
+            as :func:`tp_plan_of`.
+    """
+    import re
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("shard_causal_lm needs an initialised torch.distributed process group")
+    world = dist.get_world_size()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = int(getattr(model.config, key, 0) or 0)
+        if heads % world:
+            raise ValueError(f"{key} = {heads} is not a multiple of the world size {world}")
+    plan = tp_plan_of(model.config, vocab_sharded_head=vocab_sharded_head)
+    patterns = [(re.compile("^" + re.escape(k).replace(r"\*", r"\d+") + "$"), v) for k, v in plan.items()]
+    expanded = {}  # a module's name: its forward hooks; its parameters' names: their shards
+    for name, module in model.named_modules():
+        for rx, style in patterns:
+            if rx.match(name):
+                expanded[name] = style
+                for pname, _ in module.named_parameters(recurse=False):
+                    expanded[f"{name}.{pname}"] = style
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
+    apply_tensor_parallelism(model, mesh, expanded)
+    if vocab_sharded_head:
+        model.kdtree_vocab_slice = _vocab_slice(model)
+    return model
 
 
 class HFTarget:
