@@ -284,3 +284,58 @@ def test_gpu_engine_with_a_vocabulary_sharded_head_in_a_one_rank_nccl_world(cuda
     assert r["sharded head slice"] == [0, VOCAB]
     assert r["sharded head"] == r["plain"]
     assert "runs on the CPU only" in r["sharded head sampling"] and r["plain sampling"] == "accepted"
+
+
+_NCCL_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from kdtree.engine.batched import Engine, SamplingParams
+    from kdtree.engine.dflash import load_dflash
+    from kdtree.engine.hf import load_causal_lm
+
+    folder, out, head = sys.argv[1], sys.argv[2], sys.argv[3] == "head"
+    cases = json.loads(open(folder + "/cases.json").read())
+    prompts = json.loads(open(folder + "/prompts.json").read())
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    target = load_causal_lm(folder + "/target", dtype="float32", tp=True, vocab_sharded_head=head)
+    drafter = load_dflash(folder + "/drafter", target)
+    result = {}
+    for name, kw, sampling in cases:
+        if head and kw.get("sampling"):
+            continue  # sampling from a sharded head runs on the CPU only
+        params = None if sampling is None else [SamplingParams(temperature=t, seed=s) for t, s in sampling]
+        eng = Engine(target, drafter, max_batch=4, max_length=96, prefill_chunk=8, **kw)
+        result[name] = [o.tokens for o in eng.generate(prompts, %(new)d, params)]
+    json.dump(result, open(out, "w"))
+    dist.destroy_process_group()
+""") % {"new": NEW}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", ["whole", "sharded"])
+def test_gpus_nccl_engine_decodes_the_single_gpu_tokens(cuda_device, spawn_ranks, models, tmp_path, head):
+    """Two GPUs, NCCL, CUDA-graph rounds (float32): every rank decodes what one GPU decodes,
+    in every mode, with the LM head whole and split (greedy there)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, torch sees {torch.cuda.device_count()}")
+    from kdtree.engine.batched import Engine, SamplingParams
+    from kdtree.engine.dflash import load_dflash
+    from kdtree.engine.hf import load_causal_lm
+
+    target = load_causal_lm(models / "target", device=str(cuda_device), dtype="float32")
+    drafter = load_dflash(models / "drafter", target)
+    prompts = json.loads((models / "prompts.json").read_text())
+    outs = [tmp_path / f"nccl{r}.json" for r in range(2)]
+    spawn_ranks(_NCCL_WORKER, 2, lambda r: [models, outs[r], head], timeout=600)
+    ranks = [json.loads(o.read_text()) for o in outs]
+    for name, kw, sampling in CASES:
+        if name not in ranks[0]:
+            continue
+        params = None if sampling is None else [SamplingParams(temperature=t, seed=s) for t, s in sampling]
+        eng = Engine(target, drafter, max_batch=4, max_length=96, prefill_chunk=8, **kw)
+        want = [o.tokens for o in eng.generate(prompts, NEW, params)]
+        for r in ranks:
+            assert r[name] == want, (head, name)
+    assert ("sampled" in ranks[0]) == (head == "whole")

@@ -18,7 +18,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build bench ctest pytest sanitize)
 say() { echo "[$(($(date +%s) - START)) s] $*"; }
 export PYTHONPATH=$ROOT/python KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so
-GPU_TESTS=(tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py
+GPU_TESTS=(tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py tests_py/test_engine_batched_tp.py
            tests_py/test_stop_sequences.py tests_py/test_compact_bytes.py tests_py/test_compact_paged.py
            tests_py/test_gpu.py)
 for step in "${steps[@]}"; do
