@@ -196,6 +196,28 @@ def test_status_names_match_library(lib):
         assert lib.kdt_status_string(unknown).decode() == "unknown status"
 
 
+def test_public_status_lookup():
+    import numpy as np
+
+    import kdtree
+
+    assert kdtree.status_name(0) == "KDT_OK"
+    assert kdtree.status_name(np.int32(4)) == "KDT_ERR_VALUE"
+    assert kdtree.status_name(np.array(15, np.int32)) == "KDT_ERR_INTERNAL"
+    assert kdtree.status_name(99) == "status 99"
+    for value, name in _lib.STATUS_NAMES.items():  # every code both ways, against the header's enum
+        assert kdtree.status_name(value) == name and kdtree.status_code(name) == value
+    # a status array from errors="status" reads back by name
+    trees = kdtree.build_trees(np.array([[[0.0, np.nan]]], np.float32), np.array([[[1, 2]]], np.int32), 2,
+                               errors="status")
+    assert [kdtree.status_name(s) for s in trees.request_status] == ["KDT_ERR_VALUE"]
+    for bad in (4.0, True, np.array([1, 2]), "4"):
+        with pytest.raises(TypeError, match="status must be an integer"):
+            kdtree.status_name(bad)
+    with pytest.raises(KeyError, match="'KDT_ERR_NOPE' is not a kdt_status name; the names are \\['KDT_OK'"):
+        kdtree.status_code("KDT_ERR_NOPE")
+
+
 # ---- Versions ---------------------------------------------------------------------------------
 
 

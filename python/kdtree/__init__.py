@@ -45,6 +45,42 @@ def library_path() -> str:
     return str(_native.load()._kdtree_path)
 
 
+def status_name(status) -> str:
+    """The kdt_status name of a status code, as the status arrays of ``errors="status"``
+    (``TreeBatch.request_status``, ``Acceptance.request_status``, ``TopK.row_status``...)
+    and ``KdtreeError.status`` hold them: ``status_name(0) == "KDT_OK"``,
+    ``status_name(4) == "KDT_ERR_VALUE"``; ``"status N"`` for a code this version does not
+    define. Takes a Python or numpy integer (a 0-d array too). Does not load the library.
+
+    Raises:
+        TypeError: not an integer (a float, a bool, an array of more than one element).
+    """
+    import numpy as np
+
+    from ._native import STATUS_NAMES
+
+    if isinstance(status, np.ndarray) and status.ndim == 0:
+        status = status[()]
+    if isinstance(status, (bool, np.bool_)) or not isinstance(status, (int, np.integer)):
+        raise TypeError(f"status must be an integer status code, got {type(status).__name__} {status!r}")
+    return STATUS_NAMES.get(int(status), f"status {int(status)}")
+
+
+def status_code(name: str) -> int:
+    """The code of a kdt_status name (``"KDT_ERR_VALUE"`` -> 4), e.g. to compare a status
+    array against. Does not load the library.
+
+    Raises:
+        KeyError: a name kdtree does not define (the message lists the names).
+    """
+    from ._native import STATUS
+
+    try:
+        return STATUS[name]
+    except (KeyError, TypeError):
+        raise KeyError(f"{name!r} is not a kdt_status name; the names are {sorted(STATUS, key=STATUS.get)}") from None
+
+
 def cuda_devices() -> int:
     """CUDA devices libkdtree can use: 0 where it was built without CUDA or finds no GPU
     or driver (loads the library)."""
@@ -78,6 +114,8 @@ __all__ = [
     "cuda_devices",
     "library_path",
     "library_version",
+    "status_code",
+    "status_name",
     "ragged_trees",
     "topk_logprobs",
     "topk_merge",
