@@ -321,3 +321,38 @@ def test_a_difference_is_rounding_only_if_the_wider_float_run_agrees(monkeypatch
     out = io.StringIO()
     assert generate.mismatch_report(args, t32, d32, layers, prompt, [], 5, ar.tokens, fake, "AR", out) == 1
     assert "identical: NO, first difference at new token 1 (not rounding)" in out.getvalue()
+
+
+def test_stop_texts_end_the_continuation_after_their_tokens(tmp_path):
+    """--stop TEXT: the continuation (greedy, 32 tokens otherwise) ends right after the
+    tokens ': PreTrainedModel' encodes to, with the same text from AR; a text of no tokens
+    is refused, and the batched run refuses the option."""
+    from tokenizers import Tokenizer
+
+    full = run_cli(["generate", "--temperature", "0", "--max-new-tokens", "32", "--repeats", "1", "--no-progress"],
+                   tmp_path)
+    assert full.returncode == 0, full.stderr
+    r = run_cli(["generate", "--temperature", "0", "--max-new-tokens", "32", "--repeats", "1", "--no-progress",
+                 "--stop", ": PreTrainedModel", "--stop", "zzz qqq"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "stop at <|endoftext|>, ': PreTrainedModel' (2 tokens), 'zzz qqq' (5 tokens)" in field(r.stdout,
+                                                                                                "  settings")
+    tok = Tokenizer.from_file(str(MODELS / "tokenizer.json"))
+
+    def continuation(out):
+        lines = out.splitlines()
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("---- continuation"))
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("-" * 66))
+        return lines[start], "\n".join(lines[start + 1:end])
+
+    head, text = continuation(r.stdout)
+    _, whole = continuation(full.stdout)
+    assert "stop: stop_sequence" in head
+    assert text.endswith(": PreTrainedModel") and whole.startswith(text) and len(whole) > len(text)
+    stop_ids = tok.encode(": PreTrainedModel", add_special_tokens=False).ids
+    assert tok.encode(text).ids[-len(stop_ids):] == stop_ids
+    assert "identical to greedy autoregressive decoding: YES" in r.stdout
+    bad = run_cli(["generate", "--max-new-tokens", "4", "--repeats", "1", "--stop", ""], tmp_path)
+    assert bad.returncode == 2 and "--stop '' encodes to 0 tokens; a stop sequence takes 1 to 16" in bad.stderr
+    batched = run_cli(["generate", "--batch-size", "2", "--max-new-tokens", "4", "--stop", "x"], tmp_path)
+    assert batched.returncode == 2 and "--stop: not used by the batched run" in batched.stderr

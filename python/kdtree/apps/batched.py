@@ -93,7 +93,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                                     ("--repeats", args.repeats != 3), ("--tree-nodes", args.tree_nodes != TREE_NODES),
                                     ("--prompt", args.prompts_file is not None and args.prompt is not None),
                                     ("--prompt-file", args.prompts_file is not None and args.prompt_file is not None),
-                                    ("--prompt-offset", args.prompts_file is not None and args.prompt_offset is not None))
+                                    ("--prompt-offset", args.prompts_file is not None and args.prompt_offset is not None),
+                                    ("--stop", bool(getattr(args, "stop", None))))
               if on]
     if unused:
         raise UsageError(f"{', '.join(unused)}: not used by the batched run (--batch-size / --prompts-file)"

@@ -108,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--no-ar", action="store_true", help="skip the autoregressive run (no identity check)")
     p.add_argument("--no-eos-stop", action="store_true", help=f"do not stop at {EOS}")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="also stop after the tokens TEXT encodes to (1 to 16 tokens; repeat for several), kept in "
+                        "the output; matched as that token sequence, so the same text emitted as other tokens "
+                        "does not stop (one-sequence engine)")
     p.add_argument("--plot", type=Path, default=None,
                    help="write the acceptance-length histogram and one round's tree to this PNG/SVG file")
     p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,
@@ -483,9 +487,10 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     def tgt():
         return HFTarget(t2, temperature=args.temperature, top_p=args.top_p, seed=args.seed, feature_layers=layers)
 
-    a = engine.autoregressive_generate(tgt(), prompt, args.max_new_tokens, stop_tokens=stops)
+    seqs = getattr(args, "stop_sequences", ())
+    a = engine.autoregressive_generate(tgt(), prompt, args.max_new_tokens, stop_tokens=stops, stop_sequences=seqs)
     d = engine.speculative_generate(tgt(), BlockDrafterRunner(d2), prompt, args.max_new_tokens, budget=args.budget,
-                                    depth=depth, stop_tokens=stops)
+                                    depth=depth, stop_tokens=stops, stop_sequences=seqs)
     wname = str(wider).removeprefix("torch.")
     if a.tokens != d.tokens:
         print(f"  rerun in {wname}  : identical: NO, first difference at new token "
@@ -512,6 +517,19 @@ def mismatch_report(args, target_model, drafter_model, layers, prompt, stops, de
     print(f"  not rounding: the choice at token {first} was not close enough for {name} rounding to flip it, and "
           f"the {wname} runs agree (an error of the {name} path alone)", file=out)
     return 1
+
+
+def stop_sequences_of(tok, texts) -> list[list[int]]:
+    """--stop: each text's token ids (1 to KDT_MAX_STOP_LENGTH = 16 of them)."""
+    from .cli import UsageError
+
+    out = []
+    for text in texts or ():
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if not 1 <= len(ids) <= 16:
+            raise UsageError(f"--stop {text!r} encodes to {len(ids)} tokens; a stop sequence takes 1 to 16")
+        out.append(list(ids))
+    return out
 
 
 def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
@@ -566,6 +584,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                          f"exceed the target's {max_pos} positions")
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
+    args.stop_sequences = stop_sequences_of(tok, args.stop)
+    seqs = args.stop_sequences
     layers = drafter_model.feature_layers
     out = sys.stdout
     greedy = args.temperature == 0.0
@@ -587,8 +607,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
           f"L={depth} positions per call (block size {drafter_model.max_depth + 1}: the root and {drafter_model.max_depth} drafted)", file=out)
     print(f"  prompt   : {prompt_desc}: {len(prompt)} tokens", file=out)
     print(f"  tree ops : {tree_ops_text(args.device)}", file=out)
+    stop_text = ", ".join(([EOS] if stops else []) + [f"{t!r} ({len(q)} tokens)" for t, q in
+                                                       zip(args.stop or (), seqs, strict=True)])
     print(f"  settings : budget N={args.budget}, depth L={depth}, max_new_tokens={args.max_new_tokens}, "
-          f"stop at {EOS if stops else 'nothing'}", file=out)
+          f"stop at {stop_text or 'nothing'}", file=out)
     trained = int(getattr(target_model.config, "kdtree_trained_window", 0) or 0)
     if trained and len(prompt) + args.max_new_tokens > trained:
         print(f"  note     : prompt + new tokens ({len(prompt) + args.max_new_tokens}) exceed the {trained}-token "
@@ -612,9 +634,10 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     runs = {}
     if not args.no_ar:
         runs["greedy AR" if greedy else "sampled AR"] = lambda **kw: engine.autoregressive_generate(
-            new_target(), prompt, args.max_new_tokens, stop_tokens=stops, **kw)
+            new_target(), prompt, args.max_new_tokens, stop_tokens=stops, stop_sequences=seqs, **kw)
     runs["DDTree"] = lambda **kw: engine.speculative_generate(
-        new_target(), runner, prompt, args.max_new_tokens, budget=args.budget, depth=depth, stop_tokens=stops, **kw)
+        new_target(), runner, prompt, args.max_new_tokens, budget=args.budget, depth=depth, stop_tokens=stops,
+        stop_sequences=seqs, **kw)
     results, walls, timing_note = timed_pair(runs, args.repeats, args.max_new_tokens, args.no_progress, "tok")
     sp = results["DDTree"]
     ar_name = next((n for n in runs if n != "DDTree"), None)
