@@ -524,10 +524,10 @@ def stop_sequences_of(tok, texts) -> list[list[int]]:
     from .cli import UsageError
 
     out = []
-    for text in texts or ():
-        ids = tok.encode(text, add_special_tokens=False).ids
+    for stop in texts or ():
+        ids = tok.encode(stop, add_special_tokens=False).ids
         if not 1 <= len(ids) <= 16:
-            raise UsageError(f"--stop {text!r} encodes to {len(ids)} tokens; a stop sequence takes 1 to 16")
+            raise UsageError(f"--stop {stop!r} encodes to {len(ids)} tokens; a stop sequence takes 1 to 16")
         out.append(list(ids))
     return out
 
