@@ -193,7 +193,8 @@ def _check_plot_path(path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib (pip install matplotlib; nox -s demo installs it)") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (kdtree[models] and `nox -s demo` "
+                         "install it)") from None
 
 
 def pair_source(args: argparse.Namespace) -> str:
@@ -345,7 +346,7 @@ def load_pair(models: Path, device: str, dtype: str | None, *, tp: bool = False)
         from tokenizers import Tokenizer
     except ImportError as exc:
         raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}): "
-                         f"pip install \"kdtree[models]\" (or run `nox -s demo`, which installs them)") from None
+                         f"pip install \"kdtree[models]\" (in a kdtree checkout `nox -s demo` installs them)") from None
     from ..engine import dflash
     from ..engine.drafter import load_drafter
     from ..engine.hf import load_causal_lm
@@ -552,8 +553,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise UsageError("the transformer pair needs torch, transformers and tokenizers; `nox -s demo` "
-                         "installs them") from None
+        raise UsageError("the transformer pair needs torch, transformers and tokenizers: pip install "
+                         "\"kdtree[models]\" (in a kdtree checkout `nox -s demo` installs them)") from None
     _check_device(args.device)
     if getattr(args, "tp", False):
         start_tp(args)
