@@ -813,6 +813,33 @@ KDT_API kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kd
                                                 int32_t* accept_length, int32_t* bonus_token,
                                                 int32_t* target_tokens, int32_t* request_status, void* stream);
 
+/*
+ * kdt_choices_shard_cuda: the target's choice at every row of ONE RANK'S VOCABULARY SLICE,
+ * for verification from vocabulary-sharded target logits without gathering them. The rank
+ * holds the logits of tokens [vocab_offset, vocab_offset + V_rank): `logits` is [B, R,
+ * V_rank] (kdt_logits, vocab = V_rank; R = N + 1 tree rows). For row (b, i), with request
+ * b's settings from `sampling` (device arrays [B]: temperature, seed, offset; top_p and
+ * top_k must be NULL, their cuts need the whole row):
+ *   temperature 0: the slice's largest logit, ties to the lower id (-0 ties with +0);
+ *   otherwise: the largest score logit / T - log(-log(u)), u drawn exactly as
+ *     kdt_verify_sample_batch_cuda draws it for request b, node nodes[b * R + i] (or i when
+ *     nodes is NULL) and the GLOBAL token id vocab_offset + column, so each token's score
+ *     is bit for bit the unsharded call's.
+ * out: device float64 [B, R, 4], per row: the best value (-inf when no score is above
+ *   -inf), its global id (-1 then), 1.0 when the row holds a NaN logit (sampling: also
+ *   +inf) or the request's temperature is neither 0 nor finite and >= 1e-6, else 0.0, and
+ *   1.0 when any score is above -inf, else 0.0.
+ * Merging the ranks' rows gives the unsharded choice: the largest value, the lowest id
+ * among the ranks at it; no choice (-1) when any rank flags the row or (sampling) none has
+ * a score above -inf. One block per row, stream-ordered, no allocation, capturable.
+ * Returns (host-side) KDT_ERR_NULL_POINTER, KDT_ERR_INVALID_ARGUMENT (logits, top_p / top_k
+ * given, vocab_offset + V_rank outside [0, 2^31], B x R > INT32_MAX, a misaligned array),
+ * KDT_ERR_OVERFLOW, KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_choices_shard_cuda(const kdt_logits* logits, int64_t vocab_offset,
+                                          const kdt_sampling* sampling, const int32_t* nodes, double* out,
+                                          void* stream);
+
 /* A paged-free KV cache: per layer one K and one V tensor of logical shape
  * [batch, heads, seq_capacity, head_dim] with explicit element strides (head_dim is
  * contiguous), so both [B, H, S, D] (Hugging Face) and [B, S, H, D] layouts are described. */

@@ -86,6 +86,11 @@ kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const kdt_logits
     return no_cuda("kdt_verify_sample_batch_cuda");
 }
 
+kdt_status kdt_choices_shard_cuda(const kdt_logits* logits, int64_t vocab_offset, const kdt_sampling* sampling,
+                                  const int32_t* nodes, double* out, void* stream) {
+    return no_cuda("kdt_choices_shard_cuda");
+}
+
 kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths, const int32_t* accepted_nodes,
                                const int32_t* accept_length, int64_t path_capacity, int32_t* request_status,
                                void* stream) {

@@ -244,7 +244,7 @@ _GPU_WORKER = textwrap.dedent("""
     import json, sys
     import torch
     import torch.distributed as dist
-    from kdtree.engine.batched import Engine
+    from kdtree.engine.batched import Engine, SamplingParams
     from kdtree.engine.dflash import load_dflash
     from kdtree.engine.hf import load_causal_lm
 
@@ -262,11 +262,9 @@ _GPU_WORKER = textwrap.dedent("""
         eng = Engine(target, drafter, max_batch=4, max_length=96, budget=12)
         result[name] = [o.tokens for o in eng.generate(prompts, %(new)d)]
         result[name + " slice"] = getattr(target, "kdtree_vocab_slice", None)
-        try:
-            Engine(target, drafter, max_batch=4, max_length=96, budget=12, sampling=True)
-            result[name + " sampling"] = "accepted"
-        except ValueError as exc:
-            result[name + " sampling"] = str(exc)
+        eng = Engine(target, drafter, max_batch=4, max_length=96, budget=12, sampling=True)
+        params = [SamplingParams(temperature=0.0 if i %% 3 == 0 else 0.9, seed=i) for i in range(len(prompts))]
+        result[name + " sampled"] = [o.tokens for o in eng.generate(prompts, %(new)d, params)]
     json.dump(result, open(out, "w"))
     dist.destroy_process_group()
 """) % {"new": NEW}
@@ -277,13 +275,14 @@ def test_gpu_engine_with_a_vocabulary_sharded_head_in_a_one_rank_nccl_world(cuda
                                                                              tmp_path):
     """The CUDA-graph round with the sharded top-k and target choices (NCCL collectives in
     the graph) on one GPU: a world of one rank, whose slice is the whole vocabulary, decodes
-    what the plain engine decodes."""
+    what the plain engine decodes, greedy and sampled."""
     out = tmp_path / "gpu.json"
     spawn_ranks(_GPU_WORKER, 1, lambda r: [models, out], timeout=600)
     r = json.loads(out.read_text())
     assert r["sharded head slice"] == [0, VOCAB]
     assert r["sharded head"] == r["plain"]
-    assert "runs on the CPU only" in r["sharded head sampling"] and r["plain sampling"] == "accepted"
+    # sampled (greedy and sampled requests in one batch): the sharded draw is the unsharded one
+    assert r["sharded head sampled"] == r["plain sampled"] and r["plain sampled"] != r["plain"]
 
 
 _NCCL_WORKER = textwrap.dedent("""
@@ -303,8 +302,6 @@ _NCCL_WORKER = textwrap.dedent("""
     drafter = load_dflash(folder + "/drafter", target)
     result = {}
     for name, kw, sampling in cases:
-        if head and kw.get("sampling"):
-            continue  # sampling from a sharded head runs on the CPU only
         params = None if sampling is None else [SamplingParams(temperature=t, seed=s) for t, s in sampling]
         eng = Engine(target, drafter, max_batch=4, max_length=96, prefill_chunk=8, **kw)
         result[name] = [o.tokens for o in eng.generate(prompts, %(new)d, params)]
@@ -317,7 +314,7 @@ _NCCL_WORKER = textwrap.dedent("""
 @pytest.mark.parametrize("head", ["whole", "sharded"])
 def test_gpus_nccl_engine_decodes_the_single_gpu_tokens(cuda_device, spawn_ranks, models, tmp_path, head):
     """Two GPUs, NCCL, CUDA-graph rounds (float32): every rank decodes what one GPU decodes,
-    in every mode, with the LM head whole and split (greedy there)."""
+    in every mode, greedy and sampled, with the LM head whole and split."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, torch sees {torch.cuda.device_count()}")
     from kdtree.engine.batched import Engine, SamplingParams
@@ -338,4 +335,3 @@ def test_gpus_nccl_engine_decodes_the_single_gpu_tokens(cuda_device, spawn_ranks
         want = [o.tokens for o in eng.generate(prompts, NEW, params)]
         for r in ranks:
             assert r[name] == want, (head, name)
-    assert ("sampled" in ranks[0]) == (head == "whole")

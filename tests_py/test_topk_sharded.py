@@ -337,13 +337,10 @@ _NCCL_WORKER = textwrap.dedent("""
     x = torch.from_numpy(logits).cuda()
     top = topk_logprobs_sharded(x, 16, 0, 1000)
     tokens = target_tokens_sharded(x, 0, 1000)
-    try:
-        target_tokens_sharded(x, 0, 1000, temperature=0.7)
-        refused = "accepted"
-    except Exception as exc:
-        refused = str(exc)
+    temps = torch.tensor([0.7, 0.0, 1.3, 0.5], device="cuda")
+    sampled = target_tokens_sharded(x, 0, 1000, temperature=temps, seed=[5, 6, 7, 8], offset=3)
     np.savez(out, logits=logits, lp=top.logprobs.cpu().numpy(), ids=top.ids.cpu().numpy(),
-             status=top.row_status.cpu().numpy(), tokens=tokens.cpu().numpy(), refused=refused)
+             status=top.row_status.cpu().numpy(), tokens=tokens.cpu().numpy(), sampled=sampled.cpu().numpy())
     dist.destroy_process_group()
 """)
 
@@ -351,7 +348,8 @@ _NCCL_WORKER = textwrap.dedent("""
 @pytest.mark.gpu
 def test_gpu_sharded_top_k_and_choices_in_a_one_rank_nccl_world(cuda_device, spawn_ranks, tmp_path):
     """The collective path of the GPU form on one GPU (a world of one rank, NCCL): the whole
-    vocabulary is the rank's slice, so the results are the plain top-k and argmax."""
+    vocabulary is the rank's slice, so the results are the plain top-k, argmax and draws
+    (the host's documented draw; equal but where two scores tie within float32)."""
     pytest.importorskip("torch")
     out = tmp_path / "nccl.npz"
     spawn_ranks(_NCCL_WORKER, 1, lambda r: [out], timeout=300)
@@ -362,4 +360,57 @@ def test_gpu_sharded_top_k_and_choices_in_a_one_rank_nccl_world(cuda_device, spa
     assert (ulps <= 1).all() and (r["status"] == 0).all()
     np.testing.assert_array_equal(r["tokens"], np.argmax(r["logits"], -1))
     assert r["tokens"][0, 0] == 10
-    assert "on CUDA it takes the greedy choice" in str(r["refused"])
+    from kdtree.core import sampling
+
+    for b, (t, seed) in enumerate(zip([0.7, 0.0, 1.3, 0.5], [5, 6, 7, 8], strict=True)):
+        want = np.argmax(r["logits"][b], -1) if t == 0 else sampling.gumbel_draws(r["logits"][b], t, seed, 3, b,
+                                                                                    np.arange(9))
+        np.testing.assert_array_equal(r["sampled"][b], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_choices_of_slices_merge_to_the_whole_rows(cuda_device, dtype):
+    """kdt_choices_shard_cuda on slices at odd offsets (the Philox groups of four tokens
+    straddle the cuts), merged by the documented rule, equals the call on the whole rows,
+    which equals the argmax (greedy requests) and the host's documented draw (sampled
+    ones); NaN and +inf flag a row, a row of only -inf has no sampled choice."""
+    torch = pytest.importorskip("torch")
+    from kdtree.core import cuda as gpu
+    from kdtree.core import sampling
+
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((4, 13, 1001)) * 3).astype(np.float32)
+    logits[1, 0, [5, 400, 700]] = 30.0  # a greedy tie across the cuts: the lowest id
+    logits[2, 3] = -np.inf              # sampled: no choice
+    logits[3, 4, 600] = np.nan          # flagged
+    logits[0, 5, 12] = np.inf           # sampled: flagged
+    x = torch.from_numpy(logits).to(cuda_device).to(getattr(torch, dtype))
+    host = x.float().cpu().numpy()
+    temps = np.array([0.7, 0.0, 1.3, 0.5], np.float32)
+    settings = {"temperature": temps, "seed": np.array([5, 6, 7, 2**64 - 1], np.uint64),
+                "offset": np.array([9, 10, 11, 12], np.uint64)}
+    whole = gpu.choices_shard(x, 0, settings).cpu().numpy()
+    edges = [0, 333, 334, 1001]
+    parts = np.stack([gpu.choices_shard(x[..., a:b].contiguous(), a, settings).cpu().numpy()
+                      for a, b in zip(edges[:-1], edges[1:], strict=True)])
+
+    def tokens(packed, sampled):  # the merge rule of kdt_choices_shard_cuda's documentation
+        score, ids, bad, some = (packed[..., j] for j in range(4))
+        top = score.max(0)
+        lowest = np.where(score == top[None], ids, np.inf).min(0)
+        none = (bad.max(0) > 0) | (sampled[:, None] & (some.max(0) == 0))
+        return np.where(none, -1, lowest).astype(np.int64)
+
+    sampled = temps != 0
+    merged, alone = tokens(parts, sampled), tokens(whole[None], sampled)
+    np.testing.assert_array_equal(merged, alone)
+    for b in range(4):
+        if temps[b] == 0:
+            want = np.argmax(host[b], -1)
+            want[np.isnan(host[b]).any(-1)] = -1
+        else:
+            want = sampling.gumbel_draws(host[b], float(temps[b]), int(settings["seed"][b]),
+                                         int(settings["offset"][b]), b, np.arange(13))
+        np.testing.assert_array_equal(alone[b], want, err_msg=f"request {b}")
+    assert alone[1, 0] == 5 and alone[2, 3] == -1 and alone[3, 4] == -1 and alone[0, 5] == -1

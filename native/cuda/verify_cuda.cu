@@ -1044,3 +1044,145 @@ extern "C" kdt_status kdt_verify_sample_batch_cuda(const kdt_trees* trees, const
     p.sampling = *sampling;
     return launch_dtype<kBatch>(p, stream, "kdt_verify_sample_batch_cuda");
 }
+
+// ---- kdt_choices_shard_cuda: each row's best of a vocabulary slice ----------------------
+//
+// One block per row (b, i) of a rank's slice of the target's logits: the argmax (temperature
+// 0) or the Gumbel-max draw above keyed by the GLOBAL token id (vocab_offset + column), so
+// each token's score is the one the unsharded verification computes, bit for bit. Each
+// thread takes the columns tid, tid + blockDim.x, ... (increasing ids: strict comparisons
+// keep the lower id on a tie) and one Philox call per token (its word v % 4); the block
+// reduces (order_key(value) << 32) | ~id keys, so the lowest id wins a tie there too.
+
+namespace {
+
+constexpr int kShardThreads = 256;
+
+struct ShardParams {
+    const void* data;
+    int64_t batch_stride, row_stride, vocab, rows_per_request, vocab_offset;
+    kdt_sampling sampling;
+    const int32_t* nodes;
+    double* out;
+};
+
+template <int Dtype>
+__global__ void __launch_bounds__(kShardThreads) choices_shard_kernel(ShardParams p) {
+    __shared__ uint64_t s_warp[kShardThreads / 32];
+    const int64_t row = blockIdx.x;
+    const int64_t b = row / p.rows_per_request, i = row % p.rows_per_request;
+    const float T = p.sampling.temperature[b];
+    const bool greedy = T == 0.0f;
+    const bool bad_setting = !(greedy || (isfinite(T) && T >= 1e-6f));
+    const uint64_t seed = p.sampling.seed[b], offset = p.sampling.offset[b];
+    const uint32_t key0 = (uint32_t)seed, key1 = (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32);
+    const uint32_t ctr3 = (uint32_t)offset;
+    const uint32_t node = p.nodes != nullptr ? (uint32_t)p.nodes[row] : (uint32_t)i;
+    constexpr int64_t kEsize = Dtype == KDT_DTYPE_FLOAT32 ? 4 : 2;
+    const char* base = static_cast<const char*>(p.data) + (b * p.batch_stride + i * p.row_stride) * kEsize;
+    float best = -INFINITY;
+    int64_t best_v = -1;
+    int bad = 0, any = 0;
+    for (int64_t c = threadIdx.x; c < p.vocab; c += blockDim.x) {
+        const float x = kdt::load_logit<Dtype>(base, c);
+        const int64_t v = p.vocab_offset + c;
+        if (greedy) {
+            bad |= isnan(x);
+            if (best_v < 0 || x > best) {
+                best = x;
+                best_v = v;
+            }
+            continue;
+        }
+        bad |= isnan(x) || x == INFINITY;
+        const float s = __fdiv_rn(x, T);
+        if (s == -INFINITY) continue;  // its score is -inf: never drawn
+        const kdt::Philox4 r = kdt::philox4x32_10((uint32_t)(v >> 2), node, (uint32_t)b, ctr3, key0, key1);
+        const float score = __fadd_rn(s, gumbel_noise(r.x[v & 3]));
+        if (score > best) {
+            best = score;
+            best_v = v;
+        }
+    }
+    uint64_t mine = 0;
+    if (best_v >= 0) {
+        const float x = best == 0.0f ? 0.0f : best;  // -0 ties with +0: the lower id wins
+        mine = ((uint64_t)kdt::float_order_key(x) << 32) | (uint64_t)(~(uint32_t)best_v);
+        any = best > -INFINITY;
+    }
+    const uint64_t top = block_max_u64(mine, s_warp);
+    bad = __syncthreads_or(bad);
+    any = __syncthreads_or(any);
+    if (threadIdx.x == 0) {
+        double* o = p.out + 4 * row;
+        if (top == 0) {
+            o[0] = -INFINITY;
+            o[1] = -1.0;
+        } else {
+            o[0] = (double)kdt::float_from_order_key((uint32_t)(top >> 32));
+            o[1] = (double)(~(uint32_t)(top & 0xFFFFFFFFu));
+        }
+        o[2] = (bad || bad_setting) ? 1.0 : 0.0;
+        o[3] = any ? 1.0 : 0.0;
+    }
+}
+
+}  // namespace
+
+extern "C" kdt_status kdt_choices_shard_cuda(const kdt_logits* logits, int64_t vocab_offset,
+                                             const kdt_sampling* sampling, const int32_t* nodes, double* out,
+                                             void* stream) {
+    kdt_status st = kdt::check_logits(logits, "logits", -1, -1);
+    if (st != KDT_OK) return st;
+    const int64_t rows = logits->batch * logits->length;
+    if (vocab_offset < 0 || (rows > 0 && vocab_offset + logits->vocab > (int64_t)INT32_MAX + 1)) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "vocab_offset (%lld) + the slice's vocab (%lld) must be in [0, 2^31]",
+                        (long long)vocab_offset, (long long)logits->vocab);
+    }
+    if (rows > INT32_MAX) return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "rows %lld exceeds %d", (long long)rows, INT32_MAX);
+    if (rows == 0) return kdt_ok();
+    if (sampling == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "sampling is NULL");
+    if (sampling->top_p != NULL || sampling->top_k != NULL) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "sampling->top_p and sampling->top_k must be NULL: their cuts need "
+                        "the whole row");
+    }
+    if (out == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "out is NULL");
+    const struct {
+        const void* ptr;
+        size_t align;
+        bool required;
+        const char* name;
+    } fields[] = {{sampling->temperature, 4, true, "sampling->temperature"},
+                  {sampling->seed, 8, true, "sampling->seed"},
+                  {sampling->offset, 8, true, "sampling->offset"},
+                  {nodes, 4, false, "nodes"},
+                  {out, 8, true, "out"}};
+    for (const auto& f : fields) {
+        if (f.required && f.ptr == NULL) return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", f.name);
+        st = kdt::check_aligned(f.ptr, f.align, f.name);
+        if (st != KDT_OK) return st;
+    }
+    ShardParams p;
+    p.data = logits->data;
+    p.batch_stride = logits->batch_stride;
+    p.row_stride = logits->row_stride;
+    p.vocab = logits->vocab;
+    p.rows_per_request = logits->length;
+    p.vocab_offset = vocab_offset;
+    p.sampling = *sampling;
+    p.nodes = nodes;
+    p.out = out;
+    const cudaStream_t s = kdt::as_stream(stream);
+    switch (logits->dtype) {
+        case KDT_DTYPE_FLOAT32:
+            choices_shard_kernel<KDT_DTYPE_FLOAT32><<<(unsigned)rows, kShardThreads, 0, s>>>(p);
+            break;
+        case KDT_DTYPE_FLOAT16:
+            choices_shard_kernel<KDT_DTYPE_FLOAT16><<<(unsigned)rows, kShardThreads, 0, s>>>(p);
+            break;
+        default:
+            choices_shard_kernel<KDT_DTYPE_BFLOAT16><<<(unsigned)rows, kShardThreads, 0, s>>>(p);
+            break;
+    }
+    return kdt::launch_status("kdt_choices_shard_cuda");
+}

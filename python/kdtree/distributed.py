@@ -133,12 +133,14 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
         every rank as :func:`topk_logprobs_sharded` does), then one of four float64 a row
         (``B (N+1) 32`` bytes a rank, against ``2 V`` bytes a row of bf16 logits).
 
-    CUDA tensors (NCCL), greedy only: each rank's best of its slice (``torch.max``: the
-    first maximum, the lower id; a NaN marks the row), one all-gather of three float64 a
-    row, the merge on the device; no host synchronisation and no rank check (as
-    :func:`topk_logprobs_sharded`'s GPU form). Sampled choices on the GPU need the
-    Philox-Gumbel noise on the device, which is not built: a temperature other than None
-    or 0 is a KdtreeError (KDT_ERR_UNSUPPORTED).
+    CUDA tensors (NCCL): greedy (temperature None or 0): each rank's best of its slice
+    (``torch.max``: the first maximum, the lower id; a NaN marks the row), one all-gather
+    of three float64 a row; otherwise ``kdt_choices_shard_cuda`` on each slice (the draw
+    of ``kdt_verify_sample_batch_cuda`` for the global token ids, bit for bit; temperature,
+    seed and offset scalars or ``[B]`` arrays, device arrays included, so that a CUDA graph
+    can advance the offsets), one all-gather of four float64 a row; then the merge on the
+    device. No host synchronisation and no rank check (as :func:`topk_logprobs_sharded`'s
+    GPU form); a bad temperature makes its request's rows -1.
 
     Raises:
         TypeError: not a CPU or CUDA tensor. KdtreeError on every rank alike: shapes that differ,
@@ -153,7 +155,10 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     from .core import checks, sampling
 
     if isinstance(local_logits, torch.Tensor) and local_logits.is_cuda:
-        return _target_tokens_sharded_cuda(local_logits, vocab_offset, temperature, group)
+        if temperature is None or (np.ndim(temperature) == 0 and not isinstance(temperature, torch.Tensor)
+                                   and float(temperature) == 0.0):
+            return _target_tokens_sharded_cuda(local_logits, vocab_offset, None, group)
+        return _sampled_tokens_sharded_cuda(local_logits, vocab_offset, temperature, seed, offset, nodes, group)
     if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
         raise TypeError("target_tokens_sharded takes a CPU or CUDA torch tensor, got "
                         f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
@@ -285,16 +290,47 @@ def _topk_logprobs_sharded_cuda(x, k, vocab_offset, vocab, group):
                 merged.row_status.reshape(lead if lead else (1,)))
 
 
+def _sampled_tokens_sharded_cuda(x, vocab_offset, temperature, seed, offset, nodes, group):
+    import torch
+    import torch.distributed as dist
+
+    from .core import checks
+    from .core import cuda as gpu
+
+    if x.dim() != 3 or x.shape[-1] < 1:
+        raise checks.shape_error(f"local_logits must be [B, N+1, V_rank >= 1], got {tuple(x.shape)}")
+    batch = int(x.shape[0])
+
+    def per_request(value, dtype):
+        if isinstance(value, torch.Tensor):
+            value = value.to(device=x.device, dtype=dtype) if value.dtype != dtype else value.to(x.device)
+            return value.reshape(-1).expand(batch).contiguous() if value.numel() == 1 else value.contiguous()
+        if np.ndim(value) == 0:
+            return torch.full((batch,), value if dtype != torch.int64 else int(np.uint64(value).astype(np.int64)),
+                              dtype=dtype, device=x.device)
+        host = np.asarray(value)
+        host = host.astype(np.uint64).view(np.int64) if dtype == torch.int64 else host.astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(host)).to(x.device)
+
+    temps = per_request(temperature, torch.float32)
+    settings = {"temperature": temps, "seed": per_request(seed, torch.int64),
+                "offset": per_request(offset, torch.int64)}
+    if nodes is not None and not isinstance(nodes, torch.Tensor):
+        nodes = torch.from_numpy(np.ascontiguousarray(nodes, np.int32)).to(x.device)
+    packed = gpu.choices_shard(x.detach(), vocab_offset, settings, nodes=nodes)
+    gathered = _all_gather(packed, dist.get_world_size(group), group)
+    score, ids, bad, some = gathered[..., 0], gathered[..., 1], gathered[..., 2], gathered[..., 3]
+    top = score.amax(0)
+    lowest = torch.where(score == top[None], ids, torch.full_like(ids, float("inf"))).amin(0)
+    sampled = (temps != 0)[:, None]
+    none = (bad.amax(0) > 0) | (sampled & (some.amax(0) == 0))
+    return torch.where(none, torch.full_like(lowest, -1), lowest).to(torch.int32)
+
+
 def _target_tokens_sharded_cuda(x, vocab_offset, temperature, group):
     import torch
     import torch.distributed as dist
 
-    from . import _native as _lib
-
-    if temperature is not None and (np.ndim(temperature) != 0 or float(temperature) != 0.0):
-        raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_UNSUPPORTED"],
-                               "target_tokens_sharded samples on CPU tensors only (the Philox-Gumbel noise of a "
-                               "sharded row is not built for the GPU); on CUDA it takes the greedy choice")
     if x.dim() != 3 or x.shape[-1] < 1:
         from .core import checks
 

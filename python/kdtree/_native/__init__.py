@@ -429,6 +429,9 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "kdt_verify_sample_batch_cuda": (
         "status", [_trees_p, _logits_p, ctypes.POINTER(KdtSampling), _vp, _i64, _stops_p, _vp, _i64, _vp, _vp, _vp,
                    _vp, _vp, _vp]),
+    # kdt_status kdt_choices_shard_cuda(const kdt_logits* logits, int64_t vocab_offset,
+    #     const kdt_sampling* sampling, const int32_t* nodes, double* out, void* stream)
+    "kdt_choices_shard_cuda": ("status", [_logits_p, _i64, ctypes.POINTER(KdtSampling), _vp, _vp, _vp]),
     # kdt_status kdt_compact_kv_cuda(const kdt_kv_cache* cache, const int64_t* prefix_lengths,
     #     const int32_t* accepted_nodes, const int32_t* accept_length, int64_t path_capacity,
     #     int32_t* request_status, void* stream)

@@ -591,6 +591,50 @@ def verify_sample_batch(trees: TreeBatch, target_logits, settings: dict, *, stop
     return _result(out, outs)
 
 
+def choices_shard(logits, vocab_offset: int, settings: dict, *, nodes=None, stream=None):
+    """kdt_choices_shard_cuda: float64 ``[B, R, 4]`` (best value, its global id, bad flag,
+    any-score flag) of each row of a rank's vocabulary slice ``logits`` ``[B, R, V_rank]``.
+    settings: "temperature", "seed", "offset" -> device arrays ``[B]`` (float32, uint64 or
+    int64 bits) or host arrays (copied to the device here). nodes: None or device int32
+    ``[B, R]``. Raises KdtreeError for the library's host-side checks."""
+    like = logits
+    s = dev.current_stream(like, stream)
+    v = dev.view(logits, "logits", s)
+    if len(v.shape) != 3:
+        raise checks.shape_error(f"logits must be [B, R, V_rank], got shape {v.shape}")
+    struct = _logits_struct(v, "logits")
+    batch, rows = v.shape[0], v.shape[1]
+    vocab_offset = checks.int_scalar(vocab_offset, "vocab_offset", 0, 2**31 - 1)
+    lib = _lib.load()
+    with dev.on_device(like):
+        staged, ptr_of = [], {}
+        for name in ("temperature", "seed", "offset"):
+            value = settings[name]
+            if not dev.is_device_array(value):
+                if name != "temperature":
+                    value = np.ascontiguousarray(value, np.uint64).view(np.int64)
+                else:
+                    value = np.ascontiguousarray(value, np.float32)
+                value = dev.from_host(like, np.ascontiguousarray(value))
+            sv = _view(value, name, _SETTING_DTYPES[name], 1, s)
+            if sv.shape != (batch,):
+                raise checks.shape_error(f"{name} must have shape ({batch},) (one value a request), got {sv.shape}")
+            staged.append((value, sv))
+            ptr_of[name] = sv.ptr
+        nv = None
+        if nodes is not None:
+            nv = _view(nodes, "nodes", "int32", 2, s)
+            if nv.shape != (batch, rows):
+                raise checks.shape_error(f"nodes must have shape ({batch}, {rows}), got {nv.shape}")
+        _same_device([v] + [sv for _, sv in staged] + ([nv] if nv is not None else []))
+        out = dev.empty(like, (batch, rows, 4), "float64")
+        sampling = _lib.KdtSampling(ptr_of["temperature"], None, None, ptr_of["seed"], ptr_of["offset"])
+        lib.kdt_choices_shard_cuda(ctypes.byref(struct), vocab_offset, ctypes.byref(sampling),
+                                   nv.ptr if nv is not None else None, dev.view(out, "out").ptr, s)
+        del staged
+    return out
+
+
 _POINTER_TABLES: dict[tuple, object] = {}
 
 

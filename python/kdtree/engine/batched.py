@@ -401,10 +401,6 @@ class Engine:
         self.tp = tensor_parallel_size(target)
         self.vocab_slice = getattr(target, "kdtree_vocab_slice", None)
         self.draft_slice = None if drafter is None else getattr(drafter, "kdtree_vocab_slice", None)
-        if self.vocab_slice is not None and self.on_cuda and self.sampling:
-            raise ValueError("sampling from a vocabulary-sharded LM head (load_causal_lm(vocab_sharded_head=True)) "
-                             "runs on the CPU only (the sharded Philox-Gumbel draw is not built for the GPU): on "
-                             "CUDA use sampling=False, or load the target with vocab_sharded_head=False")
         need = _cache_bytes(target, self.max_batch, self.capacity, param.element_size())
         # An earlier engine on this model left its cache bound to the model's attention
         # modules: unbound here, a dropped engine's cache is freed before this one's is
@@ -906,7 +902,13 @@ class Engine:
             if self.vocab_slice is not None:  # this rank's slice of the target's logits: the choices merged (NCCL)
                 from ..distributed import target_tokens_sharded
 
-                tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size)
+                if self.sampling:  # per-request settings on the device (the graph advances the offsets)
+                    tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size,
+                                                   temperature=st.temperature[:b], seed=st.seed[:b],
+                                                   offset=st.offset[:b])
+                    st.offset[:b] += 1
+                else:
+                    tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size)
                 return api.verify_greedy(trees, tokens, stop_tokens=stops, max_commit=caps, out=buf["acc"],
                                          errors="status")
             if self.sampling:
