@@ -84,7 +84,7 @@ def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: T
     trees = api.build_trees(_arg(logprobs), _arg(token_ids), budget, root_tokens=_arg(root_tokens),
                             root_positions=_arg(root_positions), pad_token=pad_token,
                             request_budgets=_arg(request_budgets), request_depths=_arg(request_depths))
-    return tuple(_tensor(getattr(trees, name)).clone() for name in TREE_FIELDS)
+    return tuple(_tensor(getattr(trees, name)) for name in TREE_FIELDS)
 
 
 @build_trees.register_fake
@@ -110,7 +110,7 @@ def verify_greedy_from_logits(fields: list[Tensor], budget: int, depth: int, tar
     tensor ``[B]`` (or 0-d)."""
     acc = api.verify_greedy_from_logits(tree_batch(fields, budget, depth), _arg(target_logits),
                                         stop_tokens=stop_tokens, max_commit=_arg(max_commit))
-    return _tensor(acc.accepted_nodes).clone(), _tensor(acc.accept_length).clone(), _tensor(acc.bonus_token).clone()
+    return _tensor(acc.accepted_nodes), _tensor(acc.accept_length), _tensor(acc.bonus_token)
 
 
 @verify_greedy_from_logits.register_fake
@@ -147,7 +147,7 @@ def ragged_trees(fields: list[Tensor], budget: int, depth: int
     of :func:`kdtree.ragged_trees` with the default capacity ``B * (N + 1)``."""
     r = api.ragged_trees(tree_batch(fields, budget, depth))
     names = ("cu_rows", "row_request", "row_node", "tokens", "depths", "parents", "positions", "visibility_bits")
-    return tuple(_tensor(getattr(r, name)).clone() for name in names)
+    return tuple(_tensor(getattr(r, name)) for name in names)
 
 
 @ragged_trees.register_fake
