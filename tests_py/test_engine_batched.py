@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from kdtree.engine import autoregressive_generate  # noqa: E402
 from kdtree.engine.batched import Engine, SamplingParams  # noqa: E402
 from kdtree.engine.dflash import load_dflash  # noqa: E402
@@ -109,6 +111,61 @@ def test_stop_token_inside_accepted_path(pair, prompts, expected):
         want = expected[i][: expected[i].index(stop) + 1]
         assert out.tokens == want
         assert out.finish_reason == "stop_token"
+
+
+def _stop_sequence_cases(prompts, expected, committed):
+    """(prompt index, sequence, the reference's tokens up to it) for prompts 0 .. 3: two-token
+    sequences that first complete at a token k >= 2 of the greedy output, one inside a round
+    and one across a round boundary (token k - 1 the last of a round, the next tree's root)
+    where the rounds (``committed``: tokens a round, from a run without stops) allow; and one
+    that begins in the prompt (its last token, then the first generated one)."""
+    cases = []
+    for i in range(4):
+        want, stream0 = expected[i], prompts[i]
+        ends = set(np.cumsum(committed[i]) - 1)  # output indices that end a round
+        for across in (False, True):
+            for k in range(2, len(want)):
+                if ((k - 1) in ends) != across:
+                    continue
+                q = [want[k - 1], want[k]]
+                stream = stream0 + want[: k + 1]
+                first = next(j for j in range(1, len(stream)) if stream[j - 1:j + 1] == q)
+                if first == len(stream0) + k:  # completes here first
+                    cases.append((i, q, want[: k + 1]))
+                    break
+    i = next(i for i, want in enumerate(expected) if [prompts[i][-1], want[0]] not in
+             ([prompts[i][j - 1], prompts[i][j]] for j in range(1, len(prompts[i]))))
+    cases.append((i, [prompts[i][-1], expected[i][0]], expected[i][:1]))
+    return cases
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "chain", "ar"])
+def test_stop_sequences_end_requests_where_autoregressive_decoding_does(pair, prompts, expected, mode):
+    """Each case alone in an engine (its sequence plus a 16-token one that never completes):
+    the output ends where greedy autoregressive decoding with that sequence ends."""
+    target, drafter = pair
+    kw = dict(max_batch=4, budget=32, mode=mode, max_length=512)
+    plain = Engine(target, drafter, **kw).generate(prompts[:4], NEW)
+    assert [o.tokens for o in plain] == expected[:4]
+    cases = _stop_sequence_cases(prompts, expected, [o.committed for o in plain])
+    assert len(cases) >= 5  # across round boundaries (AR: every one), inside rounds, from the prompt
+    ref = load_causal_lm(PAIR / "target", dtype="float32")
+    never = list(range(1, 17))
+    for i, q, want in cases:
+        eng = Engine(target, drafter, stop_sequences=[q, never], **kw)
+        out = eng.generate([prompts[i]], NEW)[0]
+        ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_sequences=[q, never])
+        assert ar.tokens == want and ar.stop_reason == "stop_sequence"
+        assert out.tokens == want, (mode, i, q)
+        assert out.finish_reason == "stop_sequence"
+
+
+def test_stop_sequences_are_checked(pair):
+    target, drafter = pair
+    for bad, match in (([[]], "1 to 16"), ([list(range(17))], "1 to 16"), ([[-1]], "negative"),
+                       ([[5, 99999]], "outside \\[0, "), ("ab", "sequence of token sequences")):
+        with pytest.raises(ValueError, match=match):
+            Engine(target, drafter, max_batch=1, budget=4, max_length=64, stop_sequences=bad)
 
 
 def test_max_new_tokens_inside_accepted_path(pair, prompts, expected):
@@ -583,3 +640,25 @@ def test_drafter_context_cache_equals_the_module():
     kv.append(feats[:, 12:], rows[:, 12:].contiguous(), slot=torch.tensor([0, 1, 2]))
     got = kv.forward(roots, lengths, cfg.max_depth)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_stop_sequences_in_the_graph(gpu_pair, prompts, expected):
+    """The prepared stop sequences and each slot's history inside the captured round: the
+    same outputs as autoregressive decoding, also across round boundaries (the device ends
+    a request one round before the host reads it)."""
+    target, drafter = gpu_pair
+    kw = dict(max_batch=4, budget=32, max_length=512)
+    plain = Engine(target, drafter, **kw).generate(prompts[:4], NEW)
+    assert [o.tokens for o in plain] == expected[:4]
+    cases = _stop_sequence_cases(prompts, expected, [o.committed for o in plain])
+    eng = Engine(target, drafter, stop_sequences=[q for _, q, _ in cases], **kw)
+    assert eng.use_graphs
+    outs = eng.generate([prompts[i] for i, _, _ in cases], NEW)
+    ref = load_causal_lm(PAIR / "target", dtype="float32")
+    seqs = [q for _, q, _ in cases]
+    for (i, q, _), out in zip(cases, outs, strict=True):
+        ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_sequences=seqs)
+        assert out.tokens == ar.tokens, (i, q)
+        assert out.finish_reason == ar.stop_reason == "stop_sequence"

@@ -202,3 +202,53 @@ def test_gpu_walks_match_the_host(cuda_device):
                                                stop_sequences=seqs, stop_history=history, max_commit=cap)
         for name in ("accepted_nodes", "accept_length", "bonus_token"):
             np.testing.assert_array_equal(getattr(got, name).cpu().numpy(), getattr(want, name), err_msg=name)
+
+
+def test_prepared_sequences_on_the_host():
+    """kdtree.stop_sequences packs and checks once; host calls read its sequences."""
+    prepared = kdtree.stop_sequences([[10, 20], (7,)])
+    assert prepared.sequences == ((10, 20), (7,)) and prepared.longest == 2
+    assert prepared.tokens.tolist() == [10, 20, 7] and prepared.offsets.tolist() == [0, 2, 3]
+    trees = chain_trees()
+    target = target_along(trees, {0: 10, 1: 20, 2: 30, 3: 40})
+    got = kdtree.verify_greedy(trees, target, stop_sequences=prepared)
+    want = kdtree.verify_greedy(trees, target, stop_sequences=[[10, 20], [7]])
+    assert int(got.accept_length[0]) == int(want.accept_length[0]) == 2
+    for bad, match in (([], "at least one"), ([[1] * 17], "1 to 16"), ([[-2]], "negative")):
+        with pytest.raises(kdtree.KdtreeError, match=match):
+            kdtree.stop_sequences(bad)
+    with pytest.raises(TypeError, match="like must be a CUDA array"):
+        kdtree.stop_sequences([[1]], like=np.zeros(3))
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_sequences_and_a_device_history_inside_a_cuda_graph(cuda_device):
+    """Sequences prepared on the device and a device history are used in place: the call
+    captures in a CUDA graph, and replays after the history changes see the new history."""
+    torch = pytest.importorskip("torch")
+    trees_cpu = chain_trees()
+    target = target_along(trees_cpu, {0: 10, 1: 20, 2: 30, 3: 40})
+    lp = np.log(np.array([[[0.9, 0.05], [0.8, 0.1], [0.9, 0.05], [0.9, 0.05]]], np.float32))
+    ids = np.array([[[10, 11], [20, 21], [30, 31], [40, 41]]], np.int32)
+    trees = kdtree.build_trees(torch.from_numpy(lp).to(cuda_device), torch.from_numpy(ids).to(cuda_device), 5,
+                               root_tokens=[5])
+    tgt = torch.from_numpy(target).to(cuda_device)
+    prepared = kdtree.stop_sequences([[3, 5, 10], [30, 40, 50]], like=tgt)
+    history = torch.tensor([[0, 0, 5]], dtype=torch.int32, device=cuda_device)
+    acc = kdtree.verify_greedy(trees, tgt, stop_sequences=prepared, stop_history=history, errors="status")
+    assert int(acc.accept_length[0]) == 4  # nothing completes: 5 10 20 30 40, and the bonus
+    with pytest.raises(kdtree.KdtreeError, match="prepare them once"):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            kdtree.verify_greedy(trees, tgt, stop_sequences=[[3, 5, 10]], stop_history=history, out=acc,
+                                 errors="status")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kdtree.verify_greedy(trees, tgt, stop_sequences=prepared, stop_history=history, out=acc, errors="status")
+    history.copy_(torch.tensor([[0, 3, 5]], dtype=torch.int32))
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(acc.accept_length[0]) == 1  # 3 5 | 10 completes [3, 5, 10]: the walk ends after 10
+    want = kdtree.verify_greedy(trees_cpu, target, stop_sequences=[[3, 5, 10], [30, 40, 50]],
+                                stop_history=[[0, 3, 5]])
+    np.testing.assert_array_equal(acc.accepted_nodes.cpu().numpy(), want.accepted_nodes)

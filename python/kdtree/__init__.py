@@ -16,6 +16,7 @@ from .core.api import (
     compact_kv,
     empty_trees,
     ragged_trees,
+    stop_sequences,
     topk_logprobs,
     topk_merge,
     topk_shard,
@@ -26,7 +27,7 @@ from .core.api import (
     verify_greedy_from_logits,
     verify_sample_from_logits,
 )
-from .core.types import Acceptance, RaggedTrees, TopK, TopKShard, TreeBatch, TreeMask
+from .core.types import Acceptance, RaggedTrees, StopSequences, TopK, TopKShard, TreeBatch, TreeMask
 
 __version__ = "0.2.0"
 
@@ -103,6 +104,7 @@ __all__ = [
     "KdtreeTypeError",
     "LibraryNotFoundError",
     "RaggedTrees",
+    "StopSequences",
     "TopK",
     "TopKShard",
     "TreeBatch",
@@ -115,6 +117,7 @@ __all__ = [
     "library_path",
     "library_version",
     "status_code",
+    "stop_sequences",
     "status_name",
     "ragged_trees",
     "topk_logprobs",

@@ -93,8 +93,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
                                     ("--repeats", args.repeats != 3), ("--tree-nodes", args.tree_nodes != TREE_NODES),
                                     ("--prompt", args.prompts_file is not None and args.prompt is not None),
                                     ("--prompt-file", args.prompts_file is not None and args.prompt_file is not None),
-                                    ("--prompt-offset", args.prompts_file is not None and args.prompt_offset is not None),
-                                    ("--stop", bool(getattr(args, "stop", None))))
+                                    ("--prompt-offset", args.prompts_file is not None and args.prompt_offset is not None))
               if on]
     if unused:
         raise UsageError(f"{', '.join(unused)}: not used by the batched run (--batch-size / --prompts-file)"
@@ -124,6 +123,9 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     tok, target, drafter = load_models(args)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
+    from .generate import stop_sequences_of
+
+    stop_seqs = stop_sequences_of(tok, getattr(args, "stop", None))
     max_pos = int(getattr(target.config, "max_position_embeddings", 0) or 0)
     prompts, params, caps = [], [], []
     for i, e in enumerate(entries):
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     def decode(mode: str, label: str):
         try:
             eng = Engine(target, drafter, max_batch=batch, budget=budget if mode == "ddtree" else 0, mode=mode,
-                         max_length=max_length, stop_tokens=stops, sampling=sampling)
+                         max_length=max_length, stop_tokens=stops, sampling=sampling, stop_sequences=stop_seqs)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         eng.capture_all(prefill=True)

@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="also stop after the tokens TEXT encodes to (1 to 16 tokens; repeat for several), kept in "
                         "the output; matched as that token sequence, so the same text emitted as other tokens "
-                        "does not stop (one-sequence engine)")
+                        "does not stop")
     p.add_argument("--plot", type=Path, default=None,
                    help="write the acceptance-length histogram and one round's tree to this PNG/SVG file")
     p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,

@@ -30,7 +30,7 @@ import numpy as np
 from . import checks, host
 from . import device as _device
 from .host import empty_trees
-from .types import Acceptance, RaggedTrees, TopK, TopKShard, TreeBatch, TreeMask
+from .types import Acceptance, RaggedTrees, StopSequences, TopK, TopKShard, TreeBatch, TreeMask
 
 __all__ = [
     "build_trees",
@@ -132,6 +132,37 @@ def build_trees(
                             request_budgets=request_budgets, request_depths=request_depths)
 
 
+def stop_sequences(sequences, like=None) -> StopSequences:
+    """Multi-token stop sequences checked and packed once, for many verify calls.
+
+    Args:
+        sequences: token sequences, each 1 to 16 ids >= 0 (``[[13, 14], [7, 8, 9]]``).
+        like: None (host arrays), or a CUDA array (torch / CuPy): the packed tokens and
+            offsets are copied to its device once, and the GPU verify calls then use them
+            in place, with a device ``stop_history`` (int32 ``[B, H]``) used in place too;
+            nothing is copied at the call, so it can be captured in a CUDA graph.
+
+    Returns:
+        :class:`kdtree.StopSequences`, accepted wherever ``stop_sequences=`` is (host calls
+        read its sequences).
+
+    Raises:
+        KdtreeError: an empty sequence, one of more than 16 tokens, a negative id.
+        KdtreeTypeError: not a sequence of token sequences.
+    """
+    seq = checks.stop_sequences(sequences, None, 1)
+    if seq is None:
+        raise checks.invalid("stop_sequences needs at least one sequence")
+    tokens, offsets, _ = seq
+    packed = tuple(tuple(int(t) for t in tokens[offsets[i]:offsets[i + 1]]) for i in range(offsets.size - 1))
+    if like is not None:
+        if not _device.is_device_array(like):
+            raise checks.type_error(f"like must be a CUDA array (torch or CuPy) or None, got {type(like).__name__}")
+        with _device.on_device(like):
+            tokens, offsets = _device.from_host(like, tokens), _device.from_host(like, offsets)
+    return StopSequences(packed, tokens, offsets)
+
+
 def verify_greedy(
     trees: TreeBatch,
     target_tokens,
@@ -159,10 +190,13 @@ def verify_greedy(
             token, after an accepted draft token that completes one of them in the
             committed stream (``stop_history``, then the tokens accepted this round). A
             bonus token that completes one is committed; end the request there.
-            (``kdt_stop_sequences``.) GPU: copied to the device at each call.
+            (``kdt_stop_sequences``.) GPU: copied to the device at each call, unless
+            prepared there once with :func:`kdtree.stop_sequences` (``like=``).
         stop_history: None, or ints ``[B, H]``: each request's last committed tokens,
             right-aligned (the last column is the token the root stands for), -1 where a
             request has fewer; H = 15 always suffices. Only with ``stop_sequences``.
+            GPU: with prepared device sequences, a device int32 ``[B, H]`` array is used
+            in place.
         max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
             each request may commit this round (remaining ``max_new_tokens``). Any other
             shape (a length-1 list for B > 1 included) is a ValueError. GPU: also a device

@@ -141,6 +141,10 @@ def stop_sequences(sequences, history, batch: int):
     None when there are none. `sequences`: an iterable of token sequences (each 1 ..
     MAX_STOP_LENGTH ids >= 0); `history`: [B, H] ints (each request's last committed
     tokens, right-aligned, -1 where fewer) or None."""
+    from .types import StopSequences
+
+    if isinstance(sequences, StopSequences):  # prepared (kdtree.stop_sequences): already checked
+        sequences = sequences.sequences
     if sequences is None:
         seqs = []
     else:

@@ -455,10 +455,19 @@ def _acceptance(out, like, batch: int, width: int, rows: int, targets: bool, s):
 def _stop_sequences(stop_sequences, stop_history, like, batch: int, s):
     """(struct or None, device arrays to keep alive) for kdt_stop_sequences: host lists are
     checked (checks.stop_sequences) and copied to the device."""
+    from .types import StopSequences
+
+    if isinstance(stop_sequences, StopSequences) and dev.is_device_array(stop_sequences.tokens):
+        # prepared on the device (kdtree.stop_sequences(..., like=)): used in place, and a
+        # device history too, so that nothing is copied (capturable)
+        if stop_history is None or dev.is_device_array(stop_history):
+            return _device_stop_sequences(stop_sequences, stop_history, like, batch, s)
     seq = checks.stop_sequences(stop_sequences, stop_history, batch)
     if seq is None:
         return None, ()
-    dev.require_not_capturing(like, "stop_sequences are host values and would be copied to the device")
+    dev.require_not_capturing(like, "stop_sequences are host values and would be copied to the device (prepare "
+                                    "them once with kdtree.stop_sequences(sequences, like=...) and pass a device "
+                                    "stop_history)")
     tokens, offsets, hist = seq
     arrays = [dev.from_host(like, tokens), dev.from_host(like, offsets)]
     h_ptr, h_len = None, 0
@@ -468,6 +477,26 @@ def _stop_sequences(stop_sequences, stop_history, like, batch: int, s):
     struct = _lib.KdtStopSequences(dev.view(arrays[0], "stop_sequences").ptr, dev.view(arrays[1], "offsets").ptr,
                                    offsets.size - 1, h_ptr, h_len)
     return struct, arrays
+
+
+def _device_stop_sequences(prepared, stop_history, like, batch: int, s):
+    """(struct, arrays) for stop sequences prepared on the device and a device int32
+    ``[B, H]`` history (or None), without a copy."""
+    tv = _view(prepared.tokens, "stop_sequences.tokens", "int32", 1, s)
+    ov = _view(prepared.offsets, "stop_sequences.offsets", "int64", 1, s)
+    views = [tv, ov]
+    h_ptr, h_len = None, 0
+    if stop_history is not None:
+        hv = _view(stop_history, "stop_history", "int32", 2, s)
+        if hv.shape[0] != batch:
+            raise checks.shape_error(f"stop_history must have shape ({batch}, H) (each request's last committed "
+                                     f"tokens), got {hv.shape}")
+        views.append(hv)
+        if hv.shape[1] > 0:
+            h_ptr, h_len = hv.ptr, hv.shape[1]
+    _same_device([dev.view(like, "trees", s)] + views)
+    struct = _lib.KdtStopSequences(tv.ptr, ov.ptr, ov.shape[0] - 1, h_ptr, h_len)
+    return struct, (prepared.tokens, prepared.offsets, stop_history)
 
 
 def _verify_common(trees, stop_tokens, max_commit, s, out, targets, stop_sequences=None, stop_history=None):

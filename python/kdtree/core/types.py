@@ -287,3 +287,22 @@ class RaggedTrees:
     @property
     def capacity(self) -> int:
         return int(self.row_request.shape[0])
+
+
+@dataclass(frozen=True)
+class StopSequences:
+    """Multi-token stop sequences checked once, for many verify calls
+    (:func:`kdtree.stop_sequences`). ``sequences``: the token sequences (tuples of ids);
+    ``tokens`` int32 ``[total]`` and ``offsets`` int64 ``[count + 1]``: the packed form of
+    ``kdt_stop_sequences``, numpy arrays or, when prepared for a GPU, device arrays there,
+    which the GPU verify calls use in place (no copy: a CUDA graph can hold the call).
+    ``longest``: the longest sequence's length."""
+
+    sequences: tuple
+    tokens: object
+    offsets: object
+
+    @property
+    def longest(self) -> int:
+        return max(len(q) for q in self.sequences)
+

@@ -276,6 +276,10 @@ class Engine:
             a request reaching it finishes with "length". The KV caches hold
             ``max_length + N + 1`` rows per slot.
         stop_tokens: token ids that end a request (kept in its output), for every request.
+        stop_sequences: token sequences (1 to 16 ids each) that end a request right after
+            its committed stream (prompt included) completes one (kept in its output;
+            ``finish_reason`` "stop_sequence"), for every request: the verify walk stops at
+            a draft token that completes one, and a bonus token that does ends the request.
         prefill_chunk: prompt tokens forwarded per prefill chunk.
         use_graphs: capture each bucket's round in a CUDA graph (default: on CUDA).
         tree_attention: the verify forward's attention: "kdtree" (kdtree's kernel,
@@ -302,7 +306,8 @@ class Engine:
     def __init__(self, target: Any, drafter: Any = None, *, max_batch: int = 1, budget: int | str = 64,
                  mode: str = "ddtree", max_length: int = 2048, stop_tokens: Sequence[int] = (),
                  prefill_chunk: int = 512, use_graphs: bool | None = None, sampling: bool = False,
-                 auto_budgets: Sequence[int] = AUTO_BUDGETS, tree_attention: str = "auto"):
+                 auto_budgets: Sequence[int] = AUTO_BUDGETS, tree_attention: str = "auto",
+                 stop_sequences: Sequence[Sequence[int]] = ()):
         torch = _torch()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -335,6 +340,7 @@ class Engine:
         if stop_list is None or any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
                                     or not 0 <= int(t) < self.vocab_size for t in stop_list):
             raise ValueError(f"stop_tokens must be token ids in [0, {self.vocab_size}), got {stop_tokens!r}")
+        self._check_stop_sequences(stop_sequences)
         max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         if max_pos and max_length > max_pos:
             raise ValueError(f"max_length {max_length} is beyond the target's max_position_embeddings ({max_pos})")
@@ -414,7 +420,8 @@ class Engine:
                       f"{self.capacity} rows = max_length + N + 1), more than the {free / 2**30:.2f} GiB free "
                       f"on {self.device}: lower max_length or max_batch")
         if self.tp > 1:  # every rank raises the same error, or none does
-            self._agree_across_ranks(memory, sorted({int(t) for t in stop_list}))
+            self._agree_across_ranks(memory, sorted({int(t) for t in stop_list}), self._check_stop_sequences(
+                stop_sequences))
         elif memory is not None:
             raise ValueError(memory)
         self.kv = attention.attach(target, self.max_batch, self.capacity)
@@ -425,6 +432,7 @@ class Engine:
             self.drafter_kv = None
         self.state = _State(torch, self.device, self.max_batch, self.path, stop_tokens, self.budget)
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self._setup_stop_sequences(torch, stop_sequences)
         self._cols = torch.arange(self.capacity, device=self.device)
         self._tree_rows = torch.arange(self.budget + 1, device=self.device)
         self._path_cols = torch.arange(self.path, device=self.device)
@@ -457,7 +465,42 @@ class Engine:
             self._events = [torch.cuda.Event() for _ in range(2)]
             self._flip = 0
 
-    def _agree_across_ranks(self, problem: str | None, stops: list[int]) -> None:
+    def _check_stop_sequences(self, stop_sequences) -> tuple:
+        """The stop sequences as tuples of ids, checked (ValueError naming the sequence)."""
+        from .. import _native
+        from ..core import api
+
+        try:
+            seqs = () if stop_sequences is None or len(stop_sequences) == 0 else api.stop_sequences(
+                stop_sequences).sequences
+        except (_native.KdtreeError, TypeError) as exc:
+            raise ValueError(f"stop_sequences: {exc}") from None
+        for i, q in enumerate(seqs):
+            if any(t >= self.vocab_size for t in q):
+                raise ValueError(f"stop_sequences[{i}] holds a token outside [0, {self.vocab_size})")
+        return seqs
+
+    def _setup_stop_sequences(self, torch, stop_sequences) -> None:
+        """The stop sequences on the engine's device (prepared once: the verify calls use
+        them in place, inside the round's graph) and each slot's history of its last
+        committed tokens (int32 ``[slots, H]``, H the longest sequence, -1 before the
+        stream's start), which the commit stage moves on."""
+        from ..core import api
+
+        seqs = self._check_stop_sequences(stop_sequences)
+        self.stop_sequences = seqs
+        self._stop_prepared = None
+        self._stop_rows: list = []
+        if not seqs:
+            self.state.history = None
+            return
+        self._stop_prepared = api.stop_sequences(seqs, like=self.state.lengths if self.on_cuda else None)
+        width = max(len(q) for q in seqs)
+        self.state.history = torch.full((self.max_batch, width), -1, dtype=torch.int32, device=self.device)
+        self._stop_rows = [torch.tensor(q, dtype=torch.int32, device=self.device) for q in seqs]
+        self._history_cols = torch.arange(width, device=self.device)
+
+    def _agree_across_ranks(self, problem: str | None, stops: list[int], stop_seqs: tuple) -> None:
         """Under tensor parallelism every rank runs each round's forward, top-k and verify
         together: the ranks must build the same engine. Gathers each rank's settings,
         vocabulary slices and local problem (e.g. too little memory) and raises the same
@@ -467,7 +510,8 @@ class Engine:
 
         mine = {"mode": self.mode, "budgets": list(self.budgets), "max_batch": self.max_batch,
                 "max_length": self.max_length, "prefill_chunk": self.prefill_chunk, "sampling": self.sampling,
-                "stop_tokens": stops, "use_graphs": self.use_graphs, "tree_attention": self.tree_attention,
+                "stop_tokens": stops, "stop_sequences": [list(q) for q in stop_seqs],
+                "use_graphs": self.use_graphs, "tree_attention": self.tree_attention,
                 "depth": self.depth, "vocab_size": self.vocab_size, "sharded LM head": self.vocab_slice is not None,
                 "sharded drafter logits": self.draft_slice is not None}
         every = [None] * dist.get_world_size()
@@ -712,6 +756,14 @@ class Engine:
         st.seed[s] = sp.seed
         st.offset[s] = 0
         st.remaining[s] = req.cap
+        if st.history is not None:  # the prompt's last tokens: a stop sequence may begin in the prompt
+            width = st.history.shape[1]
+            tail = ([-1] * width + list(req.out.prompt))[-width:]
+            st.history[s] = self._torch_tensor(tail)
+
+    def _torch_tensor(self, values):
+        torch = _torch()
+        return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=False)
 
     # ---- one round -------------------------------------------------------------------
 
@@ -898,6 +950,10 @@ class Engine:
         st = self.state
         caps = st.remaining[:b]
         stops = st.stops if st.stops.numel() else ()
+        seq = {}
+        if self._stop_prepared is not None:  # on CUDA both used in place (no copy inside the graph)
+            hist = st.history[:b]
+            seq = {"stop_sequences": self._stop_prepared, "stop_history": hist if self.on_cuda else hist.numpy()}
         if self.on_cuda:
             if self.vocab_slice is not None:  # this rank's slice of the target's logits: the choices merged (NCCL)
                 from ..distributed import target_tokens_sharded
@@ -910,15 +966,15 @@ class Engine:
                 else:
                     tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size)
                 return api.verify_greedy(trees, tokens, stop_tokens=stops, max_commit=caps, out=buf["acc"],
-                                         errors="status")
+                                         errors="status", **seq)
             if self.sampling:
                 acc = api.verify_sample_from_logits(
                     trees, logits, st.temperature[:b], seed=st.seed[:b], offset=st.offset[:b], top_p=st.top_p[:b],
-                    top_k=st.top_k[:b], stop_tokens=stops, max_commit=caps, out=buf["acc"], errors="status")
+                    top_k=st.top_k[:b], stop_tokens=stops, max_commit=caps, out=buf["acc"], errors="status", **seq)
                 st.offset[:b] += 1
                 return acc
             return api.verify_greedy_from_logits(trees, logits, stop_tokens=stops, max_commit=caps,
-                                                 out=buf["acc"], errors="status")
+                                                 out=buf["acc"], errors="status", **seq)
         tn = _trees_to_numpy(trees)
         stop_list = sorted(self.stop_tokens)
         if self.vocab_slice is not None:  # this rank's slice of the target's logits: the choices merged
@@ -928,7 +984,7 @@ class Engine:
             tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size, temperature=temps,
                                            seed=st.seed[:b].numpy().astype(np.uint64),
                                            offset=st.offset[:b].numpy().astype(np.uint64))
-            acc = api.verify_greedy(tn, tokens.numpy(), stop_tokens=stop_list, max_commit=caps.numpy())
+            acc = api.verify_greedy(tn, tokens.numpy(), stop_tokens=stop_list, max_commit=caps.numpy(), **seq)
             if self.sampling:
                 st.offset[:b] += 1
         elif self.sampling:
@@ -936,11 +992,11 @@ class Engine:
             acc = api.verify_sample_from_logits(
                 tn, x, st.temperature[:b].numpy(), seed=st.seed[:b].numpy().astype(np.uint64),
                 offset=st.offset[:b].numpy().astype(np.uint64), top_p=st.top_p[:b].numpy(),
-                top_k=st.top_k[:b].numpy(), stop_tokens=stop_list, max_commit=caps.numpy())
+                top_k=st.top_k[:b].numpy(), stop_tokens=stop_list, max_commit=caps.numpy(), **seq)
             st.offset[:b] += 1
         else:
             acc = api.verify_greedy_from_logits(tn, logits.float().numpy(), stop_tokens=stop_list,
-                                                max_commit=caps.numpy())
+                                                max_commit=caps.numpy(), **seq)
         return Acceptance(*(torch.from_numpy(np.asarray(a)) for a in (acc.accepted_nodes, acc.accept_length,
                                                                        acc.bonus_token)),
                           request_status=torch.from_numpy(np.asarray(acc.request_status)))
@@ -992,6 +1048,12 @@ class Engine:
         st.roots[:b] = torch.where(has, last.to(torch.int32), st.roots[:b])
         st.lengths[:b] += count
         stopped = has & torch.isin(last, st.stops) if st.stops.numel() else torch.zeros_like(has)
+        if st.history is not None:  # the history moves on by the committed tokens; a completed sequence ends
+            width = st.history.shape[1]
+            joined = torch.cat([st.history[:b], committed.to(torch.int32)], dim=1)
+            st.history[:b] = joined.gather(1, count[:, None] + self._history_cols[None, :])
+            for row in self._stop_rows:
+                stopped = stopped | (has & (st.history[:b, width - row.shape[0]:] == row[None, :]).all(1))
         # a failed request (bad logits) ends: its remaining count goes to 0
         st.remaining[:b] = torch.where(stopped | ~ok, torch.zeros_like(count), st.remaining[:b] - count)
         st.out_tokens[:b, :path] = committed.to(torch.int32)
@@ -1082,6 +1144,8 @@ class Engine:
                 req.on_tokens(c)
             if new[-1] in stops:
                 self._finish(req, "stop_token")
+            elif self.stop_sequences and _ends_with_one(out.prompt, out.tokens, self.stop_sequences):
+                self._finish(req, "stop_sequence")
             elif remaining[s] <= 0:
                 self._finish(req, "max_new_tokens" if len(out.tokens) >= req.max_new_tokens else "length")
 
@@ -1286,6 +1350,16 @@ class Engine:
     def reset_stats(self) -> None:
         self._count_prefill_gpu(wait=True)
         self.stats = EngineStats()
+
+
+def _ends_with_one(prompt, tokens, sequences) -> bool:
+    """Whether the stream prompt + tokens ends with one of the token sequences."""
+    for q in sequences:
+        m = len(q)
+        tail = (list(prompt[-m:]) + list(tokens))[-m:] if len(tokens) < m else tokens[-m:]
+        if len(tail) == m and tuple(tail) == tuple(q):
+            return True
+    return False
 
 
 def truncate_trees(trees, n: int, out=None):
