@@ -123,3 +123,18 @@ def test_history_index_lists_every_entry():
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[0-9a-f]{7}-[a-z0-9-]+\.md", name), name
     listed = [target for target, _ in _relative_links(history / "README.md") if target != "../performance.md"]
     assert sorted(listed) == entries
+
+
+def test_formats_worked_example_runs_as_shown(lib):
+    """The worked example of docs/api.md's "Serving engines' formats" prints what it shows."""
+    import doctest
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text[text.index("## Serving engines' formats"):]
+    start = section.index("```python\n>>> ") + len("```python\n")
+    block = section[start: section.index("```", start)]
+    test = doctest.DocTestParser().get_doctest(block, {}, "api.md formats example", "docs/api.md", 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted >= 10 and result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
