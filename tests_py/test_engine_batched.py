@@ -166,6 +166,9 @@ def test_stop_sequences_are_checked(pair):
                        ([[5, 99999]], "outside \\[0, "), ("ab", "sequence of token sequences")):
         with pytest.raises(ValueError, match=match):
             Engine(target, drafter, max_batch=1, budget=4, max_length=64, stop_sequences=bad)
+    # an iterator is read once, and kept
+    eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64, stop_sequences=(q for q in [[5, 6], [7]]))
+    assert eng.stop_sequences == ((5, 6), (7,))
 
 
 def test_max_new_tokens_inside_accepted_path(pair, prompts, expected):

@@ -340,7 +340,7 @@ class Engine:
         if stop_list is None or any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
                                     or not 0 <= int(t) < self.vocab_size for t in stop_list):
             raise ValueError(f"stop_tokens must be token ids in [0, {self.vocab_size}), got {stop_tokens!r}")
-        self._check_stop_sequences(stop_sequences)
+        stop_sequences = self._check_stop_sequences(stop_sequences)  # once: an iterator is read here alone
         max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         if max_pos and max_length > max_pos:
             raise ValueError(f"max_length {max_length} is beyond the target's max_position_embeddings ({max_pos})")
@@ -420,8 +420,7 @@ class Engine:
                       f"{self.capacity} rows = max_length + N + 1), more than the {free / 2**30:.2f} GiB free "
                       f"on {self.device}: lower max_length or max_batch")
         if self.tp > 1:  # every rank raises the same error, or none does
-            self._agree_across_ranks(memory, sorted({int(t) for t in stop_list}), self._check_stop_sequences(
-                stop_sequences))
+            self._agree_across_ranks(memory, sorted({int(t) for t in stop_list}), stop_sequences)
         elif memory is not None:
             raise ValueError(memory)
         self.kv = attention.attach(target, self.max_batch, self.capacity)
@@ -470,9 +469,19 @@ class Engine:
         from .. import _native
         from ..core import api
 
+        if stop_sequences is None:
+            return ()
         try:
-            seqs = () if stop_sequences is None or len(stop_sequences) == 0 else api.stop_sequences(
-                stop_sequences).sequences
+            items = None if isinstance(stop_sequences, (str, bytes)) else list(stop_sequences)
+        except TypeError:
+            items = None
+        if items is None:
+            raise ValueError(f"stop_sequences must be a sequence of token sequences (for example [[13, 14]]), got "
+                             f"{type(stop_sequences).__name__}")
+        if not items:
+            return ()
+        try:
+            seqs = api.stop_sequences(items).sequences
         except (_native.KdtreeError, TypeError) as exc:
             raise ValueError(f"stop_sequences: {exc}") from None
         for i, q in enumerate(seqs):
@@ -487,7 +496,7 @@ class Engine:
         stream's start), which the commit stage moves on."""
         from ..core import api
 
-        seqs = self._check_stop_sequences(stop_sequences)
+        seqs = tuple(stop_sequences)  # checked by _check_stop_sequences
         self.stop_sequences = seqs
         self._stop_prepared = None
         self._stop_rows: list = []
