@@ -169,6 +169,8 @@ def test_stop_sequences_are_checked(pair):
     # an iterator is read once, and kept
     eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64, stop_sequences=(q for q in [[5, 6], [7]]))
     assert eng.stop_sequences == ((5, 6), (7,))
+    eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64, stop_tokens=iter([9, 3]))
+    assert eng.stop_tokens == {3, 9} and eng.state.stops.tolist() == [3, 9]
 
 
 def test_max_new_tokens_inside_accepted_path(pair, prompts, expected):

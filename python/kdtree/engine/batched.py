@@ -429,8 +429,8 @@ class Engine:
             self.drafter_kv = drafter.kv_cache(self.max_batch, self.capacity)
         else:
             self.drafter_kv = None
-        self.state = _State(torch, self.device, self.max_batch, self.path, stop_tokens, self.budget)
-        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.state = _State(torch, self.device, self.max_batch, self.path, stop_list, self.budget)
+        self.stop_tokens = frozenset(int(t) for t in stop_list)
         self._setup_stop_sequences(torch, stop_sequences)
         self._cols = torch.arange(self.capacity, device=self.device)
         self._tree_rows = torch.arange(self.budget + 1, device=self.device)
