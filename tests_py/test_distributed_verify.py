@@ -48,6 +48,22 @@ _WORKER = textwrap.dedent("""
     local = torch.from_numpy(logits[..., lo:hi].copy())
     if mode == "shape" and rank == 2:
         local = local[:, :-1]
+    if mode == "disagree":  # a rank that differs from the others: every rank raises, none waits
+        errors = []
+        for case in ("nodes", "vocab", "seed"):
+            kw = dict(temperature=0.7, seed=5)
+            if rank == 1 and case == "nodes":
+                kw["nodes"] = np.zeros((batch, budget), np.int64)  # one row short
+            if rank == 1 and case == "seed":
+                kw["seed"] = 6
+            try:
+                target_tokens_sharded(local, lo, vocab + (rank == 1 and case == "vocab"), **kw)
+                errors.append("accepted")
+            except KdtreeError as exc:
+                errors.append(str(exc))
+        open(out + ".err", "w").write(json.dumps(errors))
+        dist.destroy_process_group()
+        sys.exit(0)
     result = {}
     try:
         greedy = target_tokens_sharded(local, lo, vocab)
@@ -136,3 +152,15 @@ def test_a_rank_with_another_shape_fails_every_rank(spawn_ranks, tmp_path):
     errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "shape")]
     assert len(set(errors)) == 1
     assert "rank 2 has leading shape [4, 12], rank 0 [4, 13]: every rank needs the same" in errors[0]
+
+
+def test_ranks_that_disagree_fail_every_rank(spawn_ranks, tmp_path):
+    """Another nodes shape, vocabulary or seed on one rank: every rank raises (the rank with
+    the bad nodes its own error, the others name it), none waits in the second gather."""
+    errors = [json.loads(Path(o + ".err").read_text()) for o in run_ranks(spawn_ranks, tmp_path, "disagree")]
+    nodes, vocab, seed = zip(*errors, strict=True)
+    assert "nodes must have shape (4, 13), got (4, 12)" in nodes[1]
+    assert all("rank(s) [1] failed in target_tokens_sharded" in e for e in (nodes[0], nodes[2]))
+    assert len(set(vocab)) == 1 and "rank 1 passes vocab = 2004, rank 0 2003" in vocab[0]
+    assert len(set(seed)) == 1 and "rank 1 passes other sampling settings than rank 0" in seed[0]
+

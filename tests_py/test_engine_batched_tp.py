@@ -59,14 +59,25 @@ _WORKER = textwrap.dedent("""
         result[name + " rounds"] = eng.stats.rounds
         result["tp"] = eng.tp
         result["cache heads"] = int(eng.kv.keys[0].shape[1])
-    # The same target built whole on every rank and sharded in memory (shard_causal_lm).
+    # The same target built whole on every rank and sharded in memory (shard_causal_lm), its
+    # DFlash drafter loaded before the sharding (it reads the slice from the shared head).
     from kdtree.engine.hf import shard_causal_lm
     whole = load_causal_lm(folder + "/target", dtype="float64")
+    early = load_dflash(folder + "/drafter", whole)
     shard_causal_lm(whole, vocab_sharded_head=head)
-    eng = Engine(whole, load_dflash(folder + "/drafter", whole), max_batch=4, max_length=96, prefill_chunk=8,
-                 budget=12)
+    try:
+        shard_causal_lm(whole)
+        result["twice"] = "accepted"
+    except ValueError as exc:
+        result["twice"] = str(exc)
+    eng = Engine(whole, early, max_batch=4, max_length=96, prefill_chunk=8, budget=12)
     result["sharded in memory"] = [o.tokens for o in eng.generate(prompts, %(new)d)]
     result["sharded in memory slice"] = getattr(whole, "kdtree_vocab_slice", None)
+    try:  # rank 1 fails its own checks: rank 0 raises too, naming it, instead of waiting
+        Engine(target, drafter, max_batch=4, max_length=96, budget=12 if rank == 0 else -1)
+        result["local failure"] = "accepted"
+    except ValueError as exc:
+        result["local failure"] = str(exc)
     try:  # rank 1 asks for another budget: every rank refuses, with the same words
         Engine(target, drafter, max_batch=4, max_length=96, budget=12 + rank)
         result["mismatch"] = "accepted"
@@ -159,6 +170,9 @@ def check_ranks(ranks, single):
     for r in ranks:
         assert r["sharded in memory"] == single["ddtree"]
         assert r["sharded in memory slice"] == r["slice"]
+        assert "the model is sharded already" in r["twice"]
+    assert ranks[1]["local failure"].startswith("budget must be an integer in [0, 4096]")
+    assert ranks[0]["local failure"].startswith("rank 1: ValueError: budget must be an integer")
     mismatch = {r["mismatch"] for r in ranks}
     assert len(mismatch) == 1
     assert "every rank must build the same engine" in (m := mismatch.pop()) and "rank 1 has budgets = [13]" in m

@@ -79,8 +79,6 @@ def random_pair(shape: str, device, dtype, vocab_sharded_head: bool):
     with torch.device("meta"):
         drafter = dflash.DFlashDrafter(dcfg, target.get_input_embeddings(), target.get_output_embeddings())
     drafter = drafter.to_empty(device=device).to(dtype).eval()
-    if vocab_sharded_head:
-        drafter.kdtree_vocab_slice = target.kdtree_vocab_slice
     _randomise(drafter, device, skip=("embed", "lm_head"))
     return target, drafter
 

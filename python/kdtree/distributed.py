@@ -83,7 +83,8 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
         failure = exc
     world = dist.get_world_size(group)
     meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset), int(x.shape[-1]),
-                         int(k), len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)), dtype=torch.int64)
+                         int(k), len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)) + [int(vocab), 0],
+                        dtype=torch.int64)
     metas = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(metas, meta, group=group)
     problem = _check_ranks([m.tolist() for m in metas], vocab, dist.get_rank(group))
@@ -176,9 +177,16 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     sampled = temps != 0
     lead = tuple(x.shape[:-1]) if failure is None else ()
     world = dist.get_world_size(group)
+    keys = None
+    if failure is None:
+        try:
+            keys = _node_keys(nodes, x.shape[0], x.shape[1])
+        except _lib.KdtreeError as exc:
+            failure = exc
+    settings = _settings_digest(temps, seeds, offsets, keys) if failure is None else 0
     meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset),
-                         int(x.shape[-1]) if x.ndim else 0, 0, len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)),
-                        dtype=torch.int64)
+                         int(x.shape[-1]) if x.ndim else 0, 0, len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead))
+                        + [int(vocab), settings], dtype=torch.int64)
     metas = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(metas, meta, group=group)
     problem = _check_ranks([m.tolist() for m in metas], vocab, dist.get_rank(group), "target_tokens_sharded")
@@ -187,9 +195,6 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     if problem is not None:
         raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
     batch, rows, width = x.shape
-    keys = np.broadcast_to(np.arange(rows), (batch, rows)) if nodes is None else np.asarray(nodes)
-    if keys.shape != (batch, rows):
-        raise checks.shape_error(f"nodes must have shape ({batch}, {rows}), got {keys.shape}")
     packed = np.zeros((batch, rows, 4), np.float64)  # best score, its global id, no choice, any finite
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for b in range(batch):
@@ -355,6 +360,10 @@ def _per_request(temperature, seed, offset, batch: int):
     def spread(value, name, default):
         if value is None:
             value = default
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().cpu().numpy()
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]
         if np.ndim(value) == 0:
             return [value] * batch
         vals = list(np.asarray(value).reshape(-1)) if not isinstance(value, (list, tuple)) else list(value)
@@ -377,21 +386,59 @@ def _per_request(temperature, seed, offset, batch: int):
     return temps, seeds, offsets
 
 
+def _node_keys(nodes, batch: int, rows: int) -> np.ndarray:
+    """The Philox node key of every row: ``nodes`` (ints [B, N+1] in [0, 2^32)) or the row
+    index; KdtreeError naming the problem."""
+    from .core import checks
+
+    if nodes is None:
+        return np.broadcast_to(np.arange(rows, dtype=np.int64), (batch, rows))
+    if hasattr(nodes, "detach"):
+        nodes = nodes.detach().cpu().numpy()
+    keys = checks.int_array(nodes, "nodes")
+    if keys.shape != (batch, rows):
+        raise checks.shape_error(f"nodes must have shape ({batch}, {rows}), got {keys.shape}")
+    if keys.size and (keys.min() < 0 or keys.max() >= 2**32):
+        raise checks.range_error(f"nodes must be in [0, 2^32), got values in [{keys.min()}, {keys.max()}]")
+    return keys.astype(np.int64)
+
+
+def _settings_digest(temps, seeds, offsets, keys) -> int:
+    """A 62-bit digest of the sampling settings and node keys, which every rank must share."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for a in (np.asarray(temps, np.float32), np.asarray(seeds, np.uint64), np.asarray(offsets, np.uint64),
+              np.ascontiguousarray(keys, np.int64)):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
 def _check_ranks(metas: list[list[int]], vocab: int, me: int, step: str = "topk_shard") -> str | None:
-    """What is wrong with the ranks' (status, offset, size, k, ndim, lead...) rows, the same
-    text on every rank, or None. `step`: what a failed rank was doing (topk_shard names k)."""
+    """What is wrong with the ranks' (status, offset, size, k, ndim, lead... (8), vocab,
+    settings digest) rows, the same text on every rank, or None. `step`: what a failed rank
+    was doing (topk_shard names k)."""
     failed = [r for r, m in enumerate(metas) if m[0] != 0]
     if failed:
         others = [r for r in failed if r != me]
         return f"rank(s) {others or failed} failed in {step} (status {metas[failed[0]][0]}); see that rank's error"
     first = metas[0]
+    lead_end = 5 + _MAX_LEAD
     for r, m in enumerate(metas):
-        if m[3] != first[3] or m[4:] != first[4:]:
+        if m[lead_end] != first[lead_end]:
+            return f"rank {r} passes vocab = {m[lead_end]}, rank 0 {first[lead_end]}: every rank needs the same"
+    vocab = first[lead_end]
+    for r, m in enumerate(metas):
+        if m[3] != first[3] or m[4:lead_end] != first[4:lead_end]:
             if step != "topk_shard":
                 return (f"rank {r} has leading shape {m[5:5 + m[4]]}, rank 0 {first[5:5 + first[4]]}: every rank "
                         "needs the same")
             return (f"rank {r} has k {m[3]} and leading shape {m[5:5 + m[4]]}, rank 0 k {first[3]} and "
                     f"{first[5:5 + first[4]]}: every rank needs the same")
+    for r, m in enumerate(metas):
+        if m[lead_end + 1] != first[lead_end + 1]:
+            return (f"rank {r} passes other sampling settings than rank 0 (temperature, seed, offset or nodes): "
+                    "every rank needs the same")
     spans = sorted((m[1], m[1] + m[2], r) for r, m in enumerate(metas))
     end = 0
     for lo, hi, r in spans:

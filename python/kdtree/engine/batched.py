@@ -226,6 +226,14 @@ class _State:
         self.curve = torch.zeros(max(budget, 1), dtype=torch.float64, device=device)
 
 
+def _sharded(model: Any) -> bool:
+    """Whether ``model`` is sharded over a process group (no error for what is not a model)."""
+    try:
+        return tensor_parallel_size(model) > 1
+    except (AttributeError, TypeError):
+        return False
+
+
 def tensor_parallel_size(model: Any) -> int:
     """The ranks ``model`` is sharded over by a tensor-parallel plan (its parameters are
     DTensors on a device mesh, as transformers' ``tp_plan`` leaves them), or 1."""
@@ -308,6 +316,23 @@ class Engine:
                  prefill_chunk: int = 512, use_graphs: bool | None = None, sampling: bool = False,
                  auto_budgets: Sequence[int] = AUTO_BUDGETS, tree_attention: str = "auto",
                  stop_sequences: Sequence[Sequence[int]] = ()):
+        self._agreed = False  # tensor parallelism: whether this rank took part in the settings' gather
+        try:
+            self._construct(target, drafter, max_batch=max_batch, budget=budget, mode=mode, max_length=max_length,
+                            stop_tokens=stop_tokens, prefill_chunk=prefill_chunk, use_graphs=use_graphs,
+                            sampling=sampling, auto_budgets=auto_budgets, tree_attention=tree_attention,
+                            stop_sequences=stop_sequences)
+        except (ValueError, TypeError) as exc:
+            # A rank that fails its own checks still joins the gather the other ranks wait in,
+            # so that they raise too (naming this rank) instead of waiting for the timeout.
+            if not self._agreed and _sharded(target):
+                import torch.distributed as dist
+
+                dist.all_gather_object([None] * dist.get_world_size(), (f"{type(exc).__name__}: {exc}", None, None))
+            raise
+
+    def _construct(self, target: Any, drafter: Any, *, max_batch, budget, mode, max_length, stop_tokens,
+                   prefill_chunk, use_graphs, sampling, auto_budgets, tree_attention, stop_sequences) -> None:
         torch = _torch()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -525,6 +550,7 @@ class Engine:
                 "sharded drafter logits": self.draft_slice is not None}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (problem, mine, self.draft_slice))
+        self._agreed = True
         for r, (p, _, _) in enumerate(every):
             if p is not None:
                 raise ValueError(f"rank {r}: {p}")
@@ -865,6 +891,11 @@ class Engine:
         torch = _torch()
         from ..core import api
 
+        want = self.vocab_size if self.draft_slice is None else int(self.draft_slice[1])
+        if logits.shape[-1] != want:
+            raise RuntimeError(f"the drafter's logits have {logits.shape[-1]} entries a row, expected {want} (the "
+                               + ("whole vocabulary" if self.draft_slice is None else "rank's vocabulary slice")
+                               + "): a drafter whose LM head is split by vocabulary that the engine does not know")
         nb = self.budget if probe else n
         full = buf if nb == n else self._round_buffers(b, nb)
         width = max(1, min(nb, self.vocab_size, MAX_WIDTH)) if self.mode == "ddtree" else self.width
@@ -957,6 +988,10 @@ class Engine:
         from ..core.types import Acceptance
 
         st = self.state
+        want = self.vocab_size if self.vocab_slice is None else int(self.vocab_slice[1])
+        if logits.shape[-1] != want:
+            raise RuntimeError(f"the target's logits have {logits.shape[-1]} entries a row, expected {want}: a "
+                               "target sharded after the engine was built?")
         caps = st.remaining[:b]
         stops = st.stops if st.stops.numel() else ()
         seq = {}

@@ -241,6 +241,14 @@ def _build_classes():
         def mask_token_id(self) -> int:
             return int(self.config.dflash_config["mask_token_id"])
 
+        @property
+        def kdtree_vocab_slice(self):
+            """(offset, size) of the vocabulary slice this rank's logits hold when the
+            target's LM head is split by vocabulary (read from the head: set by
+            ``load_causal_lm(tp=True, vocab_sharded_head=True)`` / ``shard_causal_lm``,
+            before or after this drafter was built), else None."""
+            return getattr(self._target_io[1], "kdtree_vocab_slice", None)
+
         def kv_cache(self, slots: int, capacity: int):
             """The batched engine's cached decoder of this drafter (:class:`DFlashKV`)."""
             return DFlashKV(self, slots, capacity)
@@ -498,8 +506,6 @@ def load_dflash(folder: str | Path, target: Any, *, device: Any = None, dtype: A
         dtype = getattr(torch, dtype)
     dtype = param.dtype if dtype is None else dtype
     model = DFlashDrafter(cfg, emb, head)
-    if getattr(target, "kdtree_vocab_slice", None) is not None:
-        model.kdtree_vocab_slice = target.kdtree_vocab_slice  # the target's LM head gives a slice
     state = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:

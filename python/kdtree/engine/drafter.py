@@ -314,9 +314,13 @@ class BlockDrafterRunner:
         self.max_depth = int(model.max_depth)
         self.feature_size = int(model.feature_size)
         self.calls = 0
-        # A DFlash drafter over a target whose LM head is split by vocabulary returns this
-        # rank's slice of the logits; the engine merges the top-k (kdtree.distributed).
-        self.vocab_slice = getattr(model, "kdtree_vocab_slice", None)
+
+    @property
+    def vocab_slice(self):
+        """A DFlash drafter over a target whose LM head is split by vocabulary returns this
+        rank's slice of the logits, (offset, size); the engine merges the top-k
+        (kdtree.distributed). None: the whole vocabulary."""
+        return getattr(self.model, "kdtree_vocab_slice", None)
 
     def draft(self, context: Sequence[int], depth: int, features: Any = None) -> np.ndarray:
         torch = _torch()

@@ -168,6 +168,9 @@ def _vocab_slice(model: Any) -> tuple[int, int]:
     offset = sum(sizes[: dist.get_rank()])
     if sum(sizes) != int(model.config.vocab_size):
         raise ValueError(f"the LM head's slices {sizes} do not make the vocabulary of {model.config.vocab_size}")
+    # on the head module too: a drafter that holds the target's head (DFlash) reads it there,
+    # whether it was built before or after the sharding
+    model.get_output_embeddings().kdtree_vocab_slice = (offset, size)
     return offset, size
 
 
@@ -250,6 +253,9 @@ def shard_causal_lm(model: Any, *, vocab_sharded_head: bool = False) -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("shard_causal_lm needs an initialised torch.distributed process group")
+    if any(getattr(p, "device_mesh", None) is not None for p in model.parameters()):
+        raise ValueError("the model is sharded already (shard_causal_lm or load_causal_lm(tp=True)): shard a whole "
+                         "model once")
     world = dist.get_world_size()
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = int(getattr(model.config, key, 0) or 0)
