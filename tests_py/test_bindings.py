@@ -214,6 +214,11 @@ def test_public_status_lookup():
     for bad in (4.0, True, np.array([1, 2]), "4"):
         with pytest.raises(TypeError, match="status must be an integer"):
             kdtree.status_name(bad)
+    torch = pytest.importorskip("torch", reason="torch is not installed (status arrays of torch tensors)")
+    assert kdtree.status_name(torch.tensor([0, 4], dtype=torch.int32)[1]) == "KDT_ERR_VALUE"
+    for bad in (torch.tensor(4.0), torch.tensor([1, 2]), torch.tensor(True)):
+        with pytest.raises(TypeError, match="status must be an integer"):
+            kdtree.status_name(bad)
     with pytest.raises(KeyError, match="'KDT_ERR_NOPE' is not a kdt_status name; the names are \\['KDT_OK'"):
         kdtree.status_code("KDT_ERR_NOPE")
 

@@ -684,3 +684,15 @@ def test_gpu_stop_sequences_in_the_graph(gpu_pair, prompts, expected):
         ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_sequences=seqs)
         assert out.tokens == ar.tokens, (i, q)
         assert out.finish_reason == ar.stop_reason == "stop_sequence"
+
+
+def test_generate_queues_nothing_when_a_request_is_refused(pair, prompts, expected):
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=2, budget=8, max_length=512)
+    with pytest.raises(ValueError, match="prompt 1: this engine verifies greedily"):
+        eng.generate(prompts[:2], 4, [SamplingParams(), SamplingParams(temperature=0.5)])
+    with pytest.raises(ValueError, match="prompt 0: the prompt must hold at least one token"):
+        eng.generate([[], prompts[1]], 4)
+    assert not eng.busy  # nothing of the refused calls was queued
+    outs = eng.generate(prompts[:2], 4)
+    assert [o.tokens for o in outs] == [e[:4] for e in expected[:2]] and eng._next_id == 2

@@ -19,8 +19,10 @@ budget N):
 - tokens/s PROJECTED at the shipped pair's acceptance length for that B and mode (the
   shipped pair decodes held-out prompts unsharded on each rank's device): B x acceptance /
   round time; a projection, not a trained pair of this shape;
-- the bytes kdtree's own collectives move a round (per rank: the drafter's top-k summaries
-  ``B L (2k + 2) 8`` with a sharded head, the target's choices ``B (N + 1) 3 8``), next to
+- the bytes kdtree's own collectives move a round (per rank, the GPU forms: the drafter's
+  top-k summaries ``B L (2k + 2) 8`` with a sharded head, the target's choices ``B (N + 1)
+  3 8`` greedy or ``B (N + 1) 4 8`` sampled; the CPU forms add 15 integers of rank checks
+  and gather four float64 a row for the choices), next to
   the logits a whole head gathers (``B (N + 1) V 2`` for the target in bfloat16; the
   drafter's ``B L V 2`` on top where its head is the target's).
 
@@ -156,6 +158,12 @@ def main() -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"bench_engine_tp: {args.shape}, TP = {world}, {device.type} "
         f"({torch.cuda.get_device_name(device) if cuda else 'CPU'}), {dtype}, torch {torch.__version__}", flush=True)
+    width_cap = min(SHAPES[args.shape]["vocab_size"] // world, 1024)
+    if max(args.budgets) > width_cap:  # the DDTree width (top-k per depth) must fit every rank's slice
+        say(f"--budgets: at most {width_cap} here (the top-k per depth of a budget-N tree is min(N, 1024) and must "
+            f"fit each rank's vocabulary slice of {SHAPES[args.shape]['vocab_size'] // world})")
+        dist.destroy_process_group()
+        return 2
     accept = shipped_acceptance(device, "bfloat16" if cuda else "float32", args.batches, args.budgets,
                                 args.new_tokens, args.prompt_tokens)
     heads = ["whole", "sharded"] if args.head == "both" else [args.head]
@@ -192,9 +200,9 @@ def main() -> int:
                      "kdtree_collective_bytes_per_rank": kd_bytes, "logits_gather_bytes": gather_bytes}
                 results.append(r)
                 stage_text = " / ".join(f"{st[s]:.2f}" for s in ("draft", "build", "mask", "target", "verify",
-                                                                  "commit") if s in st)
+                                                                  "commit") if s in st) or "- (CPU: not staged)"
                 rows.append([head, b, name, f"{st['round']:.2f}", stage_text,
-                             f"{r['round_over_stages']:.2f}" if stages else "", f"{tau:.2f}",
+                             f"{r['round_over_stages']:.2f}" if stages else "-", f"{tau:.2f}",
                              f"{r['projected_tokens_per_s']:,.0f}", f"{kd_bytes:,}" if sharded else "-",
                              f"{gather_bytes:,}"])
                 del eng

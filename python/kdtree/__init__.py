@@ -51,20 +51,27 @@ def status_name(status) -> str:
     (``TreeBatch.request_status``, ``Acceptance.request_status``, ``TopK.row_status``...)
     and ``KdtreeError.status`` hold them: ``status_name(0) == "KDT_OK"``,
     ``status_name(4) == "KDT_ERR_VALUE"``; ``"status N"`` for a code this version does not
-    define. Takes a Python or numpy integer (a 0-d array too). Does not load the library.
+    define. Takes a Python or numpy integer, or a 0-d integer array or torch tensor (an
+    element of a status array). Does not load the library.
 
     Raises:
         TypeError: not an integer (a float, a bool, an array of more than one element).
     """
+    import operator
+
     import numpy as np
 
     from ._native import STATUS_NAMES
 
     if isinstance(status, np.ndarray) and status.ndim == 0:
         status = status[()]
+    if (hasattr(status, "dim") and hasattr(status, "item") and status.dim() == 0
+            and str(status.dtype) in ("torch.int8", "torch.int16", "torch.int32", "torch.int64", "torch.uint8")):
+        status = int(status.item())  # a 0-d integer torch tensor (an element of a status array)
     if isinstance(status, (bool, np.bool_)) or not isinstance(status, (int, np.integer)):
         raise TypeError(f"status must be an integer status code, got {type(status).__name__} {status!r}")
-    return STATUS_NAMES.get(int(status), f"status {int(status)}")
+    code = operator.index(status)
+    return STATUS_NAMES.get(code, f"status {code}")
 
 
 def status_code(name: str) -> int:

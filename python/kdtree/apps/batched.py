@@ -73,6 +73,12 @@ def read_prompts(path: Path) -> list[dict]:
     return out
 
 
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     """The batched run (module docstring). Exit status 1 when a float32/float64 greedy
     output differs from autoregressive decoding."""
@@ -173,7 +179,11 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print(f"  models   : {pair_source(args)}; target {type(target).__name__}, "
           f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters; {drafter_kind(drafter)}, "
           f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters", file=out)
-    print("  " + ("sampling (per-request settings)" if sampling else "greedy"), file=out)
+    print("  " + ("sampling (per-request settings)" if sampling else "greedy") + "; stop at "
+          + (", ".join(([EOS] if stops else []) + [f"{t!r} ({len(q)} tokens)" for t, q in
+                                                    zip(getattr(args, "stop", None) or (), stop_seqs, strict=True)])
+             or "nothing")
+          + (f"; tensor-parallel over {_world()} ranks" if getattr(args, "tp", False) else ""), file=out)
     print("  acceptance length = tokens committed per request per round (accepted draft tokens + the bonus "
           "token); target forwards = rounds, each one forward over every active request's tree; times "
           "include the prefill", file=out)

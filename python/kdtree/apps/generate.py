@@ -610,8 +610,13 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     print(f"  tree ops : {tree_ops_text(args.device)}", file=out)
     stop_text = ", ".join(([EOS] if stops else []) + [f"{t!r} ({len(q)} tokens)" for t, q in
                                                        zip(args.stop or (), seqs, strict=True)])
+    tp_text = ""
+    if getattr(args, "tp", False):
+        import torch.distributed as dist
+
+        tp_text = f", tensor-parallel over {dist.get_world_size()} ranks"
     print(f"  settings : budget N={args.budget}, depth L={depth}, max_new_tokens={args.max_new_tokens}, "
-          f"stop at {stop_text or 'nothing'}", file=out)
+          f"stop at {stop_text or 'nothing'}{tp_text}", file=out)
     trained = int(getattr(target_model.config, "kdtree_trained_window", 0) or 0)
     if trained and len(prompt) + args.max_new_tokens > trained:
         print(f"  note     : prompt + new tokens ({len(prompt) + args.max_new_tokens}) exceed the {trained}-token "

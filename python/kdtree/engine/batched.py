@@ -579,6 +579,21 @@ class Engine:
                 ``max_length`` tokens or more, negative ``max_new_tokens``, sampling on
                 an engine built with ``sampling=False``.
         """
+        tokens, sampling = self._checked_request(prompt, max_new_tokens, sampling)
+        rid = self._next_id
+        self._next_id += 1
+        out = RequestOutput(rid, tokens)
+        cap = min(int(max_new_tokens), self.max_length - len(tokens))
+        req = _Request(out, int(max_new_tokens), cap, sampling, on_tokens=on_tokens)
+        self._outputs[rid] = out
+        if cap == 0:
+            out.finish_reason = "max_new_tokens" if max_new_tokens == 0 else "length"
+        else:
+            self._queue.append(req)
+        return rid
+
+    def _checked_request(self, prompt, max_new_tokens, sampling) -> tuple[list[int], SamplingParams]:
+        """(token ids, sampling settings) of a request :meth:`submit` would take; raises as it."""
         tokens = []
         for i, t in enumerate(prompt):
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
@@ -600,17 +615,7 @@ class Engine:
         if self.vocab_slice is not None and not sampling.greedy and (sampling.top_p < 1 or sampling.top_k > 0):
             raise ValueError("top_p and top_k are not supported over a vocabulary-sharded LM head (their cuts need "
                              "the whole row); sample with temperature alone")
-        rid = self._next_id
-        self._next_id += 1
-        out = RequestOutput(rid, tokens)
-        cap = min(int(max_new_tokens), self.max_length - len(tokens))
-        req = _Request(out, int(max_new_tokens), cap, sampling, on_tokens=on_tokens)
-        self._outputs[rid] = out
-        if cap == 0:
-            out.finish_reason = "max_new_tokens" if max_new_tokens == 0 else "length"
-        else:
-            self._queue.append(req)
-        return rid
+        return tokens, sampling
 
     def output(self, request_id: int) -> RequestOutput:
         """The request's output so far (``finish_reason`` set once it ended). KeyError
@@ -637,6 +642,11 @@ class Engine:
             sampling = [sampling] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        for i, (p, s) in enumerate(zip(prompts, sampling, strict=True)):  # all or nothing: checked before any is queued
+            try:
+                self._checked_request(p, max_new_tokens, s)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
         if self.use_graphs and not self.busy:
             self.capture_all()  # the round graphs, captured while no request holds a slot
         ids = [self.submit(p, max_new_tokens, s, on_tokens=progress) for p, s in zip(prompts, sampling, strict=True)]
