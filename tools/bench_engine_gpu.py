@@ -167,18 +167,31 @@ def qwen3_8b(device="cuda", drafter=True):
     else:
         drafter = None
     g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for m in (target, drafter) if drafter is not None else (target,):
-            for p in m.parameters():
-                if p.ndim >= 2:
-                    p.normal_(0.0, 0.02, generator=g)
-                else:
-                    p.fill_(1.0)
-            for name, buf in m.named_buffers():
-                if "inv_freq" in name:
-                    dim = buf.shape[0] * 2
-                    buf.copy_(1.0 / (1e6 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)))
+    for m in (target, drafter) if drafter is not None else (target,):
+        randomise(m, device, generator=g)
     return target, drafter
+
+
+def randomise(model, device, skip=(), generator=None) -> None:
+    """Random weights for a model made on the meta device: N(0, 0.02) matrices, ones for
+    vectors and norms, the rotary tables (theta 1e6) recomputed; parameters whose names hold
+    a `skip` part are left alone. `generator` (default: one seeded 0) makes every rank of a
+    tensor-parallel run draw the same weights."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0) if generator is None else generator
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in skip):
+                continue
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                p.fill_(1.0)
+        for name, buf in model.named_buffers():
+            if "inv_freq" in name:
+                dim = buf.shape[0] * 2
+                buf.copy_(1.0 / (1e6 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)))
 
 
 @contextlib.contextmanager

@@ -61,6 +61,7 @@ def random_pair(shape: str, device, dtype, vocab_sharded_head: bool):
     import torch
     import transformers
 
+    from bench_engine_gpu import randomise
     from kdtree.engine import dflash
     from kdtree.engine.hf import shard_causal_lm
 
@@ -70,7 +71,7 @@ def random_pair(shape: str, device, dtype, vocab_sharded_head: bool):
     with torch.device("meta"):
         target = transformers.Qwen3ForCausalLM(cfg)
     target = target.to_empty(device=device).to(dtype).eval()
-    _randomise(target, device)
+    randomise(target, device)
     shard_causal_lm(target, vocab_sharded_head=vocab_sharded_head)
     dcfg = dflash.dflash_config(dict(
         vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
@@ -81,29 +82,8 @@ def random_pair(shape: str, device, dtype, vocab_sharded_head: bool):
     with torch.device("meta"):
         drafter = dflash.DFlashDrafter(dcfg, target.get_input_embeddings(), target.get_output_embeddings())
     drafter = drafter.to_empty(device=device).to(dtype).eval()
-    _randomise(drafter, device, skip=("embed", "lm_head"))
+    randomise(drafter, device, skip=("embed", "lm_head"))
     return target, drafter
-
-
-def _randomise(model, device, skip=()) -> None:
-    """N(0, 0.02) matrices, unit vectors and norms, the rotary tables recomputed, from one
-    seeded generator (the same on every rank); parameters whose names hold a `skip` part
-    (the drafter's shared embedding and head) are left alone."""
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(k in name for k in skip):
-                continue
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.02, generator=g)
-            else:
-                p.fill_(1.0)
-        for name, buf in model.named_buffers():
-            if "inv_freq" in name:
-                dim = buf.shape[0] * 2
-                buf.copy_(1.0 / (1e6 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)))
 
 
 def shipped_acceptance(device, dtype, batches, budgets, new_tokens, prompt_tokens) -> dict:

@@ -578,6 +578,31 @@ _SETTING_DTYPES = {"temperature": ("float32",), "top_p": ("float32",), "top_k": 
                    "seed": ("uint64", "int64"), "offset": ("uint64", "int64")}
 
 
+def _stage_settings(settings: dict, like, batch: int, s):
+    """(staged (array, view) pairs to keep alive, name -> device pointer or None) of
+    per-request settings: device arrays used in place, host arrays converted to their
+    device dtype (``_SETTING_DTYPES``) and copied to ``like``'s device; each must be [B]."""
+    staged, ptr_of = [], {}
+    for name, value in settings.items():
+        if value is None:
+            ptr_of[name] = None
+            continue
+        if not dev.is_device_array(value):
+            if name == "top_k":
+                value = checks.int_array(value, "top_k")
+            elif name in ("seed", "offset"):
+                value = np.ascontiguousarray(value, np.uint64).view(np.int64)
+            else:
+                value = np.ascontiguousarray(value, np.float32)
+            value = dev.from_host(like, np.ascontiguousarray(value))
+        sv = _view(value, name, _SETTING_DTYPES[name], 1, s)
+        if sv.shape != (batch,):
+            raise checks.shape_error(f"{name} must have shape ({batch},) (one value a request), got {sv.shape}")
+        staged.append((value, sv))
+        ptr_of[name] = sv.ptr
+    return staged, ptr_of
+
+
 def verify_sample_batch(trees: TreeBatch, target_logits, settings: dict, *, stop_tokens, max_commit, errors, stream,
                         out=None, stop_sequences=None, stop_history=None) -> Acceptance:
     """kdt_verify_sample_batch_cuda; settings: name -> device array, host [B] array (copied
@@ -592,22 +617,7 @@ def verify_sample_batch(trees: TreeBatch, target_logits, settings: dict, *, stop
     with dev.on_device(like):
         tstruct, views, ptrs, outs, keep = _verify_common(trees, stop_tokens, max_commit, s, out, True,
                                                           stop_sequences, stop_history)
-        staged, ptr_of = [], {}
-        for name, value in settings.items():
-            if value is None:
-                ptr_of[name] = None
-                continue
-            if not dev.is_device_array(value):
-                if name == "top_k":
-                    value = checks.int_array(value, "top_k")
-                elif name in ("seed", "offset"):
-                    value = np.ascontiguousarray(value, np.uint64).view(np.int64)
-                value = dev.from_host(like, np.ascontiguousarray(value))
-            sv = _view(value, name, _SETTING_DTYPES[name], 1, s)
-            if sv.shape != (batch,):
-                raise checks.shape_error(f"{name} must have shape ({batch},) (one value a request), got {sv.shape}")
-            staged.append((value, sv))
-            ptr_of[name] = sv.ptr
+        staged, ptr_of = _stage_settings(settings, like, batch, s)
         _same_device([*views, v] + [sv for _, sv in staged])
         sampling = _lib.KdtSampling(ptr_of["temperature"], ptr_of["top_p"], ptr_of["top_k"], ptr_of["seed"],
                                     ptr_of["offset"])
@@ -636,20 +646,8 @@ def choices_shard(logits, vocab_offset: int, settings: dict, *, nodes=None, stre
     vocab_offset = checks.int_scalar(vocab_offset, "vocab_offset", 0, 2**31 - 1)
     lib = _lib.load()
     with dev.on_device(like):
-        staged, ptr_of = [], {}
-        for name in ("temperature", "seed", "offset"):
-            value = settings[name]
-            if not dev.is_device_array(value):
-                if name != "temperature":
-                    value = np.ascontiguousarray(value, np.uint64).view(np.int64)
-                else:
-                    value = np.ascontiguousarray(value, np.float32)
-                value = dev.from_host(like, np.ascontiguousarray(value))
-            sv = _view(value, name, _SETTING_DTYPES[name], 1, s)
-            if sv.shape != (batch,):
-                raise checks.shape_error(f"{name} must have shape ({batch},) (one value a request), got {sv.shape}")
-            staged.append((value, sv))
-            ptr_of[name] = sv.ptr
+        staged, ptr_of = _stage_settings({name: settings[name] for name in ("temperature", "seed", "offset")},
+                                         like, batch, s)
         nv = None
         if nodes is not None:
             nv = _view(nodes, "nodes", "int32", 2, s)
