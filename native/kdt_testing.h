@@ -91,6 +91,12 @@ KDT_API kdt_status kdt_testing_set_attention_warp_tiles(int32_t tiles);
  * head dims 64 and 128 take the wgmma kernel on sm_90 when the library has sm_90a code). */
 KDT_API kdt_status kdt_testing_set_attention_mma_sync(int32_t on);
 
+/* Which wgmma kernel kdt_tree_attention_cuda takes on sm_90 (head dims 64 and 128):
+ * 0 (default): the warp-specialized one (a producer warpgroup, two consumer warpgroups
+ * taking turns); 1: the one whose two warpgroups load, compute and meet at a CTA-wide
+ * barrier every tile. Returns KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
+KDT_API kdt_status kdt_testing_set_attention_sm90(int32_t variant);
+
 #ifdef __cplusplus
 }
 #endif

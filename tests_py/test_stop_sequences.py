@@ -242,6 +242,10 @@ def test_gpu_prepared_sequences_and_a_device_history_inside_a_cuda_graph(cuda_de
         with torch.cuda.graph(g):
             kdtree.verify_greedy(trees, tgt, stop_sequences=[[3, 5, 10]], stop_history=history, out=acc,
                                  errors="status")
+    # host sequences with a device history, outside a capture: the sequences copied, the
+    # history read in place (here nothing completes: 0 5 | 10 20 ...)
+    loose = kdtree.verify_greedy(trees, tgt, stop_sequences=[[3, 5, 10]], stop_history=history)
+    assert int(loose.accept_length[0]) == 4
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         kdtree.verify_greedy(trees, tgt, stop_sequences=prepared, stop_history=history, out=acc, errors="status")

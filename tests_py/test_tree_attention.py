@@ -84,14 +84,18 @@ def cuda(cuda_device):
     return cuda_device
 
 
-@pytest.fixture(params=["auto", "mma.sync"])
+@pytest.fixture(params=["auto", "wgmma-barrier", "mma.sync"])
 def kernel(request, cuda):
-    """The GQA kernel a test runs: the automatic choice (wgmma on sm_90 with the library's
-    sm_90a code) and the mma.sync kernel of other GPUs, forced through native/kdt_testing.h."""
+    """The GQA kernel a test runs: the automatic choice (on sm_90 with the library's sm_90a
+    code the warp-specialized wgmma kernel), the wgmma kernel whose warpgroups meet at a
+    CTA-wide barrier every tile, and the mma.sync kernel of other GPUs, the last two forced
+    through native/kdt_testing.h (on other GPUs all three are the mma.sync kernel)."""
     raw = _lib.load()
     raw.kdt_testing_set_attention_mma_sync(1 if request.param == "mma.sync" else 0)
+    raw.kdt_testing_set_attention_sm90(1 if request.param == "wgmma-barrier" else 0)
     yield request.param
     raw.kdt_testing_set_attention_mma_sync(0)
+    raw.kdt_testing_set_attention_sm90(0)
 
 
 def host(x):
@@ -197,6 +201,33 @@ def test_warp_tilings_agree_bit_for_bit(cuda, dim):
     assert np.array_equal(outs[0], outs[1])
     assert np.array_equal(outs[1], host(auto.float()))
     assert raw.kdt_testing_set_attention_warp_tiles(3) != 0
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_wgmma_kernels_agree_bit_for_bit(cuda, dim):
+    # The warp-specialized wgmma kernel and the one with a CTA-wide barrier every tile issue
+    # the same products in the same order for every row: the same bits, with one and with
+    # two live consumer warpgroups (4 and 65 rows x 4 query heads a KV head), a tile past
+    # the real rows (65 x 4 = 260 vectors: three tiles of 128) and a split prefix. (The
+    # paged cache's test runs both kernels too.)
+    raw = _lib.load()
+    rng = np.random.default_rng(11 + dim)
+    for budget, prefixes in ((3, [0, 77]), (64, [0, 300, 4100])):
+        trees, q, k, v, prefix, auto = run_case(cuda, rng, dtype="bfloat16", batch=len(prefixes), budget=budget,
+                                                q_heads=8, kv_heads=2, dim=dim, prefixes=prefixes)
+        outs = []
+        for variant in (0, 1):
+            assert raw.kdt_testing_set_attention_sm90(variant) == 0
+            try:
+                out, lse, _ = kdtree.tree_attention(q, k, v, trees, prefix, max_prefix=max(prefixes),
+                                                    return_lse=True)
+                outs.append((host(out.float()), host(lse)))
+            finally:
+                raw.kdt_testing_set_attention_sm90(0)
+        assert np.array_equal(outs[0][0], outs[1][0])
+        assert np.array_equal(outs[0][1], outs[1][1])
+        assert np.array_equal(outs[0][0], host(auto.float()))
+    assert raw.kdt_testing_set_attention_sm90(2) != 0
 
 
 def test_long_ragged_prefixes_split_and_merge(kernel, cuda):

@@ -151,6 +151,14 @@ def measure(torch, rng, batch, prefix, rows, hq, hkv, dim, bw, flops, baselines,
             row["mma_sync_us"] = timed(torch, ours) * 1e3 / layers
         finally:
             raw.kdt_testing_set_attention_mma_sync(0)
+    # The wgmma kernel whose warpgroups meet at a CTA-wide barrier every tile (sm_90 only;
+    # the automatic choice there is the warp-specialized one).
+    if hasattr(raw, "kdt_testing_set_attention_sm90") and torch.cuda.get_device_capability() == (9, 0):
+        raw.kdt_testing_set_attention_sm90(1)
+        try:
+            row["wgmma_barrier_us"] = timed(torch, ours) * 1e3 / layers
+        finally:
+            raw.kdt_testing_set_attention_sm90(0)
     if baselines:
         vis = trees.visibility.bool()  # [B, R, R]
         mask = torch.ones(batch, rows, keys, dtype=torch.bool, device="cuda")
@@ -271,8 +279,9 @@ def run(torch, hq=32, hkv=8, dim=128, baselines=True, flex=False) -> dict:
     results = []
     rng = np.random.default_rng(0)
     print("| B | prefix | rows | floor us | kdtree us (x floor) | kdtree TFLOP/s, TB/s | mma.sync kernel us | "
+          "wgmma, CTA barriers us | "
           "SDPA+mask us | transformers path us | prefix-only SDPA us | FlexAttention us | kdtree vs SDPA |")
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
 
     def f(x):
         return "-" if x is None else f"{x:,.1f}"
@@ -284,6 +293,7 @@ def run(torch, hq=32, hkv=8, dim=128, baselines=True, flex=False) -> dict:
         vs = f"{row['sdpa_us'] / t_ours:.1f}x" if row.get("sdpa_us") else "-"
         print(f"| {batch} | {prefix:,} | {rows} | {floor:.1f} | {t_ours:,.1f} ({t_ours / floor:.1f}x) | "
               f"{row['kdtree_tflops']:.0f}, {row['kdtree_TBps']:.2f} | {f(row.get('mma_sync_us'))} | "
+              f"{f(row.get('wgmma_barrier_us'))} | "
               f"{f(row.get('sdpa_us'))} | "
               f"{f(row.get('transformers_us'))} | {f(row.get('prefix_only_us'))} | {f(row.get('flex_us'))} | {vs} |",
               flush=True)

@@ -19,7 +19,6 @@ steps=("$@")
 say() { echo "[$(($(date +%s) - START)) s] $*"; }
 export PYTHONPATH=$ROOT/python KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so
 GPU_TESTS=(tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py
-           tests_py/test_engine_batched_tp.py
            tests_py/test_stop_sequences.py tests_py/test_compact_bytes.py tests_py/test_compact_paged.py
            tests_py/test_gpu.py)
 for step in "${steps[@]}"; do
@@ -41,7 +40,8 @@ for step in "${steps[@]}"; do
   pytest)
     python3 -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs > "$OUT/pytest.txt" 2>&1
     # the engines' GPU tests alone (their CPU tests are CI's)
-    python3 -m pytest tests_py/test_engine_batched.py tests_py/test_distributed_verify.py -k gpu -q \
+    python3 -m pytest tests_py/test_engine_batched.py tests_py/test_engine_batched_tp.py \
+      tests_py/test_distributed_verify.py -k gpu -q \
       -p no:cacheprovider -rs >> "$OUT/pytest.txt" 2>&1
     tail -15 "$OUT/pytest.txt"
     say "pytest: $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest.txt" | tail -1)" ;;

@@ -798,6 +798,159 @@ template <> struct Mma<__nv_bfloat16> {
 #undef KDT_WGMMA_D64
 #undef KDT_WGMMA_RS
 #undef KDT_WGMMA_D32
+// The first 1024-byte aligned address of the dynamic shared memory (the swizzle repeats
+// every 1024 bytes of shared address; Layout's slack covers the offset).
+__device__ __forceinline__ unsigned char* aligned(unsigned char* smem) {
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem);
+    return smem + ((1024u - (raw & 1023u)) & 1023u);
+}
+
+// What a CTA of the sm_90 kernels takes: request b, KV head hk, split s (keys k_begin ..
+// k_end of the request's p + n + 1), query vectors m0 .. m0 + 127 of the KV head's m_count
+// (m_real of them real rows; a failed request has none).
+struct Cta {
+    int64_t b, hk;
+    int32_t s;
+    int p, k_begin, k_end, m0, m_count, m_real;
+    __device__ __forceinline__ explicit Cta(const AttnParams& c) {
+        const int64_t bh = blockIdx.x / c.q_tiles;
+        hk = bh % c.kv_heads;
+        b = bh / c.kv_heads;
+        s = blockIdx.y;
+        const int32_t st = c.status[b];
+        const int n = st == KDT_OK ? c.num_nodes[b] : -1;
+        p = st == KDT_OK ? (int)c.prefix[b] : 0;
+        const int total = st == KDT_OK ? p + n + 1 : 0;
+        k_begin = (int)min((int64_t)s * c.chunk, (int64_t)INT32_MAX);
+        k_end = (int)min((int64_t)total, (int64_t)k_begin + c.chunk);
+        m0 = (int)(blockIdx.x % c.q_tiles) * kTileM;
+        m_count = (int)(c.rows * c.group);
+        m_real = (n + 1) * (int)c.group;
+    }
+};
+
+// The CTA's 128 query vectors (zeros past the real rows) into the swizzled Q tile, by
+// `threads` threads.
+template <typename T, int D>
+__device__ __forceinline__ void load_q(const AttnParams& c, unsigned char* sQ, int64_t b, int64_t hk, int m0,
+                                       int m_real, int threads) {
+    constexpr int kCols = D / 8;
+    const int64_t group = c.group;
+    for (int idx = threadIdx.x; idx < kTileM * kCols; idx += threads) {
+        const int r = idx / kCols, cv = idx % kCols;
+        const int m = m0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (m < m_real) {
+            const int64_t row = m / group, hq = hk * group + m % group;
+            val = *reinterpret_cast<const uint4*>(c.q + (b * c.q_bs + row * c.q_rs + hq * c.q_hs + cv * 8) *
+                                                            (int64_t)sizeof(T));
+        }
+        *reinterpret_cast<uint4*>(sQ + swizzled(r, cv, kTileM)) = val;
+    }
+}
+
+// S = Q K^T of a warpgroup's 64 query vectors (qa: their rows of the Q tile) against the
+// K tile at sK (asynchronous; one committed group).
+template <typename T, int D>
+__device__ __forceinline__ void issue_scores(float (&sc)[kN / 8][4], const unsigned char* qa, const unsigned char* sK) {
+    hold(sc);
+    fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const uint64_t da = descriptor(qa + (kk >> 2) * kTileM * 128 + (kk & 3) * 32, 16, 1024);
+        const uint64_t db = descriptor(sK + (kk >> 2) * kN * 128 + (kk & 3) * 32, 16, 1024);
+        Mma<T>::ss(sc, da, db, kk > 0);
+    }
+    commit();
+}
+
+// O += P V, 64 output columns (one swizzled block of the V tile at sV) a step; within a
+// block the 8-key groups are 1024 bytes apart (asynchronous; one committed group).
+template <typename T, int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&a)[kN / 16][4],
+                                         const unsigned char* sV) {
+    hold(o);
+    fence();
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; kk++) {
+#pragma unroll
+        for (int nb = 0; nb < D / 64; nb++) {
+            const uint64_t dvd = descriptor(sV + nb * kN * 128 + kk * 16 * 128, 1024, 1024);
+            Mma<T>::rs(o, nb * 8, a[kk], dvd);
+        }
+    }
+    commit();
+}
+
+// The scores of the tile at key t0 are in sc: masked (where the tile reaches the tree or
+// k_end), then turned into weights; alpha: the rescale the output still owes. m_lo: this
+// thread's first row.
+__device__ __forceinline__ void tile_weights(float (&sc)[kN / 8][4], float (&mx)[2], float (&l)[2],
+                                             float (&alpha)[2], const AttnParams& c, int64_t b, int m_lo,
+                                             int m_real, int t0, int p, int k_end, int tig) {
+    hold(sc);
+    if (__shfl_sync(0xffffffffu, t0 + kN > min(p, k_end), 0)) {
+        mask_tile<kN>(sc, c, b, m_lo, m_real, (int)c.group, t0, p, k_end, tig);
+    }
+    softmax_weights<kN>(sc, mx, l, alpha, c.scale_log2);
+    hold(sc);  // the weights are computed here, before the wait that follows
+}
+
+// The A fragments of P for the P V product.
+template <typename T>
+__device__ __forceinline__ void pack(const float (&sc)[kN / 8][4], uint32_t (&a)[kN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; kk++) pack_p<T, kN>(sc, kk, a[kk]);
+}
+// The pipelined loop of a warpgroup with real rows over ntiles K/V tiles (tile i in buffer
+// i % S of sKV, each buffer a K tile then a V tile), FlashAttention-3's overlap within a
+// warpgroup: while P(i) V(i) runs on the tensor cores, the warpgroup takes the softmax of
+// tile i + 1, whose scores S(i + 1) were issued just before. The kernels differ only in
+// their synchronisation: ready(i) returns once tile i is in shared memory; turn_begin()
+// and turn_end() bracket each issue of products; done(i) follows the wait for the P V
+// product that read buffer i. No branch inside the loop (a branch around a wgmma or its
+// accumulators makes the compiler serialise the products).
+template <typename T, int D, int S, typename Ready, typename TurnBegin, typename TurnEnd, typename Done>
+__device__ __forceinline__ void run_tiles(float (&o)[D / 8][4], float (&mx)[2], float (&l)[2], const AttnParams& c,
+                                          const Cta& w, const unsigned char* qa, const unsigned char* sKV,
+                                          int ntiles, int m_lo, int tig, Ready ready, TurnBegin turn_begin,
+                                          TurnEnd turn_end, Done done) {
+    constexpr int kTileBytes = kN * D * 2;
+    float sc[kN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    uint32_t a[kN / 16][4];
+    float alpha[2];
+    auto weights = [&](int i) {
+        tile_weights(sc, mx, l, alpha, c, w.b, m_lo, w.m_real, w.k_begin + i * kN, w.p, w.k_end, tig);
+    };
+    ready(0);
+    turn_begin();
+    issue_scores<T, D>(sc, qa, sKV);
+    turn_end();
+    wait<0>();
+    weights(0);  // (o is still zero: no rescale)
+    pack<T>(sc, a);
+    for (int i = 0; i + 1 < ntiles; i++) {
+        ready(i + 1);
+        turn_begin();
+        issue_scores<T, D>(sc, qa, sKV + ((i + 1) % S) * 2 * kTileBytes);
+        issue_pv<T, D>(o, a, sKV + (i % S) * 2 * kTileBytes + kTileBytes);
+        turn_end();
+        wait<1>();  // S(i + 1) (committed before P(i) V(i))
+        weights(i + 1);
+        wait<0>();
+        done(i);
+        hold(o);
+        rescale(o, alpha);
+        pack<T>(sc, a);
+    }
+    turn_begin();
+    issue_pv<T, D>(o, a, sKV + ((ntiles - 1) % S) * 2 * kTileBytes + kTileBytes);
+    turn_end();
+    wait<0>();
+    hold(o);
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace sm90
@@ -811,47 +964,23 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
     constexpr int TN = sm90::kN;
     constexpr int S = L::kStages;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    // The swizzle repeats every 1024 bytes of shared address: align the tiles to it.
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    unsigned char* sQ = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned char* sQ = sm90::aligned(smem_raw);
     unsigned char* sKV = sQ + L::kQBytes;  // S buffers of [K tile; V tile]
 
-    const int64_t tile = blockIdx.x % c.q_tiles;
-    const int64_t bh = blockIdx.x / c.q_tiles;
-    const int64_t hk = bh % c.kv_heads;
-    const int64_t b = bh / c.kv_heads;
-    const int32_t s = blockIdx.y;
+    const sm90::Cta w(c);
+    const int64_t b = w.b, hk = w.hk;
+    const int32_t s = w.s;
+    const int k_begin = w.k_begin, k_end = w.k_end, m0 = w.m0, m_count = w.m_count, m_real = w.m_real;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane / 4, tig = lane % 4;
     const int wg = warp / 4;
-
-    const int32_t st = c.status[b];
-    const int n = st == KDT_OK ? c.num_nodes[b] : -1;
-    const int p = st == KDT_OK ? (int)c.prefix[b] : 0;
-    const int total = st == KDT_OK ? p + n + 1 : 0;
-    const int k_begin = (int)min((int64_t)s * c.chunk, (int64_t)INT32_MAX);
-    const int k_end = (int)min((int64_t)total, (int64_t)k_begin + c.chunk);
-    const int group = (int)c.group;
-    const int m0 = (int)tile * kTileM;
-    const int m_count = (int)c.rows * group;
-    const int m_real = (n + 1) * group;
     if (k_begin >= k_end) {
         if (c.splits != 1 || s != 0) return;
     }
 
     constexpr int kVec = 8;
     constexpr int kCols = D / kVec;
-    for (int idx = threadIdx.x; idx < kTileM * kCols; idx += sm90::kThreads) {
-        const int r = idx / kCols, cv = idx % kCols;
-        const int m = m0 + r;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (m < m_real) {
-            const int64_t row = m / group, hq = hk * group + m % group;
-            val = *reinterpret_cast<const uint4*>(c.q + (b * c.q_bs + row * c.q_rs + hq * c.q_hs + cv * kVec) *
-                                                            (int64_t)sizeof(T));
-        }
-        *reinterpret_cast<uint4*>(sQ + sm90::swizzled(r, cv, kTileM)) = val;
-    }
+    sm90::load_q<T, D>(c, sQ, b, hk, m0, m_real, sm90::kThreads);
 
     // The warpgroup's 64 rows start at m0 + 64 wg; this warp's 16 at m0 + 16 warp.
     // (Broadcast from lane 0 so that the compiler sees the branches around wgmma as
@@ -911,62 +1040,12 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
 #pragma unroll
         for (int i = 0; i < S - 1; i++) issue_tile(k_begin + i * TN, i);
     }
-    const float scale = c.scale_log2;
-    const unsigned char* qa = sQ + wg * 64 * 128;  // the warpgroup's rows in each 64-column block
-    float sc[TN / 8][4];
-#pragma unroll
-    for (int j = 0; j < TN / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-    uint32_t a[TN / 16][4];
-    // S(i) = Q K(i)^T into sc (asynchronous; one committed group).
-    auto issue_scores = [&](int buf) {
-        const unsigned char* sK = sKV + buf * 2 * L::kTileBytes;
-        sm90::hold(sc);
-        sm90::fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint64_t da = sm90::descriptor(qa + (kk >> 2) * kTileM * 128 + (kk & 3) * 32, 16, 1024);
-            const uint64_t db = sm90::descriptor(sK + (kk >> 2) * TN * 128 + (kk & 3) * 32, 16, 1024);
-            sm90::Mma<T>::ss(sc, da, db, kk > 0);
-        }
-        sm90::commit();
-    };
-    // O += P(i) V(i), 64 output columns (one swizzled block of V) a step; within a block
-    // the 8-key groups are 1024 bytes apart (asynchronous; one committed group).
-    auto issue_pv = [&](int buf) {
-        const unsigned char* sV = sKV + buf * 2 * L::kTileBytes + L::kTileBytes;
-        sm90::hold(o);
-        sm90::fence();
-#pragma unroll
-        for (int kk = 0; kk < TN / 16; kk++) {
-#pragma unroll
-            for (int nb = 0; nb < D / 64; nb++) {
-                const uint64_t dvd = sm90::descriptor(sV + nb * TN * 128 + kk * 16 * 128, 1024, 1024);
-                sm90::Mma<T>::rs(o, nb * 8, a[kk], dvd);
-            }
-        }
-        sm90::commit();
-    };
-    // The scores of tile t0 are in sc: mask them, then the weights (alpha: the rescale the
-    // output still owes).
-    auto weights = [&](int t0, float (&alpha)[2]) {
-        sm90::hold(sc);
-        if (__shfl_sync(0xffffffffu, t0 + TN > min(p, k_end), 0)) {
-            mask_tile<TN>(sc, c, b, wm + gid, m_real, group, t0, p, k_end, tig);
-        }
-        softmax_weights<TN>(sc, mx, l, alpha, scale);
-        sm90::hold(sc);  // the weights are computed here, before the wait that follows
-    };
-    auto pack = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < TN / 16; kk++) pack_p<T, TN>(sc, kk, a[kk]);
-    };
-
     // Tile i + 1 is in (this thread's copies waited for, then the barrier), every warpgroup
     // is done with the buffer tile i + S - 1 goes to, and that tile is on its way. The
     // barrier is the non-aligned form: the warpgroups past the real rows reach it from
     // another branch (they only load).
-    auto next_tile = [&](int i, bool first) {
-        if (first) {
+    auto next_tile = [&](int i) {
+        if (i == 0) {
             asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
         } else {
             asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 3));
@@ -975,46 +1054,192 @@ __global__ void __launch_bounds__(sm90::kThreads, 1) attention_sm90_kernel(AttnP
         // the async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("barrier.sync 0;\n" ::: "memory");
-        if (!first) issue_tile(k_begin + (i + S - 1) * TN, (i + S - 1) % S);
+        if (i > 0) issue_tile(k_begin + (i + S - 2) * TN, (i + S - 2) % S);
     };
-    // No branch inside the pipelined loop (a branch around a wgmma or its accumulators
-    // makes the compiler serialise the products): the warpgroups with real rows run it,
-    // the others only keep the loads and barriers in step.
+    // The warpgroups with real rows run the pipelined loop, the others only keep the loads
+    // and barriers in step.
     if (wg_live) {
         if (ntiles > 0) {
-            float alpha[2];
-            next_tile(-1, true);  // tile 0
-            issue_scores(0);
-            sm90::wait<0>();
-            weights(k_begin, alpha);  // (o is still zero: no rescale)
-            pack();
-        }
-        for (int i = 0; i + 1 < ntiles; i++) {
-            float alpha[2];
-            next_tile(i, false);
-            issue_scores((i + 1) % S);
-            issue_pv(i % S);
-            sm90::wait<1>();  // S(i + 1) (committed before P(i) V(i))
-            weights(k_begin + (i + 1) * TN, alpha);
-            sm90::wait<0>();
-            sm90::hold(o);
-            rescale(o, alpha);
-            pack();
-        }
-        if (ntiles > 0) {
-            issue_pv((ntiles - 1) % S);
-            sm90::wait<0>();
-            sm90::hold(o);
+            auto none = [] {};
+            sm90::run_tiles<T, D, S>(o, mx, l, c, w, sQ + wg * 64 * 128, sKV, ntiles, wm + gid, tig, next_tile, none,
+                                     none, [](int) {});
         }
     } else {
-        if (ntiles > 0) next_tile(-1, true);
-        for (int i = 0; i + 1 < ntiles; i++) next_tile(i, false);
+        for (int i = 0; i < ntiles; i++) next_tile(i);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     write_rows<T, D / 8>(c, o, mx, l, b, hk, wm + gid, m_count, m_real, s, 0, D, true, tig);
 #else
     // Built without sm_90a code for this device (the launcher takes this kernel only where
     // it is): fail every request of the CTA rather than leave its rows unwritten.
+    if (threadIdx.x == 0) c.status[blockIdx.x / c.q_tiles / c.kv_heads] = KDT_ERR_UNSUPPORTED;
+#endif
+}
+#endif
+
+// ---- Hopper, warp-specialized: a producer warpgroup and two ping-ponging consumers ---------
+//
+// The same tiles, layouts and products as attention_sm90_kernel, with the roles of
+// FlashAttention-3: warpgroup 0 only loads (cp.async of each K/V tile, the contiguous cache
+// by a fixed stride or the paged one through the block table; every producer thread's
+// copies of a tile end in one cp.async.mbarrier.arrive on the buffer's "full" barrier) and
+// keeps few registers (setmaxnreg); warpgroups 1 and 2 take 64 query vectors each, wait for
+// a buffer's "full" barrier, and give it back through its "empty" barrier once their P V
+// product that read it is done, so no CTA-wide barrier remains in the loop. The two
+// consumers take turns to issue their products (two named barriers): one warpgroup's
+// softmax runs while the other's products are on the tensor cores. A consumer whose 64
+// vectors are all past the real rows takes no part (the barriers count the live ones).
+#if defined(KDT_CUDA_SM90A)
+namespace sm90 {
+constexpr int kWsThreads = 384;  // producer + two consumers
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "the register file");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Waits until the phase of the given parity of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nKDT_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra KDT_WAIT;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// One arrival on the barrier once every cp.async this thread issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_copies(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+#endif
+}  // namespace sm90
+
+template <typename T, int D, bool PAGED>
+__global__ void __launch_bounds__(sm90::kWsThreads, 1) attention_ws_kernel(AttnParams c) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = sm90::Layout<D>;
+    constexpr int TN = sm90::kN;
+    constexpr int S = L::kStages;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ uint64_t full[S], empty[S];
+    unsigned char* sQ = sm90::aligned(smem_raw);
+    unsigned char* sKV = sQ + L::kQBytes;
+
+    const sm90::Cta w(c);
+    const int64_t b = w.b, hk = w.hk;
+    const int32_t s = w.s;
+    const int k_begin = w.k_begin, k_end = w.k_end, m0 = w.m0, m_count = w.m_count, m_real = w.m_real;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane / 4, tig = lane % 4;
+    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+    if (k_begin >= k_end) {
+        if (c.splits != 1 || s != 0) return;
+    }
+    // Consumers with real rows (0, 1 or 2; the first one's rows come first), and the tiles.
+    const int live = (m0 < m_real) + (m0 + 64 < m_real);
+    const int ntiles = live > 0 && k_begin < k_end ? (k_end - k_begin + TN - 1) / TN : 0;
+
+    constexpr int kVec = 8;
+    constexpr int kCols = D / kVec;
+    sm90::load_q<T, D>(c, sQ, b, hk, m0, m_real, sm90::kWsThreads);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < S; i++) {
+            sm90::mbar_init(&full[i], 128);        // every producer thread's copies
+            sm90::mbar_init(&empty[i], 4 * max(live, 1));  // every live consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    // The Q stores write through the generic proxy; wgmma reads through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---- producer: tile j into buffer j % S once the consumers gave it back ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(sm90::kProducerRegs));
+        constexpr int kLoads = TN * kCols / 128;
+        static_assert(TN * kCols % 128 == 0, "whole tiles per thread");
+        const int my_col = threadIdx.x % kCols, my_row = threadIdx.x / kCols;
+        constexpr int kRowStep = 128 / kCols;
+        const char* kbase = c.k + ((PAGED ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+        const char* vbase = c.v + ((PAGED ? 0 : b * c.c_outer) + hk * c.c_head + my_col * kVec) * (int64_t)sizeof(T);
+        const int64_t tok_bytes = c.c_token * (int64_t)sizeof(T);
+        for (int j = 0; j < ntiles; j++) {
+            const int buf = j % S;
+            if (j >= S) sm90::mbar_wait(&empty[buf], (uint32_t)((j / S - 1) & 1));
+            unsigned char* dk = sKV + buf * 2 * L::kTileBytes;
+            unsigned char* dv = dk + L::kTileBytes;
+            const int t_first = k_begin + j * TN + my_row;
+#pragma unroll
+            for (int it = 0; it < kLoads; it++) {
+                const int t = t_first + it * kRowStep;
+                const bool ok = t < k_end;
+                int64_t off = 0;
+                if constexpr (!PAGED) {
+                    off = ok ? (int64_t)t * tok_bytes : 0;
+                } else if (ok) {
+                    const int pg_size = (int)c.page_size;
+                    const int64_t page = c.block_table[b * c.bt_stride + t / pg_size];
+                    off = (page * c.c_outer + (int64_t)(t % pg_size) * c.c_token) * (int64_t)sizeof(T);
+                }
+                const int so = sm90::swizzled(my_row + it * kRowStep, my_col, TN);
+                cp_async16(dk + so, kbase + off, ok);
+                cp_async16(dv + so, vbase + off, ok);
+            }
+            sm90::mbar_arrive_copies(&full[buf]);
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(sm90::kConsumerRegs));
+    const int cw = wg - 1;  // 0 or 1: rows m0 + 64 cw ..
+    const bool mine = cw < live;
+    const bool pingpong = live == 2;
+    const int wm = m0 + 64 * cw + (warp % 4) * 16;
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    if (mine && ntiles > 0) {
+        // Tile i's buffer is full: the producer's copies landed (acquired through the
+        // barrier; the proxy fence orders them before this warpgroup's wgmma reads).
+        auto wait_full = [&](int i) {
+            sm90::mbar_wait(&full[i % S], (uint32_t)((i / S) & 1));
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        };
+        auto release = [&](int i) {
+            if (lane == 0) sm90::mbar_arrive(&empty[i % S]);
+        };
+        // Turns: a warpgroup issues its products after the other one's previous issue
+        // (named barriers 1 and 2: each consumer's own, 256 threads: its sync and the other's
+        // arrive). The second consumer opens the first turn for the first one.
+        auto turn_begin = [&]() {
+            if (pingpong) sm90::named_sync(1 + cw, 256);
+        };
+        auto turn_end = [&]() {
+            if (pingpong) sm90::named_arrive(2 - cw, 256);
+        };
+        if (pingpong && cw == 1) sm90::named_arrive(1, 256);
+        sm90::run_tiles<T, D, S>(o, mx, l, c, w, sQ + cw * 64 * 128, sKV, ntiles, wm + gid, tig, wait_full,
+                                 turn_begin, turn_end, release);
+        // The second consumer's last turn opened one more for the first: take it.
+        if (pingpong && cw == 0) sm90::named_sync(1, 256);
+    }
+    write_rows<T, D / 8>(c, o, mx, l, b, hk, wm + gid, m_count, m_real, s, 0, D, true, tig);
+#else
     if (threadIdx.x == 0) c.status[blockIdx.x / c.q_tiles / c.kv_heads] = KDT_ERR_UNSUPPORTED;
 #endif
 }
@@ -1161,16 +1386,24 @@ bool wgmma_device() {
     return major == 9 && minor == 0;
 }
 
-template <typename T, int D, bool PAGED>
-kdt_status launch_sm90(const AttnParams& c, cudaStream_t stream) {
-    const size_t smem = sm90::Layout<D>::kSmem;
-    if (cudaFuncSetAttribute(attention_sm90_kernel<T, D, PAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)smem) != cudaSuccess) {
+// Launches one of the sm_90 kernels (the same grid and shared memory; `threads` a CTA).
+template <typename Kernel>
+kdt_status launch_sm90(Kernel kernel, int threads, size_t smem, const AttnParams& c, cudaStream_t stream) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         return kdt::launch_status("tree attention (shared memory size)");
     }
     const dim3 grid((unsigned)(c.batch * c.kv_heads * c.q_tiles), (unsigned)c.splits);
-    attention_sm90_kernel<T, D, PAGED><<<grid, sm90::kThreads, smem, stream>>>(c);
+    kernel<<<grid, threads, smem, stream>>>(c);
     return kdt::launch_status("tree attention");
+}
+
+template <typename T, int D, bool PAGED>
+kdt_status launch_sm90(const AttnParams& c, cudaStream_t stream) {
+    const size_t smem = sm90::Layout<D>::kSmem;
+    if (kdt::testing_attention_sm90() == 1) {
+        return launch_sm90(attention_sm90_kernel<T, D, PAGED>, sm90::kThreads, smem, c, stream);
+    }
+    return launch_sm90(attention_ws_kernel<T, D, PAGED>, sm90::kWsThreads, smem, c, stream);
 }
 #endif
 

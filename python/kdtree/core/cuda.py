@@ -462,13 +462,20 @@ def _stop_sequences(stop_sequences, stop_history, like, batch: int, s):
         # device history too, so that nothing is copied (capturable)
         if stop_history is None or dev.is_device_array(stop_history):
             return _device_stop_sequences(stop_sequences, stop_history, like, batch, s)
-    seq = checks.stop_sequences(stop_sequences, stop_history, batch)
+    if stop_sequences is not None:
+        dev.require_not_capturing(like, "stop_sequences are host values and would be copied to the device "
+                                        "(prepare them once with kdtree.stop_sequences(sequences, like=...) and "
+                                        "pass a device stop_history)")
+    device_history = stop_history is not None and dev.is_device_array(stop_history)
+    seq = checks.stop_sequences(stop_sequences, None if device_history else stop_history, batch)
     if seq is None:
+        if device_history:
+            raise checks.invalid("stop_history is given without stop_sequences")
         return None, ()
-    dev.require_not_capturing(like, "stop_sequences are host values and would be copied to the device (prepare "
-                                    "them once with kdtree.stop_sequences(sequences, like=...) and pass a device "
-                                    "stop_history)")
     tokens, offsets, hist = seq
+    if device_history:  # host sequences with a device history: the sequences copied, the history in place
+        packed = StopSequences((), dev.from_host(like, tokens), dev.from_host(like, offsets))
+        return _device_stop_sequences(packed, stop_history, like, batch, s)
     arrays = [dev.from_host(like, tokens), dev.from_host(like, offsets)]
     h_ptr, h_len = None, 0
     if hist is not None and hist.shape[1] > 0:

@@ -150,10 +150,24 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, 
     if problems:
         raise ValueError(f"{folder}: " + "; ".join(problems) + " (they would be initialised at random)")
     if tp:
+        import torch.distributed as dist
+
+        if dist.get_world_size() == 1:
+            # transformers applies no plan to a world of one rank and leaves the model on
+            # the CPU: put it where a rank of a larger world would be
+            model.to(_rank_device(torch, dist))
         if vocab_sharded_head:
             model.kdtree_vocab_slice = _vocab_slice(model)
         return model.eval()  # transformers placed each rank's shard on its device
     return model.to(device).eval()
+
+
+def _rank_device(torch: Any, dist: Any):
+    """This rank's device under tensor parallelism: the current CUDA device where the
+    world's backend is NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _vocab_slice(model: Any) -> tuple[int, int]:
