@@ -263,6 +263,34 @@ def test_gpu_merge_flags_the_rows_the_cpu_rejects(cuda_device):
     assert (out.row_status.cpu().numpy() == _lib.STATUS["KDT_ERR_VALUE"]).all()
 
 
+def test_shard_summary_packs_topk_shard_bit_for_bit_on_cpu_tensors():
+    """The packed summary (int32, 2 k + 3 a row) holds topk_shard's fields bit for bit
+    (the float64 rest within rounding of another summation order); unpack_summary reads
+    them back and refuses another layout."""
+    torch = pytest.importorskip("torch")
+    from kdtree.distributed import shard_summary, unpack_summary
+
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal((2, 3, 500)) * 3).astype(np.float32)
+    logits[0, 1, 40:60] = 50.0  # ties: the lower ids first
+    logits[1, 2] = -np.inf  # only -inf: max -inf, rest 0
+    logits[1, 0, 9] = np.nan  # a bad row: rest NaN
+    packed = shard_summary(torch.from_numpy(logits), 16, 1000)
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (6, 35)
+    lp, ids, mx, rest = (t.numpy() for t in unpack_summary(packed.reshape(2, 3, 35), 16))
+    good = np.ones((2, 3), bool)
+    good[1, 0] = False
+    want = kdtree.topk_shard(logits[good][None], 16, 1000)
+    np.testing.assert_array_equal(lp[good], want.logits[0])
+    np.testing.assert_array_equal(ids[good], want.ids[0])
+    np.testing.assert_array_equal(mx[good], want.max[0])
+    np.testing.assert_allclose(rest[good], want.sum_rest[0], rtol=1e-13, atol=0)
+    assert ids[0, 1, :16].tolist() == list(range(1040, 1056))
+    assert np.isnan(rest[1, 0]) and rest[1, 2] == 0.0 and mx[1, 2] == -np.inf
+    with pytest.raises(ValueError, match="2 k \\+ 3 = 33"):
+        unpack_summary(packed, 15)
+
+
 # ---- the GPU form of kdtree.distributed (shard_summary, NCCL) ----------------------------------
 
 
@@ -274,7 +302,7 @@ def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
     rest within float64 rounding), and merging the summaries on the GPU gives the gathered
     row's top-k (ids exactly, log-probs within one float32 ulp of the CPU merge)."""
     torch = pytest.importorskip("torch")
-    from kdtree.distributed import shard_summary
+    from kdtree.distributed import shard_summary, unpack_summary
 
     rng = np.random.default_rng(shards * 7 + k)
     vocab = 3001
@@ -288,17 +316,16 @@ def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
     edges = split_points(rng, vocab, shards, k)
     packed = []
     for a, b in zip(edges[:-1], edges[1:], strict=True):
-        got = shard_summary(dev_logits[..., a:b], k, int(a)).cpu().numpy().reshape(3, 6, 2 * k + 2)
+        summary = shard_summary(dev_logits[..., a:b], k, int(a))
+        assert summary.dtype == torch.int32 and tuple(summary.shape) == (18, 2 * k + 3)
+        got = [t.cpu().numpy() for t in unpack_summary(summary.reshape(3, 6, 2 * k + 3), k)]
         want = kdtree.topk_shard(host[..., a:b], k, int(a))
-        np.testing.assert_array_equal(got[..., :k].astype(np.float32), want.logits)
-        np.testing.assert_array_equal(got[..., k:2 * k].astype(np.int32), want.ids)
-        np.testing.assert_array_equal(got[..., 2 * k].astype(np.float32), want.max)
-        np.testing.assert_allclose(got[..., 2 * k + 1], want.sum_rest, rtol=1e-13, atol=0)
-        packed.append(got)
-    stack = np.stack(packed)
-    merged = kdtree.topk_merge(*_to_device(torch, cuda_device, (
-        stack[..., :k].astype(np.float32), stack[..., k:2 * k].astype(np.int32),
-        stack[..., 2 * k].astype(np.float32), stack[..., 2 * k + 1])), vocab)
+        np.testing.assert_array_equal(got[0], want.logits)
+        np.testing.assert_array_equal(got[1], want.ids)
+        np.testing.assert_array_equal(got[2], want.max)
+        np.testing.assert_allclose(got[3], want.sum_rest, rtol=1e-13, atol=0)
+        packed.append(summary.reshape(3, 6, 2 * k + 3))
+    merged = kdtree.topk_merge(*unpack_summary(torch.stack(packed), k), vocab)
     want = kdtree.topk_logprobs(host, k)
     np.testing.assert_array_equal(merged.ids.cpu().numpy(), want.ids)
     got_lp = merged.logprobs.cpu().numpy()
@@ -309,16 +336,16 @@ def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
 @pytest.mark.gpu
 def test_gpu_shard_summary_marks_bad_rows(cuda_device):
     torch = pytest.importorskip("torch")
-    from kdtree.distributed import shard_summary
+    from kdtree.distributed import shard_summary, unpack_summary
 
     logits = np.zeros((4, 40), np.float32)
     logits[1, 7] = np.nan
     logits[2, 30] = np.inf
     logits[3] = -np.inf  # only -inf: a valid slice (max -inf, rest 0)
-    got = shard_summary(torch.from_numpy(logits).to(cuda_device), 4, 100).cpu().numpy()
-    rest = got[:, -1]
+    _, ids, mx, rest = (t.cpu().numpy() for t in unpack_summary(
+        shard_summary(torch.from_numpy(logits).to(cuda_device), 4, 100), 4))
     assert rest[0] == 39.0 and np.isnan(rest[1]) and np.isnan(rest[2]) and rest[3] == 0.0
-    assert got[3, 8] == -np.inf and (got[3, 4:8] == 100 + np.arange(4)).all()
+    assert mx[3] == -np.inf and (ids[3] == 100 + np.arange(4)).all()
 
 
 _NCCL_WORKER = textwrap.dedent("""

@@ -2,7 +2,8 @@
 // device twin of kdt_topk_merge_cpu (native/topk.c). One block per row:
 //   1. checks every shard's list and statistics as the CPU does (a failed row: NaN
 //      log-probs, ids 0 .. k-1, KDT_ERR_VALUE);
-//   2. ranks every candidate: an entry at position i of shard t is preceded, in the merged
+//   2. ranks every candidate (from a copy of the row's lists in shared memory where they fit
+//      in kStageBytes): an entry at position i of shard t is preceded, in the merged
 //      order (logit descending, ties lower id), by its i predecessors in its own list and,
 //      in every other list, by the entries that come before it, counted by binary search;
 //      an entry whose rank is below k is written there. The same (logit, id) in two lists
@@ -22,6 +23,7 @@
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int64_t kStageBytes = 48 * 1024;  // a row's lists copied to shared memory up to this size
 
 struct MergeParams {
     const float* logits;  // [T, rows, k]
@@ -29,6 +31,7 @@ struct MergeParams {
     const float* max;     // [T, rows]
     const double* rest;   // [T, rows]
     int64_t shards, rows, k, vocab;
+    bool staged;          // the row's T x k logits and ids copied to shared memory first
     float* out_lp;        // [rows, k]
     int32_t* out_ids;     // [rows, k]
     int32_t* status;      // [rows]
@@ -69,11 +72,25 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     __shared__ int s_bad;
     __shared__ double s_log_sum;
     __shared__ float s_max;
+    extern __shared__ __align__(8) unsigned char s_lists[];  // staged: [T x k] logits, then [T x k] ids
     const int64_t r = blockIdx.x;
     const int64_t T = p.shards, R = p.rows, k = p.k;
     const size_t per_shard = (size_t)R * (size_t)k;
+    float* sv = reinterpret_cast<float*>(s_lists);
+    int32_t* si = reinterpret_cast<int32_t*>(sv + T * k);
     if (threadIdx.x == 0) s_bad = 0;
+    if (p.staged) {
+        for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
+            const size_t at = (size_t)(e / k) * per_shard + (size_t)r * (size_t)k + (size_t)(e % k);
+            sv[e] = p.logits[at];
+            si[e] = p.ids[at];
+        }
+    }
     __syncthreads();
+    // shard u's list of this row
+    const size_t row_at = (size_t)r * (size_t)k;
+    auto list_v = [&](int64_t u) { return p.staged ? sv + u * k : p.logits + (size_t)u * per_shard + row_at; };
+    auto list_i = [&](int64_t u) { return p.staged ? si + u * k : p.ids + (size_t)u * per_shard + row_at; };
     // 1. The checks (check_shard_row), and the row's max.
     int bad = 0;
     for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
@@ -109,16 +126,14 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     if (!row_bad) {
         for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
             const int64_t t = e / k, i = e % k;
-            const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k + (size_t)i;
-            const float x = p.logits[at];
-            const int32_t xi = p.ids[at];
+            const float x = list_v(t)[i];
+            const int32_t xi = list_i(t)[i];
             int64_t rank = i;
             bool twin = false;
             for (int64_t u = 0; u < T && rank < k; u++) {
                 if (u == t) continue;
-                const size_t base = (size_t)u * per_shard + (size_t)r * (size_t)k;
                 bool equal = false;
-                rank += better_count(p.logits + base, p.ids + base, k, x, xi, &equal);
+                rank += better_count(list_v(u), list_i(u), k, x, xi, &equal);
                 twin |= equal;
             }
             if (rank >= k) continue;
@@ -128,9 +143,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
                 if (rank + 1 < k) atomicOr(&s_bad, 1);
                 bool first = true;
                 for (int64_t u = 0; u < t; u++) {
-                    const size_t base = (size_t)u * per_shard + (size_t)r * (size_t)k;
                     bool equal = false;
-                    (void)better_count(p.logits + base, p.ids + base, k, x, xi, &equal);
+                    (void)better_count(list_v(u), list_i(u), k, x, xi, &equal);
                     first &= !equal;
                 }
                 if (!first) continue;
@@ -234,6 +248,8 @@ extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32
     p.out_lp = out_logprobs;
     p.out_ids = out_ids;
     p.status = row_status;
-    merge_kernel<<<(unsigned)rows, kThreads, 0, kdt::as_stream(stream)>>>(p);
+    const int64_t list_bytes = shards * k * 8;
+    p.staged = list_bytes <= kStageBytes;
+    merge_kernel<<<(unsigned)rows, kThreads, p.staged ? (size_t)list_bytes : 0, kdt::as_stream(stream)>>>(p);
     return kdt::launch_status("sharded top-k merge");
 }

@@ -44,7 +44,7 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
 
     CUDA tensors (NCCL): the same ids and order, log-probs within one float32 ulp of the
     CPU form's; each rank's summary is :func:`shard_summary`, one all-gather moves them
-    (``(2 k + 2) x 8`` bytes a row a rank) and ``kdt_topk_merge_cuda`` merges them on every
+    (``(2 k + 3) x 4`` bytes a row a rank) and ``kdt_topk_merge_cuda`` merges them on every
     rank. No host synchronisation and no rank check: the ranks must pass the same k and
     leading shape and slices that tile ``[0, vocab)`` (a mismatch is undefined: NCCL may
     hang). The result's ``row_status`` is KDT_ERR_VALUE for a row with a NaN or +inf logit
@@ -229,18 +229,21 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
     """One rank's summary of its vocabulary slice on the GPU, packed for the all-gather.
 
     Args:
-        local_logits: CUDA torch tensor ``[..., V_rank]`` (float32, float16 or bfloat16).
+        local_logits: CUDA torch tensor ``[..., V_rank]`` (float32, float16 or bfloat16;
+            a CPU tensor gives the same values, for tests).
         k: 1 .. min(V_rank, 1024).
         vocab_offset: the slice's first global token id.
 
     Returns:
-        float64 ``[rows, 2 k + 2]`` (rows = the leading axes' product): the slice's k
-        largest logits best first (ties: lower id; the selection of
-        :func:`kdtree.topk_logprobs`), their global ids, the slice's max and the rest of its
-        sum of exponentials (``exp(logit - max)`` over every entry but the first at the max,
-        in float64) -- :func:`kdtree.topk_shard`'s four fields, exact in float64. A row
-        with a NaN or +inf logit gets a NaN rest (which :func:`kdtree.topk_merge` rejects);
-        a row of only -inf has max -inf and rest 0, as the CPU summary.
+        int32 ``[rows, 2 k + 3]`` (rows = the leading axes' product; ``(2 k + 3) x 4``
+        bytes a row), :func:`kdtree.topk_shard`'s four fields bit for bit: the slice's k
+        largest logits best first (float32 bits; ties: lower id; the selection of
+        :func:`kdtree.topk_logprobs`), their global ids, the slice's max (float32 bits) and
+        the rest of its sum of exponentials (``exp(logit - max)`` over every entry but the
+        first at the max, float64 bits in two int32, low word first).
+        :func:`unpack_summary` reads them back. A row with a NaN or +inf logit gets a NaN
+        rest (which :func:`kdtree.topk_merge` rejects); a row of only -inf has max -inf and
+        rest 0, as the CPU summary.
 
     Raises:
         KdtreeError: k out of range; as :func:`kdtree.topk_logprobs`.
@@ -253,8 +256,9 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
     vr = int(local_logits.shape[-1])
     k = checks.int_scalar(k, "k", 1, min(vr, 1024))
     flat = local_logits.detach().reshape(-1, vr)
-    top = topk_logprobs(flat, k, errors="status")
-    idx = top.ids.long()
+    top = topk_logprobs(flat, k, errors="status")  # (numpy arrays for a CPU tensor)
+    idx = torch.as_tensor(top.ids, device=flat.device).long()
+    row_status = torch.as_tensor(top.row_status, device=flat.device)
     vals = flat.gather(1, idx).float()
     mx = vals[:, 0]
     terms = torch.exp(flat.double() - mx.double()[:, None])
@@ -262,9 +266,31 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
     only_neg_inf = mx == float("-inf")
     rest = torch.where(only_neg_inf, torch.zeros_like(mx, dtype=torch.float64), terms.sum(1))
     # a NaN or +inf logit (the top-k's status; a row of only -inf is a valid slice here)
-    bad = (top.row_status != 0) & ~only_neg_inf
+    bad = (row_status != 0) & ~only_neg_inf
     rest = torch.where(bad, torch.full_like(rest, float("nan")), rest)
-    return torch.cat([vals.double(), (idx + int(vocab_offset)).double(), mx.double()[:, None], rest[:, None]], 1)
+    return torch.cat([vals.contiguous().view(torch.int32), (idx + int(vocab_offset)).to(torch.int32),
+                      mx.contiguous()[:, None].view(torch.int32), rest.contiguous()[:, None].view(torch.int32)], 1)
+
+
+def unpack_summary(packed, k: int):
+    """The four fields of packed summaries (:func:`shard_summary`'s int32 ``[..., 2 k + 3]``,
+    any leading axes, e.g. ``[T, rows]`` after the all-gather): ``(logits float32 [..., k],
+    ids int32 [..., k], max float32 [...], rest float64 [...])``, the arguments of
+    :func:`kdtree.topk_merge`, as contiguous tensors on ``packed``'s device.
+
+    Raises:
+        ValueError: ``packed`` is not int32 with a last axis of ``2 k + 3``.
+    """
+    import torch
+
+    if packed.dtype != torch.int32 or packed.shape[-1] != 2 * k + 3:
+        raise ValueError(f"packed summaries must be int32 [..., 2 k + 3 = {2 * k + 3}], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    logits = packed[..., :k].contiguous().view(torch.float32)
+    ids = packed[..., k:2 * k].contiguous()
+    mx = packed[..., 2 * k:2 * k + 1].contiguous().view(torch.float32)[..., 0]
+    rest = packed[..., 2 * k + 1:].contiguous().view(torch.float64)[..., 0]
+    return logits, ids, mx, rest
 
 
 def _all_gather(packed, world: int, group):
@@ -288,9 +314,7 @@ def _topk_logprobs_sharded_cuda(x, k, vocab_offset, vocab, group):
     packed = shard_summary(x, k, vocab_offset)
     world = dist.get_world_size(group)
     gathered = _all_gather(packed, world, group)
-    merged = topk_merge(gathered[..., :k].float().contiguous(), gathered[..., k:2 * k].to(torch.int32).contiguous(),
-                        gathered[..., 2 * k].float().contiguous(), gathered[..., 2 * k + 1].contiguous(), vocab,
-                        errors="status")
+    merged = topk_merge(*unpack_summary(gathered, k), vocab, errors="status")
     return TopK(merged.logprobs.reshape(lead + (k,)), merged.ids.reshape(lead + (k,)),
                 merged.row_status.reshape(lead if lead else (1,)))
 
