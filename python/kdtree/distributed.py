@@ -305,7 +305,6 @@ def _all_gather(packed, world: int, group):
 
 
 def _topk_logprobs_sharded_cuda(x, k, vocab_offset, vocab, group):
-    import torch
     import torch.distributed as dist
 
     from .core.api import topk_merge
