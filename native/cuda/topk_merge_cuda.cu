@@ -3,7 +3,8 @@
 //   1. checks every shard's list and statistics as the CPU does (a failed row: NaN
 //      log-probs, ids 0 .. k-1, KDT_ERR_VALUE);
 //   2. ranks every candidate (from a copy of the row's lists in shared memory where they fit
-//      in kStageBytes): an entry at position i of shard t is preceded, in the merged
+//      in kStageBytes; an entry worse than a bound taken from the lists' heads cannot be in
+//      the top k and is skipped): an entry at position i of shard t is preceded, in the merged
 //      order (logit descending, ties lower id), by its i predecessors in its own list and,
 //      in every other list, by the entries that come before it, counted by binary search;
 //      an entry whose rank is below k is written there. The same (logit, id) in two lists
@@ -43,11 +44,11 @@ __device__ __forceinline__ bool worse(float va, int32_t ia, float vb, int32_t ib
 
 // Entries of the sorted list (v, id)[0..k) that come before (x, xi): the first position
 // whose entry is not better than it. *equal: that entry is (x, xi) itself.
-__device__ __forceinline__ int64_t better_count(const float* v, const int32_t* id, int64_t k, float x, int32_t xi,
-                                                bool* equal) {
-    int64_t lo = 0, hi = k;
+__device__ __forceinline__ int better_count(const float* v, const int32_t* id, int k, float x, int32_t xi,
+                                            bool* equal) {
+    int lo = 0, hi = k;
     while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
+        const int mid = (lo + hi) >> 1;
         if (worse(x, xi, v[mid], id[mid])) {
             lo = mid + 1;
         } else {
@@ -72,65 +73,102 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     __shared__ int s_bad;
     __shared__ double s_log_sum;
     __shared__ float s_max;
+    __shared__ float s_wv[kThreads / 32], s_wm[kThreads / 32];
+    __shared__ int32_t s_wi[kThreads / 32];
+    __shared__ float s_bound_v;
+    __shared__ int32_t s_bound_i;
     extern __shared__ __align__(8) unsigned char s_lists[];  // staged: [T x k] logits, then [T x k] ids
     const int64_t r = blockIdx.x;
-    const int64_t T = p.shards, R = p.rows, k = p.k;
+    const int T = (int)p.shards, k = (int)p.k;  // T x k <= 2^20
+    const int64_t R = p.rows;
     const size_t per_shard = (size_t)R * (size_t)k;
+    const size_t row_at = (size_t)r * (size_t)k;
     float* sv = reinterpret_cast<float*>(s_lists);
     int32_t* si = reinterpret_cast<int32_t*>(sv + T * k);
     if (threadIdx.x == 0) s_bad = 0;
     if (p.staged) {
-        for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
-            const size_t at = (size_t)(e / k) * per_shard + (size_t)r * (size_t)k + (size_t)(e % k);
-            sv[e] = p.logits[at];
-            si[e] = p.ids[at];
+        for (int e = threadIdx.x; e < T * k; e += blockDim.x) {
+            const int t = e / k, c = e - t * k;
+            sv[e] = p.logits[(size_t)t * per_shard + row_at + c];
+            si[e] = p.ids[(size_t)t * per_shard + row_at + c];
         }
     }
     __syncthreads();
     // shard u's list of this row
-    const size_t row_at = (size_t)r * (size_t)k;
-    auto list_v = [&](int64_t u) { return p.staged ? sv + u * k : p.logits + (size_t)u * per_shard + row_at; };
-    auto list_i = [&](int64_t u) { return p.staged ? si + u * k : p.ids + (size_t)u * per_shard + row_at; };
-    // 1. The checks (check_shard_row), and the row's max.
+    auto list_v = [&](int u) { return p.staged ? sv + u * k : p.logits + (size_t)u * per_shard + row_at; };
+    auto list_i = [&](int u) { return p.staged ? si + u * k : p.ids + (size_t)u * per_shard + row_at; };
+    // 1. The checks (check_shard_row), the row's max, and a bound: the worst of the shards'
+    //    entries at position q = ceil(k / T) - 1. Each shard has q + 1 entries at least as
+    //    good as its own, T (q + 1) >= k in all, so an entry worse than the bound has k
+    //    better ones: it is not ranked.
+    const int q = (k + T - 1) / T - 1;
     int bad = 0;
-    for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+    float mx = -INFINITY, bv = INFINITY;
+    int32_t bi = -1;
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
         const size_t cell = (size_t)t * (size_t)R + (size_t)r;
-        const float m = p.max[cell];
+        const float mt = p.max[cell];
         const double rest = p.rest[cell];
-        const float* v = p.logits + (size_t)t * per_shard + (size_t)r * (size_t)k;
-        bad |= isnan(m) || m == INFINITY || !(rest >= 0.0) || rest > (double)p.vocab || (m == -INFINITY && rest != 0.0) ||
-               (k > 0 && v[0] != m);
+        bad |= isnan(mt) || mt == INFINITY || !(rest >= 0.0) || rest > (double)p.vocab ||
+               (mt == -INFINITY && rest != 0.0) || (k > 0 && list_v(t)[0] != mt);
+        mx = fmaxf(mx, mt);
+        if (k > 0) {
+            const float x = list_v(t)[q];
+            const int32_t xi = list_i(t)[q];
+            if (bi < 0 || worse(x, xi, bv, bi)) bv = x, bi = xi;
+        }
     }
-    for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
-        const int64_t t = e / k, c = e % k;
-        const size_t at = (size_t)t * per_shard + (size_t)r * (size_t)k + (size_t)c;
-        const float x = p.logits[at];
-        const int32_t xi = p.ids[at];
+    for (int e = threadIdx.x; e < T * k; e += blockDim.x) {
+        const int t = e / k, c = e - t * k;
+        const float* v = list_v(t);
+        const int32_t* id = list_i(t);
+        const float x = v[c];
+        const int32_t xi = id[c];
         bad |= xi < 0 || (int64_t)xi >= p.vocab || isnan(x) || x == INFINITY;
-        if (c > 0) bad |= !worse(x, xi, p.logits[at - 1], p.ids[at - 1]);
+        if (c > 0) bad |= !worse(x, xi, v[c - 1], id[c - 1]);
+    }
+    // (NaNs are flagged above; the max and bound of a bad row are not used)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (oi >= 0 && (bi < 0 || worse(ov, oi, bv, bi))) bv = ov, bi = oi;
     }
     if (bad) atomicOr(&s_bad, 1);
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) {
+        s_wv[warp] = bv;
+        s_wi[warp] = bi;
+        s_wm[warp] = mx;
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
-        float m = -INFINITY;
-        for (int64_t t = 0; t < T; t++) {
-            const float mt = p.max[(size_t)t * (size_t)R + (size_t)r];
-            if (mt > m) m = mt;
+        float mm = -INFINITY, v = INFINITY;
+        int32_t i = -1;
+        for (int w = 0; w < (int)(blockDim.x / 32); w++) {
+            mm = fmaxf(mm, s_wm[w]);
+            if (s_wi[w] >= 0 && (i < 0 || worse(s_wv[w], s_wi[w], v, i))) v = s_wv[w], i = s_wi[w];
         }
-        s_max = m;
-        if (m == -INFINITY) s_bad = 1;  // every logit is -inf
+        s_max = mm;
+        s_bound_v = v;
+        s_bound_i = i;
+        if (mm == -INFINITY) s_bad = 1;  // every logit is -inf
     }
     __syncthreads();
     const bool row_bad = s_bad != 0;
+    const float bound_v = s_bound_v;
+    const int32_t bound_i = s_bound_i;
     // 2. Ranks (valid rows only: the lists are sorted there).
     if (!row_bad) {
-        for (int64_t e = threadIdx.x; e < T * k; e += blockDim.x) {
-            const int64_t t = e / k, i = e % k;
+        for (int e = threadIdx.x; e < T * k; e += blockDim.x) {
+            const int t = e / k, i = e - t * k;
             const float x = list_v(t)[i];
             const int32_t xi = list_i(t)[i];
-            int64_t rank = i;
+            if (worse(x, xi, bound_v, bound_i)) continue;
+            int rank = i;
             bool twin = false;
-            for (int64_t u = 0; u < T && rank < k; u++) {
+            for (int u = 0; u < T && rank < k; u++) {
                 if (u == t) continue;
                 bool equal = false;
                 rank += better_count(list_v(u), list_i(u), k, x, xi, &equal);
@@ -142,15 +180,15 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
                 // second at rank + 1 < k); the copy of the lower shard writes.
                 if (rank + 1 < k) atomicOr(&s_bad, 1);
                 bool first = true;
-                for (int64_t u = 0; u < t; u++) {
+                for (int u = 0; u < t; u++) {
                     bool equal = false;
                     (void)better_count(list_v(u), list_i(u), k, x, xi, &equal);
                     first &= !equal;
                 }
                 if (!first) continue;
             }
-            p.out_lp[(size_t)r * (size_t)k + (size_t)rank] = x;  // the logit for now
-            p.out_ids[(size_t)r * (size_t)k + (size_t)rank] = xi;
+            p.out_lp[row_at + rank] = x;  // the logit for now
+            p.out_ids[row_at + rank] = xi;
         }
     }
     __syncthreads();
