@@ -39,8 +39,8 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     float32 [..., k], ids int32 [..., k])``, equal to :func:`kdtree.topk_logprobs` on the
     gathered rows (see :func:`kdtree.topk_merge` for the log-probs' last bit). Two
     all-gathers: 13 integers a rank (status, offset, slice size, k, leading shape) that
-    every rank checks, then ``(2 k + 2)`` float64 values a row (ids and float32 logits are
-    exact in float64).
+    every rank checks, then the summary's ``2 k + 3`` int32 words a row (the bits of
+    :func:`shard_summary`'s layout: ``(2 k + 3) x 4`` bytes a row a rank).
 
     CUDA tensors (NCCL): the same ids and order, log-probs within one float32 ulp of the
     CPU form's; each rank's summary is :func:`shard_summary`, one all-gather moves them
@@ -92,14 +92,16 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
         raise failure
     if problem is not None:
         raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
-    packed = np.concatenate([shard.logits.astype(np.float64), shard.ids.astype(np.float64),
-                             shard.max[..., None].astype(np.float64), shard.sum_rest[..., None]], axis=-1)
+    # shard_summary's int32 layout: float32 logits, int32 ids, float32 max, float64 rest
+    packed = np.concatenate([np.ascontiguousarray(shard.logits, np.float32).view(np.int32),
+                             np.ascontiguousarray(shard.ids, np.int32),
+                             np.ascontiguousarray(shard.max[..., None], np.float32).view(np.int32),
+                             np.ascontiguousarray(shard.sum_rest[..., None], np.float64).view(np.int32)], axis=-1)
     mine = torch.from_numpy(np.ascontiguousarray(packed))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    stacked = torch.stack(gathered).numpy()  # [T, ..., 2k + 2]
-    merged = topk_merge(stacked[..., :k].astype(np.float32), stacked[..., k:2 * k].astype(np.int32),
-                        stacked[..., 2 * k].astype(np.float32), stacked[..., 2 * k + 1], vocab)
+    fields = unpack_summary(torch.stack(gathered), k)  # [T, ..., 2k + 3] -> four fields
+    merged = topk_merge(*(f.numpy() for f in fields), vocab)
     status = torch.zeros(lead if lead else (1,), dtype=torch.int32)
     return TopK(torch.from_numpy(merged.logprobs), torch.from_numpy(merged.ids), status)
 
