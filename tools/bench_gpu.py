@@ -305,6 +305,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["topk", "merge", "build", "limits", "round", "attention"])
+    parser.add_argument("--flex", action="store_true",
+                        help="the tree attention section also times FlexAttention with a block mask "
+                             "(torch.compile per shape: minutes; a shape that does not compile is reported)")
     parser.add_argument("--dump-topk", metavar="PREFIX",
                         help="write the GPU top-k of one peaked bf16 drafter batch (the round's shapes) to "
                              "PREFIX.lp (float32 [B, L, K]) and PREFIX.ids (int32), raw, for "
@@ -388,7 +391,7 @@ def main() -> None:
         import bench_tree_attention
 
         print("\n## tree attention (the verify forward's attention, one layer; tools/bench_tree_attention.py)")
-        bench_tree_attention.run(torch)
+        bench_tree_attention.run(torch, flex=args.flex)
         print("\nMLA (absorbed; latent 512 + rotary 64, one KV head; bf16):")
         bench_tree_attention.run_mla(torch)
 
