@@ -219,6 +219,11 @@ def test_prepared_sequences_on_the_host():
             kdtree.stop_sequences(bad)
     with pytest.raises(TypeError, match="like must be a CUDA array"):
         kdtree.stop_sequences([[1]], like=np.zeros(3))
+    # a batch of sequences as one 2-D entry, and a scalar history, are errors, not reshaped
+    with pytest.raises(kdtree.KdtreeTypeError, match="flat sequence of token ids"):
+        kdtree.verify_greedy(trees, target, stop_sequences=[[[10, 20]]])
+    with pytest.raises(kdtree.KdtreeError, match="got a scalar"):
+        kdtree.verify_greedy(trees, target, stop_sequences=[[10, 20]], stop_history=4)
 
 
 @pytest.mark.gpu

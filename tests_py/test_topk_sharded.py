@@ -291,6 +291,44 @@ def test_shard_summary_packs_topk_shard_bit_for_bit_on_cpu_tensors():
         unpack_summary(packed, 15)
 
 
+def test_shard_summary_edges_on_cpu_tensors():
+    """One row, a 1-D slice and no rows unpack (a single row's rest sits at an odd word
+    offset of a contiguous slice: a world of one rank gathers exactly that); a NaN or +inf
+    is reported even where the slice's first logit is -inf; bfloat16 gives float32's
+    summary; bad arguments are errors that name them."""
+    torch = pytest.importorskip("torch")
+    from kdtree.distributed import shard_summary, unpack_summary
+
+    x = torch.tensor([[0.5, -1.0, 2.0, 0.25, 1.5]])
+    want = kdtree.topk_shard(x.numpy(), 3, 10)
+    for packed in (shard_summary(x, 3, 10), shard_summary(x[0], 3, 10)[None], shard_summary(x, 3, 10)[None]):
+        lp, ids, mx, rest = unpack_summary(packed, 3)
+        np.testing.assert_array_equal(lp.reshape(1, 3).numpy(), want.logits)
+        assert ids.reshape(-1).tolist() == [12, 14, 10] and float(mx.reshape(-1)[0]) == 2.0
+        np.testing.assert_allclose(rest.reshape(1).numpy(), want.sum_rest, rtol=1e-13)
+    assert [tuple(t.shape) for t in unpack_summary(shard_summary(torch.zeros(0, 4, 6), 2, 0), 2)] == \
+        [(0, 2), (0, 2), (0,), (0,)]
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[-inf, -inf, -inf, nan], [-inf, -inf, -inf, inf], [-inf, nan, 1.0, 2.0], [-inf] * 4])
+    _, _, mx, rest = unpack_summary(shard_summary(rows, 2, 0), 2)
+    assert np.isnan(rest[:3].numpy()).all() and float(rest[3]) == 0.0 and float(mx[3]) == -inf
+    b16 = (torch.randn(4, 50) * 3).to(torch.bfloat16)
+    got = [t.numpy() for t in unpack_summary(shard_summary(b16, 8, 5), 8)]
+    ref = kdtree.topk_shard(b16.float().numpy(), 8, 5)
+    np.testing.assert_array_equal(got[0], ref.logits)
+    np.testing.assert_array_equal(got[1], ref.ids)
+    with pytest.raises(kdtree.KdtreeError, match="vocab_offset"):
+        shard_summary(torch.randn(3, 4), 4, 2**31 - 3)
+    with pytest.raises(kdtree.KdtreeError, match="vocab_offset"):
+        shard_summary(torch.randn(3, 4), 4, -1)
+    with pytest.raises(kdtree.KdtreeTypeError, match="float32, float16 or bfloat16"):
+        shard_summary(torch.randn(3, 4, dtype=torch.float64), 1, 0)
+    with pytest.raises(kdtree.KdtreeTypeError, match="torch tensor"):
+        shard_summary(np.zeros((2, 3), np.float32), 1, 0)
+    with pytest.raises(kdtree.KdtreeTypeError, match="k must be an int"):
+        unpack_summary(torch.zeros(5, dtype=torch.int32), 1.0)
+
+
 # ---- the GPU form of kdtree.distributed (shard_summary, NCCL) ----------------------------------
 
 

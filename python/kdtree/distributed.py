@@ -248,27 +248,36 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
         rest 0, as the CPU summary.
 
     Raises:
-        KdtreeError: k out of range; as :func:`kdtree.topk_logprobs`.
+        KdtreeTypeError: not a torch tensor of one of those dtypes. KdtreeError: k out of
+            range, or vocab_offset outside ``[0, 2^31 - V_rank]``; as
+            :func:`kdtree.topk_logprobs`.
     """
     import torch
 
     from .core import checks
     from .core.api import topk_logprobs
 
+    if not isinstance(local_logits, torch.Tensor) or local_logits.dim() < 1:
+        raise checks.type_error(f"local_logits must be a torch tensor [..., V_rank], got "
+                                f"{type(local_logits).__name__} {tuple(getattr(local_logits, 'shape', ()))}")
+    if local_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise checks.type_error(f"local_logits must be float32, float16 or bfloat16, got {local_logits.dtype}")
     vr = int(local_logits.shape[-1])
     k = checks.int_scalar(k, "k", 1, min(vr, 1024))
+    vocab_offset = checks.int_scalar(vocab_offset, "vocab_offset (the slice's ids must fit int32)", 0, 2**31 - vr)
     flat = local_logits.detach().reshape(-1, vr)
-    top = topk_logprobs(flat, k, errors="status")  # (numpy arrays for a CPU tensor)
+    # (on the CPU the top-k reads a numpy view, which has no bfloat16: float32 holds its values)
+    src = flat.float() if not flat.is_cuda and flat.dtype == torch.bfloat16 else flat
+    top = topk_logprobs(src, k, errors="status")  # (numpy arrays for a CPU tensor)
     idx = torch.as_tensor(top.ids, device=flat.device).long()
-    row_status = torch.as_tensor(top.row_status, device=flat.device)
     vals = flat.gather(1, idx).float()
     mx = vals[:, 0]
     terms = torch.exp(flat.double() - mx.double()[:, None])
     terms.scatter_(1, idx[:, :1], 0.0)  # the first entry at the max: its term 1 is not part of the rest
-    only_neg_inf = mx == float("-inf")
+    # from the logits themselves (a failed top-k's fallback ids say nothing of the row)
+    only_neg_inf = (flat == float("-inf")).all(1)
+    bad = (torch.isnan(flat) | (flat == float("inf"))).any(1)
     rest = torch.where(only_neg_inf, torch.zeros_like(mx, dtype=torch.float64), terms.sum(1))
-    # a NaN or +inf logit (the top-k's status; a row of only -inf is a valid slice here)
-    bad = (row_status != 0) & ~only_neg_inf
     rest = torch.where(bad, torch.full_like(rest, float("nan")), rest)
     return torch.cat([vals.contiguous().view(torch.int32), (idx + int(vocab_offset)).to(torch.int32),
                       mx.contiguous()[:, None].view(torch.int32), rest.contiguous()[:, None].view(torch.int32)], 1)
@@ -281,17 +290,25 @@ def unpack_summary(packed, k: int):
     :func:`kdtree.topk_merge`, as contiguous tensors on ``packed``'s device.
 
     Raises:
-        ValueError: ``packed`` is not int32 with a last axis of ``2 k + 3``.
+        KdtreeTypeError: ``packed`` is not a torch tensor with at least one axis; k not an
+            int >= 1. ValueError: ``packed`` is not int32 with a last axis of ``2 k + 3``.
     """
     import torch
 
+    from .core import checks
+
+    if not isinstance(packed, torch.Tensor) or packed.dim() < 1:
+        raise checks.type_error(f"packed must be a torch tensor [..., 2 k + 3], got {type(packed).__name__} "
+                                f"{tuple(getattr(packed, 'shape', ()))}")
+    k = checks.int_scalar(k, "k", 1, 1024)
     if packed.dtype != torch.int32 or packed.shape[-1] != 2 * k + 3:
-        raise ValueError(f"packed summaries must be int32 [..., 2 k + 3 = {2 * k + 3}], got {packed.dtype} "
+        raise ValueError(f"packed summaries must be torch.int32 [..., 2 k + 3 = {2 * k + 3}], got {packed.dtype} "
                          f"{tuple(packed.shape)}")
     logits = packed[..., :k].contiguous().view(torch.float32)
     ids = packed[..., k:2 * k].contiguous()
     mx = packed[..., 2 * k:2 * k + 1].contiguous().view(torch.float32)[..., 0]
-    rest = packed[..., 2 * k + 1:].contiguous().view(torch.float64)[..., 0]
+    # a copy of its own: a contiguous slice keeps its odd word offset, which a float64 view refuses
+    rest = packed[..., 2 * k + 1:].clone(memory_format=torch.contiguous_format).view(torch.float64)[..., 0]
     return logits, ids, mx, rest
 
 

@@ -158,7 +158,10 @@ def stop_sequences(sequences, history, batch: int):
                 raise type_error(f"stop_sequences[{i}] must be an ordered sequence of token ids (a list, tuple or "
                                  f"1-D array), got {type(seq).__name__}")
             items = list(seq)
-            a = int_array(items, f"stop_sequences[{i}]").reshape(-1) if items else np.zeros(0, np.int32)
+            a = int_array(items, f"stop_sequences[{i}]") if items else np.zeros(0, np.int32)
+            if a.ndim != 1:
+                raise type_error(f"stop_sequences[{i}] must be a flat sequence of token ids, got an array of shape "
+                                 f"{a.shape} (pass each sequence as its own entry)")
             if not 1 <= a.size <= MAX_STOP_LENGTH:
                 raise invalid(f"stop_sequences[{i}] has {a.size} tokens; a stop sequence has 1 to {MAX_STOP_LENGTH}")
             if (a < 0).any():
@@ -172,6 +175,9 @@ def stop_sequences(sequences, history, batch: int):
     offsets = np.concatenate([[0], np.cumsum([a.size for a in seqs])]).astype(np.int64)
     hist = None
     if history is not None:
+        if np.ndim(history) == 0:
+            raise shape_error(f"stop_history must have shape ({batch}, H) (each request's last committed tokens), "
+                              f"got a scalar {history!r}")
         hist = np.ascontiguousarray(int_array(history, "stop_history"))
         if hist.ndim == 1 and batch == 1:
             hist = hist[None]

@@ -134,6 +134,8 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, 
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a folder written by save_pretrained)")
     if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
         dtype = getattr(torch, dtype)
     extra = {}
     if vocab_sharded_head and not tp:
