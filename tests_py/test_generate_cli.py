@@ -335,9 +335,13 @@ def test_stop_texts_end_the_continuation_after_their_tokens(tmp_path):
     r = run_cli(["generate", "--temperature", "0", "--max-new-tokens", "32", "--repeats", "1", "--no-progress",
                  "--stop", ": PreTrainedModel", "--stop", "zzz qqq"], tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "stop at <|endoftext|>, ': PreTrainedModel' (2 tokens), 'zzz qqq' (5 tokens)" in field(r.stdout,
-                                                                                                "  settings")
     tok = Tokenizer.from_file(str(MODELS / "tokenizer.json"))
+    # the header shows each stop's tokens as the pieces they decode to (2 and 5 of them here)
+    pieces = {t: [tok.decode([i]) for i in tok.encode(t, add_special_tokens=False).ids]
+              for t in (": PreTrainedModel", "zzz qqq")}
+    assert [len(p) for p in pieces.values()] == [2, 5] and "".join(pieces["zzz qqq"]) == "zzz qqq"
+    shown = ", ".join(f"{t!r} (tokens {' '.join(repr(x) for x in p)})" for t, p in pieces.items())
+    assert f"stop at <|endoftext|>, {shown}" in field(r.stdout, "  settings")
 
     def continuation(out):
         lines = out.splitlines()

@@ -52,7 +52,7 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     fails its request).
 
     Raises:
-        TypeError: a tensor that is neither a CPU nor a CUDA tensor. KdtreeError, on every
+        KdtreeTypeError: a tensor that is neither a CPU nor a CUDA tensor. KdtreeError, on every
         rank alike (CPU): a rank's :func:`kdtree.topk_shard` failed (that rank raises its
         own error, the others name it), k or the leading shape differ between ranks, or the
         slices do not tile ``[0, vocab)``; then as :func:`kdtree.topk_merge`. CUDA: k outside
@@ -66,8 +66,9 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     if isinstance(local_logits, torch.Tensor) and local_logits.is_cuda:
         return _topk_logprobs_sharded_cuda(local_logits, k, vocab_offset, vocab, group)
     if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
-        raise TypeError("topk_logprobs_sharded takes a CPU or CUDA torch tensor, got "
-                        f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
+        raise _lib.KdtreeTypeError(_lib.STATUS["KDT_ERR_INVALID_ARGUMENT"],
+                                   "topk_logprobs_sharded takes a CPU or CUDA torch tensor, got "
+                                   f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
     x = local_logits.detach()
     if x.dtype != torch.float32:
         x = x.float()
@@ -238,7 +239,8 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
 
     Returns:
         int32 ``[rows, 2 k + 3]`` (rows = the leading axes' product; ``(2 k + 3) x 4``
-        bytes a row), :func:`kdtree.topk_shard`'s four fields bit for bit: the slice's k
+        bytes a row), :func:`kdtree.topk_shard`'s four fields (the first three bit for bit,
+        the rest within float64 rounding: torch sums in another order): the slice's k
         largest logits best first (float32 bits; ties: lower id; the selection of
         :func:`kdtree.topk_logprobs`), their global ids, the slice's max (float32 bits) and
         the rest of its sum of exponentials (``exp(logit - max)`` over every entry but the
@@ -290,8 +292,9 @@ def unpack_summary(packed, k: int):
     :func:`kdtree.topk_merge`, as contiguous tensors on ``packed``'s device.
 
     Raises:
-        KdtreeTypeError: ``packed`` is not a torch tensor with at least one axis; k not an
-            int >= 1. ValueError: ``packed`` is not int32 with a last axis of ``2 k + 3``.
+        KdtreeTypeError: ``packed`` is not an int32 torch tensor with at least one axis;
+            k not an int. KdtreeError: k outside [1, 1024], a last axis other than
+            ``2 k + 3``.
     """
     import torch
 
@@ -301,9 +304,10 @@ def unpack_summary(packed, k: int):
         raise checks.type_error(f"packed must be a torch tensor [..., 2 k + 3], got {type(packed).__name__} "
                                 f"{tuple(getattr(packed, 'shape', ()))}")
     k = checks.int_scalar(k, "k", 1, 1024)
-    if packed.dtype != torch.int32 or packed.shape[-1] != 2 * k + 3:
-        raise ValueError(f"packed summaries must be torch.int32 [..., 2 k + 3 = {2 * k + 3}], got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
+    if packed.dtype != torch.int32:
+        raise checks.type_error(f"packed summaries must be torch.int32, got {packed.dtype}")
+    if packed.shape[-1] != 2 * k + 3:
+        raise checks.shape_error(f"packed summaries must be [..., 2 k + 3 = {2 * k + 3}], got {tuple(packed.shape)}")
     logits = packed[..., :k].contiguous().view(torch.float32)
     ids = packed[..., k:2 * k].contiguous()
     mx = packed[..., 2 * k:2 * k + 1].contiguous().view(torch.float32)[..., 0]

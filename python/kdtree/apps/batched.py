@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     tok, target, drafter = load_models(args)
     eos = tok.token_to_id(EOS)
     stops = [] if args.no_eos_stop or eos is None else [eos]
-    from .generate import stop_sequences_of
+    from .generate import stop_label, stop_sequences_of
 
     stop_seqs = stop_sequences_of(tok, getattr(args, "stop", None))
     max_pos = int(getattr(target.config, "max_position_embeddings", 0) or 0)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
           f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters; {drafter_kind(drafter)}, "
           f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters", file=out)
     print("  " + ("sampling (per-request settings)" if sampling else "greedy") + "; stop at "
-          + (", ".join(([EOS] if stops else []) + [f"{t!r} ({len(q)} tokens)" for t, q in
+          + (", ".join(([EOS] if stops else []) + [stop_label(tok, t, q) for t, q in
                                                     zip(getattr(args, "stop", None) or (), stop_seqs, strict=True)])
              or "nothing")
           + (f"; tensor-parallel over {_world()} ranks" if getattr(args, "tp", False) else ""), file=out)

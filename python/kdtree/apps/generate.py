@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="also stop after the tokens TEXT encodes to (1 to 16 tokens; repeat for several), kept in "
                         "the output; matched as that token sequence, so the same text emitted as other tokens "
-                        "does not stop")
+                        "does not stop: a word inside running text usually carries its leading space "
+                        "(--stop ' given', not --stop 'given'); the header shows each stop's tokens")
     p.add_argument("--plot", type=Path, default=None,
                    help="write the acceptance-length histogram and one round's tree to this PNG/SVG file")
     p.add_argument("--tree-nodes", type=_int_in(0), default=TREE_NODES,
@@ -533,6 +534,12 @@ def stop_sequences_of(tok, texts) -> list[list[int]]:
     return out
 
 
+def stop_label(tok, text: str, ids) -> str:
+    """A --stop for the header: the text and the pieces its tokens decode to (the match is
+    on those tokens, so a missing leading space shows here)."""
+    return f"{text!r} (tokens {' '.join(repr(tok.decode([int(i)])) for i in ids)})"
+
+
 def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     if getattr(args, "batch_size", None) is not None or getattr(args, "prompts_file", None) is not None:
         from . import batched
@@ -608,7 +615,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
           f"L={depth} positions per call (block size {drafter_model.max_depth + 1}: the root and {drafter_model.max_depth} drafted)", file=out)
     print(f"  prompt   : {prompt_desc}: {len(prompt)} tokens", file=out)
     print(f"  tree ops : {tree_ops_text(args.device)}", file=out)
-    stop_text = ", ".join(([EOS] if stops else []) + [f"{t!r} ({len(q)} tokens)" for t, q in
+    stop_text = ", ".join(([EOS] if stops else []) + [stop_label(tok, t, q) for t, q in
                                                        zip(args.stop or (), seqs, strict=True)])
     tp_text = ""
     if getattr(args, "tp", False):
