@@ -86,6 +86,7 @@ _WORKER = textwrap.dedent("""
                                        budget=16, depth=4)
         result["sampled"] = [int(t) for t in sampled.tokens]
     json.dump(result, open(out, "w"))
+    dist.barrier()  # both ranks done before either tears gloo down
     dist.destroy_process_group()
 """)
 
