@@ -171,6 +171,8 @@ _WORKER = textwrap.dedent("""
     if mode == "nan" and rank == 1:
         local[2, 3, 5] = float("nan")
     offset = lo + 1 if mode == "offset" and rank == 2 else lo
+    if mode == "dtype" and rank == 1:
+        local = local.half()
     try:
         got = topk_logprobs_sharded(local, 32, offset, edges[-1])
         np.savez(out, logprobs=got.logprobs.numpy(), ids=got.ids.numpy(), logits=logits.float().numpy())
@@ -205,6 +207,14 @@ def test_ranks_whose_slices_do_not_tile_the_vocabulary_fail_alike(spawn_ranks, t
     errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "offset")]
     assert len(set(errors)) == 1
     assert "do not tile [0, 3001): rank 2 starts at 1901, leaving a gap after 1900" in errors[0]
+
+
+def test_ranks_whose_logits_differ_in_width_fail_alike(spawn_ranks, tmp_path):
+    """The summaries' width follows the logits' dtype, so a rank with float16 logits among
+    bfloat16 ones is refused on every rank before the summaries are gathered."""
+    errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "dtype")]
+    assert len(set(errors)) == 1
+    assert "rank 1 passes float16 logits, rank 0 bfloat16" in errors[0]
 
 
 # ---- the merge on the GPU (kdt_topk_merge_cuda) --------------------------------------------------
@@ -264,7 +274,7 @@ def test_gpu_merge_flags_the_rows_the_cpu_rejects(cuda_device):
 
 
 def test_shard_summary_packs_topk_shard_bit_for_bit_on_cpu_tensors():
-    """The packed summary (int32, 2 k + 3 a row) holds topk_shard's fields bit for bit
+    """The packed summary of float32 logits (int32, 2 k + 3 a row) holds topk_shard's fields bit for bit
     (the float64 rest within rounding of another summation order); unpack_summary reads
     them back and refuses another layout."""
     torch = pytest.importorskip("torch")
@@ -287,15 +297,54 @@ def test_shard_summary_packs_topk_shard_bit_for_bit_on_cpu_tensors():
     np.testing.assert_allclose(rest[good], want.sum_rest[0], rtol=1e-13, atol=0)
     assert ids[0, 1, :16].tolist() == list(range(1040, 1056))
     assert np.isnan(rest[1, 0]) and rest[1, 2] == 0.0 and mx[1, 2] == -np.inf
-    with pytest.raises(ValueError, match="2 k \\+ 3 = 33"):
+    with pytest.raises(ValueError, match=r"\[\.\.\., 33\]"):
         unpack_summary(packed, 15)
+    with pytest.raises(ValueError, match=r"bfloat16 logits must be \[\.\.\., 27\]"):
+        unpack_summary(packed, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_shard_summary_keeps_16_bit_logits_in_16_bits(dtype, k):
+    """float16 / bfloat16 logits: the k values two a word, the first in the low half, a zero
+    half after an odd k (checked against the values' bits computed by hand), ceil(k / 2) +
+    k + 3 words a row; they unpack to topk_shard's float32 fields of the same values."""
+    torch = pytest.importorskip("torch")
+    from kdtree.distributed import shard_summary, summary_width, unpack_summary
+
+    rng = np.random.default_rng(k)
+    x = torch.from_numpy((rng.standard_normal((5, 40)) * 3).astype(np.float32)).to(getattr(torch, dtype))
+    packed = shard_summary(x, k, 77)
+    width = (k + 1) // 2 + k + 3
+    assert summary_width(k, x.dtype) == width and summary_width(k, torch.float32) == 2 * k + 3
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (5, width)
+    ref = kdtree.topk_shard(x.float().numpy(), k, 77)
+    # the 16-bit patterns of the top-k values, by hand: float16 through numpy, bfloat16 as
+    # the high half of the float32 bits (exact: the values are bfloat16 numbers)
+    if dtype == "float16":
+        halves = ref.logits.astype(np.float16).view(np.uint16).astype(np.uint32)
+    else:
+        halves = ref.logits.view(np.uint32) >> 16
+        assert (ref.logits.view(np.uint32) & 0xFFFF == 0).all()
+    halves = np.concatenate([halves, np.zeros((5, k % 2), np.uint32)], 1)
+    words = (halves[:, 0::2] | (halves[:, 1::2] << 16)).view(np.int32)
+    np.testing.assert_array_equal(packed[:, :(k + 1) // 2].numpy(), words)
+    np.testing.assert_array_equal(packed[:, (k + 1) // 2:(k + 1) // 2 + k].numpy(), ref.ids)
+    lp, ids, mx, rest = (t.numpy() for t in unpack_summary(packed, k, x.dtype))
+    assert lp.dtype == np.float32 and lp.shape == (5, k)
+    np.testing.assert_array_equal(lp, ref.logits)
+    np.testing.assert_array_equal(ids, ref.ids)
+    np.testing.assert_array_equal(mx, ref.max)
+    np.testing.assert_allclose(rest, ref.sum_rest, rtol=1e-13, atol=0)
+    with pytest.raises(kdtree.KdtreeTypeError, match="torch dtype"):
+        unpack_summary(packed, k, "bfloat16")
 
 
 def test_shard_summary_edges_on_cpu_tensors():
     """One row, a 1-D slice and no rows unpack (a single row's rest sits at an odd word
     offset of a contiguous slice: a world of one rank gathers exactly that); a NaN or +inf
     is reported even where the slice's first logit is -inf; bfloat16 gives float32's
-    summary; bad arguments are errors that name them."""
+    fields; bad arguments are errors that name them."""
     torch = pytest.importorskip("torch")
     from kdtree.distributed import shard_summary, unpack_summary
 
@@ -313,7 +362,7 @@ def test_shard_summary_edges_on_cpu_tensors():
     _, _, mx, rest = unpack_summary(shard_summary(rows, 2, 0), 2)
     assert np.isnan(rest[:3].numpy()).all() and float(rest[3]) == 0.0 and float(mx[3]) == -inf
     b16 = (torch.randn(4, 50) * 3).to(torch.bfloat16)
-    got = [t.numpy() for t in unpack_summary(shard_summary(b16, 8, 5), 8)]
+    got = [t.numpy() for t in unpack_summary(shard_summary(b16, 8, 5), 8, torch.bfloat16)]
     ref = kdtree.topk_shard(b16.float().numpy(), 8, 5)
     np.testing.assert_array_equal(got[0], ref.logits)
     np.testing.assert_array_equal(got[1], ref.ids)
@@ -340,7 +389,7 @@ def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
     rest within float64 rounding), and merging the summaries on the GPU gives the gathered
     row's top-k (ids exactly, log-probs within one float32 ulp of the CPU merge)."""
     torch = pytest.importorskip("torch")
-    from kdtree.distributed import shard_summary, unpack_summary
+    from kdtree.distributed import shard_summary, summary_width, unpack_summary
 
     rng = np.random.default_rng(shards * 7 + k)
     vocab = 3001
@@ -355,15 +404,17 @@ def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
     packed = []
     for a, b in zip(edges[:-1], edges[1:], strict=True):
         summary = shard_summary(dev_logits[..., a:b], k, int(a))
-        assert summary.dtype == torch.int32 and tuple(summary.shape) == (18, 2 * k + 3)
-        got = [t.cpu().numpy() for t in unpack_summary(summary.reshape(3, 6, 2 * k + 3), k)]
+        width = summary_width(k, dev_logits.dtype)
+        assert width == (2 * k + 3 if dtype == "float32" else (k + 1) // 2 + k + 3)
+        assert summary.dtype == torch.int32 and tuple(summary.shape) == (18, width)
+        got = [t.cpu().numpy() for t in unpack_summary(summary.reshape(3, 6, width), k, dev_logits.dtype)]
         want = kdtree.topk_shard(host[..., a:b], k, int(a))
         np.testing.assert_array_equal(got[0], want.logits)
         np.testing.assert_array_equal(got[1], want.ids)
         np.testing.assert_array_equal(got[2], want.max)
         np.testing.assert_allclose(got[3], want.sum_rest, rtol=1e-13, atol=0)
-        packed.append(summary.reshape(3, 6, 2 * k + 3))
-    merged = kdtree.topk_merge(*unpack_summary(torch.stack(packed), k), vocab)
+        packed.append(summary.reshape(3, 6, width))
+    merged = kdtree.topk_merge(*unpack_summary(torch.stack(packed), k, dev_logits.dtype), vocab)
     want = kdtree.topk_logprobs(host, k)
     np.testing.assert_array_equal(merged.ids.cpu().numpy(), want.ids)
     got_lp = merged.logprobs.cpu().numpy()

@@ -20,7 +20,8 @@ budget N):
   shipped pair decodes held-out prompts unsharded on each rank's device): B x acceptance /
   round time; a projection, not a trained pair of this shape;
 - the bytes kdtree's own collectives move a round (per rank, the GPU forms: the drafter's
-  top-k summaries ``B L (2k + 3) 4`` with a sharded head, the target's choices ``B (N + 1)
+  top-k summaries ``B L summary_width(k, dtype) 4`` with a sharded head (``2k + 3`` words
+  a row for float32 logits, ``ceil(k / 2) + k + 3`` for bfloat16), the target's choices ``B (N + 1)
   3 8`` greedy or ``B (N + 1) 4 8`` sampled; the CPU forms add 15 integers of rank checks
   and gather four float64 a row for the choices), next to
   the logits a whole head gathers (``B (N + 1) V 2`` for the target in bfloat16; the
@@ -123,6 +124,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from bench_engine_gpu import configs
+    from kdtree.distributed import summary_width
     from kdtree.engine.batched import Engine
 
     cuda = torch.cuda.is_available()
@@ -171,7 +173,7 @@ def main() -> int:
                 tau = accept[(b, name)]
                 k = min(eng.width, nb) if mode != "ar" else 0
                 sharded = head == "sharded"
-                kd_bytes = ((b * depth * (2 * k + 3) * 4 if sharded and mode != "ar" else 0)
+                kd_bytes = ((b * depth * summary_width(k, dtype) * 4 if sharded and mode != "ar" else 0)
                             + (b * (nb + 1) * 3 * 8 if sharded else 0))
                 gather_bytes = b * (nb + 1) * vocab * 2 + (b * depth * vocab * 2 if mode != "ar" else 0)
                 r = {"head": head, "B": b, "mode": name, "stages_ms": st, "acceptance_shipped": tau,

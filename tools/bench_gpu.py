@@ -213,8 +213,14 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     got = kdtree.topk_merge(*stack, vocab)
     want = kdtree.topk_merge(*[t.cpu().numpy() for t in stack], vocab)
     same = bool(np.array_equal(got.ids.cpu().numpy(), want.ids))
-    shard_bytes = shards * B * L * (K * 8 + 12)
-    return dict(merge=merge, gathered=gathered, same=same, shard_bytes=shard_bytes,
+    # what one rank makes of its bf16 slice and the all-gather moves (every rank's)
+    from kdtree.distributed import shard_summary
+
+    first = full[..., edges[0]:edges[1]].contiguous()  # a rank holds its slice whole
+    summary = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]), repeats)
+    shard_bytes = sum(shard_summary(full[..., a:b], K, int(a)).numel() * 4
+                      for a, b in zip(edges[:-1], edges[1:], strict=True))
+    return dict(merge=merge, gathered=gathered, same=same, shard_bytes=shard_bytes, summary=summary,
                 full_bytes=B * L * vocab * 2, shards=shards, vocab=vocab)
 
 
@@ -349,6 +355,7 @@ def main() -> None:
         print("|---|---|---|")
         print(f"| kdtree merge of the shards' summaries (CUDA graph) | {r['merge']:.1f} | "
               f"{r['shard_bytes'] / 1e6:.2f} MB ({100 * r['shard_bytes'] / r['full_bytes']:.2f}%) |")
+        print(f"| one rank's shard_summary of its bf16 slice (CUDA graph) | {r['summary']:.1f} | - |")
         print(f"| top-k of the gathered bf16 logits on one GPU | {r['gathered']:.1f} | "
               f"{r['full_bytes'] / 1e6:.1f} MB (100%) |")
         print(f"ids equal to the CPU merge's: {r['same']}\n")

@@ -39,22 +39,25 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     float32 [..., k], ids int32 [..., k])``, equal to :func:`kdtree.topk_logprobs` on the
     gathered rows (see :func:`kdtree.topk_merge` for the log-probs' last bit). Two
     all-gathers: 13 integers a rank (status, offset, slice size, k, leading shape) that
-    every rank checks, then the summary's ``2 k + 3`` int32 words a row (the bits of
-    :func:`shard_summary`'s layout: ``(2 k + 3) x 4`` bytes a row a rank).
+    every rank checks, then the summary's :func:`summary_width` int32 words a row (the bits
+    of :func:`shard_summary`'s layout: ``(2 k + 3) x 4`` bytes a row a rank for float32
+    logits, ``(ceil(k / 2) + k + 3) x 4`` for float16 and bfloat16 ones, whose top-k values
+    travel in their own 16 bits; the ranks' dtypes must agree).
 
     CUDA tensors (NCCL): the same ids and order, log-probs within one float32 ulp of the
     CPU form's; each rank's summary is :func:`shard_summary`, one all-gather moves them
-    (``(2 k + 3) x 4`` bytes a row a rank) and ``kdt_topk_merge_cuda`` merges them on every
+    (:func:`summary_width` x 4 bytes a row a rank) and ``kdt_topk_merge_cuda`` merges them on every
     rank. No host synchronisation and no rank check: the ranks must pass the same k and
-    leading shape and slices that tile ``[0, vocab)`` (a mismatch is undefined: NCCL may
-    hang). The result's ``row_status`` is KDT_ERR_VALUE for a row with a NaN or +inf logit
+    leading shape, logits of one dtype and slices that tile ``[0, vocab)`` (a mismatch is
+    undefined: NCCL may hang). The result's ``row_status`` is KDT_ERR_VALUE for a row with a NaN or +inf logit
     in any slice, or only -inf in all of them (its log-probs NaN, so a tree built from it
     fails its request).
 
     Raises:
         KdtreeTypeError: a tensor that is neither a CPU nor a CUDA tensor. KdtreeError, on every
         rank alike (CPU): a rank's :func:`kdtree.topk_shard` failed (that rank raises its
-        own error, the others name it), k or the leading shape differ between ranks, or the
+        own error, the others name it), k, the leading shape or the width of the logits'
+        dtype (32 or 16 bits, float16 against bfloat16) differ between ranks, or the
         slices do not tile ``[0, vocab)``; then as :func:`kdtree.topk_merge`. CUDA: k outside
         ``[1, min(V_rank, 1024)]`` (raised before any collective).
     """
@@ -83,8 +86,10 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     except _lib.KdtreeError as exc:
         failure = exc
     world = dist.get_world_size(group)
+    value_dtype = _value_dtype(local_logits.dtype)  # the summary's value width: the ranks must agree
+    half = {torch.float16: 1, torch.bfloat16: 2}.get(value_dtype, 0)
     meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset), int(x.shape[-1]),
-                         int(k), len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)) + [int(vocab), 0],
+                         int(k), len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)) + [int(vocab), half],
                         dtype=torch.int64)
     metas = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(metas, meta, group=group)
@@ -93,15 +98,17 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
         raise failure
     if problem is not None:
         raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
-    # shard_summary's int32 layout: float32 logits, int32 ids, float32 max, float64 rest
-    packed = np.concatenate([np.ascontiguousarray(shard.logits, np.float32).view(np.int32),
-                             np.ascontiguousarray(shard.ids, np.int32),
+    # shard_summary's int32 layout: the logits (in 16 bits for 16-bit logits: they came from
+    # there, so exactly), int32 ids, float32 max, float64 rest
+    values = torch.from_numpy(np.ascontiguousarray(shard.logits, np.float32)).to(value_dtype).reshape(-1, k)
+    words = _pack_values(values).numpy().reshape(lead + (_value_words(k, value_dtype),))
+    packed = np.concatenate([words, np.ascontiguousarray(shard.ids, np.int32),
                              np.ascontiguousarray(shard.max[..., None], np.float32).view(np.int32),
                              np.ascontiguousarray(shard.sum_rest[..., None], np.float64).view(np.int32)], axis=-1)
     mine = torch.from_numpy(np.ascontiguousarray(packed))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    fields = unpack_summary(torch.stack(gathered), k)  # [T, ..., 2k + 3] -> four fields
+    fields = unpack_summary(torch.stack(gathered), k, value_dtype)  # [T, ..., width] -> four fields
     merged = topk_merge(*(f.numpy() for f in fields), vocab)
     status = torch.zeros(lead if lead else (1,), dtype=torch.int32)
     return TopK(torch.from_numpy(merged.logprobs), torch.from_numpy(merged.ids), status)
@@ -238,15 +245,18 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
         vocab_offset: the slice's first global token id.
 
     Returns:
-        int32 ``[rows, 2 k + 3]`` (rows = the leading axes' product; ``(2 k + 3) x 4``
-        bytes a row), :func:`kdtree.topk_shard`'s four fields (the first three bit for bit,
-        the rest within float64 rounding: torch sums in another order): the slice's k
-        largest logits best first (float32 bits; ties: lower id; the selection of
-        :func:`kdtree.topk_logprobs`), their global ids, the slice's max (float32 bits) and
-        the rest of its sum of exponentials (``exp(logit - max)`` over every entry but the
-        first at the max, float64 bits in two int32, low word first).
-        :func:`unpack_summary` reads them back. A row with a NaN or +inf logit gets a NaN
-        rest (which :func:`kdtree.topk_merge` rejects); a row of only -inf has max -inf and
+        int32 ``[rows, summary_width(k, dtype)]`` (rows = the leading axes' product; 4 bytes
+        a word), :func:`kdtree.topk_shard`'s four fields (the first three bit for bit, the
+        rest within float64 rounding: torch sums in another order): the slice's k largest
+        logits best first (ties: lower id; the selection of :func:`kdtree.topk_logprobs`)
+        in ``ceil(k / 2)`` words for float16 and bfloat16 logits (their own 16-bit values,
+        two a word, the first in the low half, a zero half after an odd k; exact, since they
+        are the inputs) or k words for float32 (the float32 bits), their global ids (k
+        int32), the slice's max (float32 bits) and the rest of its sum of exponentials
+        (``exp(logit - max)`` over every entry but the first at the max, float64 bits in two
+        int32, low word first). :func:`unpack_summary` reads them back given the same k and
+        dtype. A row with a NaN or +inf logit gets a NaN rest (which
+        :func:`kdtree.topk_merge` rejects); a row of only -inf has max -inf and
         rest 0, as the CPU summary.
 
     Raises:
@@ -272,8 +282,8 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
     src = flat.float() if not flat.is_cuda and flat.dtype == torch.bfloat16 else flat
     top = topk_logprobs(src, k, errors="status")  # (numpy arrays for a CPU tensor)
     idx = torch.as_tensor(top.ids, device=flat.device).long()
-    vals = flat.gather(1, idx).float()
-    mx = vals[:, 0]
+    kept = flat.gather(1, idx)  # the values the summary keeps, in the logits' dtype
+    mx = kept[:, 0].float()
     terms = torch.exp(flat.double() - mx.double()[:, None])
     terms.scatter_(1, idx[:, :1], 0.0)  # the first entry at the max: its term 1 is not part of the rest
     # from the logits themselves (a failed top-k's fallback ids say nothing of the row)
@@ -281,38 +291,96 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
     bad = (torch.isnan(flat) | (flat == float("inf"))).any(1)
     rest = torch.where(only_neg_inf, torch.zeros_like(mx, dtype=torch.float64), terms.sum(1))
     rest = torch.where(bad, torch.full_like(rest, float("nan")), rest)
-    return torch.cat([vals.contiguous().view(torch.int32), (idx + int(vocab_offset)).to(torch.int32),
+    return torch.cat([_pack_values(kept), (idx + int(vocab_offset)).to(torch.int32),
                       mx.contiguous()[:, None].view(torch.int32), rest.contiguous()[:, None].view(torch.int32)], 1)
 
 
-def unpack_summary(packed, k: int):
-    """The four fields of packed summaries (:func:`shard_summary`'s int32 ``[..., 2 k + 3]``,
+def _value_dtype(dtype):
+    """The dtype a summary keeps the top-k values in: float16 and bfloat16 logits' own,
+    float32 for any other."""
+    import torch
+
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def _value_words(k: int, dtype) -> int:
+    return (k + 1) // 2 if _value_dtype(dtype).itemsize == 2 else k
+
+
+def _pack_values(vals):
+    """[rows, k] float32 / float16 / bfloat16 values as int32 words [rows, _value_words]:
+    float32 bits, or two 16-bit values a word (little-endian: the first in the low half; a
+    zero half after an odd k)."""
+    import torch
+
+    if vals.dtype.itemsize == 2 and vals.shape[1] % 2:
+        vals = _pad_one(vals)
+    return vals.contiguous().view(torch.int32)
+
+
+def _pad_one(vals):
+    out = vals.new_zeros(vals.shape[0], vals.shape[1] + 1)
+    out[:, :-1] = vals
+    return out
+
+
+def summary_width(k: int, dtype) -> int:
+    """int32 words a row of :func:`shard_summary`'s packed summary of top-k size k from
+    logits of torch dtype `dtype`: ``ceil(k / 2) + k + 3`` for float16 and bfloat16 (the k
+    values in their own 16 bits), ``2 k + 3`` otherwise (float32 values). At k = 64: 99 words
+    (396 bytes) against 131 (524 bytes).
+
+    Raises:
+        KdtreeTypeError: k not an int. KdtreeError: k outside [1, 1024].
+    """
+    from .core import checks
+
+    k = checks.int_scalar(k, "k", 1, 1024)
+    return _value_words(k, dtype) + k + 3
+
+
+def unpack_summary(packed, k: int, dtype=None):
+    """The four fields of packed summaries (:func:`shard_summary`'s int32 ``[..., width]``,
     any leading axes, e.g. ``[T, rows]`` after the all-gather): ``(logits float32 [..., k],
     ids int32 [..., k], max float32 [...], rest float64 [...])``, the arguments of
     :func:`kdtree.topk_merge`, as contiguous tensors on ``packed``'s device.
 
+    Args:
+        packed: int32 torch tensor ``[..., summary_width(k, dtype)]``.
+        k: the top-k size the summaries were made with.
+        dtype: the torch dtype of the logits they were made from (None: float32); float16
+            and bfloat16 summaries hold their values in 16 bits.
+
     Raises:
-        KdtreeTypeError: ``packed`` is not an int32 torch tensor with at least one axis;
-            k not an int. KdtreeError: k outside [1, 1024], a last axis other than
-            ``2 k + 3``.
+        KdtreeTypeError: ``packed`` is not an int32 torch tensor with at least one axis; k
+            not an int; dtype not a torch dtype. KdtreeError: k outside [1, 1024], a last
+            axis other than ``summary_width(k, dtype)``.
     """
     import torch
 
     from .core import checks
 
     if not isinstance(packed, torch.Tensor) or packed.dim() < 1:
-        raise checks.type_error(f"packed must be a torch tensor [..., 2 k + 3], got {type(packed).__name__} "
+        raise checks.type_error(f"packed must be a torch tensor [..., width], got {type(packed).__name__} "
                                 f"{tuple(getattr(packed, 'shape', ()))}")
     k = checks.int_scalar(k, "k", 1, 1024)
+    if dtype is None:
+        dtype = torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise checks.type_error(f"dtype must be a torch dtype (the logits'), got {dtype!r}")
     if packed.dtype != torch.int32:
         raise checks.type_error(f"packed summaries must be torch.int32, got {packed.dtype}")
-    if packed.shape[-1] != 2 * k + 3:
-        raise checks.shape_error(f"packed summaries must be [..., 2 k + 3 = {2 * k + 3}], got {tuple(packed.shape)}")
-    logits = packed[..., :k].contiguous().view(torch.float32)
-    ids = packed[..., k:2 * k].contiguous()
-    mx = packed[..., 2 * k:2 * k + 1].contiguous().view(torch.float32)[..., 0]
+    words = _value_words(k, dtype)
+    width = words + k + 3
+    if packed.shape[-1] != width:
+        raise checks.shape_error(f"packed summaries of k = {k} from {dtype} logits must be [..., {width}] "
+                                 f"(summary_width), got {tuple(packed.shape)}")
+    value_dtype = _value_dtype(dtype)
+    logits = packed[..., :words].contiguous().view(value_dtype)[..., :k].float().contiguous()
+    ids = packed[..., words:words + k].contiguous()
+    mx = packed[..., words + k:words + k + 1].contiguous().view(torch.float32)[..., 0]
     # a copy of its own: a contiguous slice keeps its odd word offset, which a float64 view refuses
-    rest = packed[..., 2 * k + 1:].clone(memory_format=torch.contiguous_format).view(torch.float64)[..., 0]
+    rest = packed[..., words + k + 1:].clone(memory_format=torch.contiguous_format).view(torch.float64)[..., 0]
     return logits, ids, mx, rest
 
 
@@ -336,7 +404,7 @@ def _topk_logprobs_sharded_cuda(x, k, vocab_offset, vocab, group):
     packed = shard_summary(x, k, vocab_offset)
     world = dist.get_world_size(group)
     gathered = _all_gather(packed, world, group)
-    merged = topk_merge(*unpack_summary(gathered, k), vocab, errors="status")
+    merged = topk_merge(*unpack_summary(gathered, k, x.dtype), vocab, errors="status")
     return TopK(merged.logprobs.reshape(lead + (k,)), merged.ids.reshape(lead + (k,)),
                 merged.row_status.reshape(lead if lead else (1,)))
 
@@ -462,7 +530,7 @@ def _settings_digest(temps, seeds, offsets, keys) -> int:
 
 def _check_ranks(metas: list[list[int]], vocab: int, me: int, step: str = "topk_shard") -> str | None:
     """What is wrong with the ranks' (status, offset, size, k, ndim, lead... (8), vocab,
-    settings digest) rows, the same text on every rank, or None. `step`: what a failed rank
+    settings digest or, for topk_shard, the logits' width code) rows, the same text on every rank, or None. `step`: what a failed rank
     was doing (topk_shard names k)."""
     failed = [r for r, m in enumerate(metas) if m[0] != 0]
     if failed:
@@ -482,6 +550,10 @@ def _check_ranks(metas: list[list[int]], vocab: int, me: int, step: str = "topk_
             return (f"rank {r} has k {m[3]} and leading shape {m[5:5 + m[4]]}, rank 0 k {first[3]} and "
                     f"{first[5:5 + first[4]]}: every rank needs the same")
     for r, m in enumerate(metas):
+        if m[lead_end + 1] != first[lead_end + 1] and step == "topk_shard":
+            kinds = {0: "float32 (or another 32- or 64-bit dtype)", 1: "float16", 2: "bfloat16"}
+            return (f"rank {r} passes {kinds[m[lead_end + 1]]} logits, rank 0 {kinds[first[lead_end + 1]]}: the "
+                    "summaries' widths differ, every rank needs the same dtype")
         if m[lead_end + 1] != first[lead_end + 1]:
             return (f"rank {r} passes other sampling settings than rank 0 (temperature, seed, offset or nodes): "
                     "every rank needs the same")

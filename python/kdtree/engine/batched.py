@@ -546,7 +546,8 @@ class Engine:
                 "max_length": self.max_length, "prefill_chunk": self.prefill_chunk, "sampling": self.sampling,
                 "stop_tokens": stops, "stop_sequences": [list(q) for q in stop_seqs],
                 "use_graphs": self.use_graphs, "tree_attention": self.tree_attention,
-                "depth": self.depth, "vocab_size": self.vocab_size, "sharded LM head": self.vocab_slice is not None,
+                "depth": self.depth, "vocab_size": self.vocab_size, "dtype": str(self.dtype),
+                "sharded LM head": self.vocab_slice is not None,
                 "sharded drafter logits": self.draft_slice is not None}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (problem, mine, self.draft_slice))
