@@ -120,6 +120,10 @@ kdt_status kdt_testing_set_attention_sm90(int32_t variant) {
     (void)variant;
     return no_cuda("kdt_testing_set_attention_sm90");
 }
+kdt_status kdt_testing_set_topk_merge(int32_t variant) {
+    (void)variant;
+    return no_cuda("kdt_testing_set_topk_merge");
+}
 
 kdt_status kdt_tree_attention_cuda_workspace_bytes(int64_t batch, int64_t budget, int64_t q_heads, int64_t kv_heads,
                                                    int64_t head_dim, int64_t max_prefix, size_t* bytes) {

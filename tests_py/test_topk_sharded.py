@@ -224,9 +224,91 @@ def _to_device(torch, device, arrays):
     return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
 
 
+@pytest.fixture(params=["block", "warp"])
+def merge_kernel(request, cuda_device):
+    """The kdt_topk_merge_cuda kernel a test runs, forced through native/kdt_testing.h: one
+    block a row (the automatic choice) or one warp a row (where its shared memory fits)."""
+    raw = _lib.load()
+    assert raw.kdt_testing_set_topk_merge(2 if request.param == "warp" else 1) == 0
+    yield request.param
+    raw.kdt_testing_set_topk_merge(0)
+
+
+# A twin of one (logit, id) in two shards' lists: merged at ranks 3 and 4 of a top-4 (only
+# the first kept: accepted), or at ranks 2 and 3 (both kept: the duplicate error).
+_TWIN_AT_K = (np.array([[[5, 4, 3, 2]], [[2, 1, 0.5, 0.25]]], np.float32),
+              np.array([[[0, 1, 2, 9]], [[9, 20, 21, 22]]], np.int32))
+_TWIN_IN_K = (np.array([[[5, 4, 2, 1.75]], [[2, 1, 0.5, 0.25]]], np.float32),
+              np.array([[[0, 1, 9, 3]], [[9, 20, 21, 22]]], np.int32))
+
+
+def _twin_fields(case):
+    lg, ids = case
+    return lg, ids, lg[:, :, 0].copy(), np.array([[1.0], [2.0]])
+
+
+def test_a_twin_just_past_the_first_k_is_merged_once():
+    """The CPU merge meets the second copy of a twin only inside the first k: at ranks 3 and
+    4 of a top-4 the row merges (the log-probs against a float64 log-sum-exp of the two
+    shards), at ranks 2 and 3 it is the duplicate error."""
+    lg, ids, mx, rest = _twin_fields(_TWIN_AT_K)
+    out = kdtree.topk_merge(lg, ids, mx, rest, 30)
+    assert out.ids.tolist() == [[0, 1, 2, 9]]
+    lse = 5.0 + np.log1p(1.0 + np.exp(2.0 - 5.0) * (1.0 + 2.0))
+    np.testing.assert_allclose(out.logprobs[0], np.array([5, 4, 3, 2]) - lse, rtol=0, atol=1e-6)
+    with pytest.raises(kdtree.KdtreeError, match="id 9 is listed by two shards"):
+        kdtree.topk_merge(*_twin_fields(_TWIN_IN_K), 30)
+
+
+@pytest.mark.gpu
+def test_gpu_merge_twins_as_the_cpu(cuda_device, merge_kernel):
+    torch = pytest.importorskip("torch")
+    cpu = kdtree.topk_merge(*_twin_fields(_TWIN_AT_K), 30)
+    gpu = kdtree.topk_merge(*_to_device(torch, cuda_device, _twin_fields(_TWIN_AT_K)), 30, errors="status")
+    assert gpu.ids.cpu().tolist() == cpu.ids.tolist() and int(gpu.row_status.sum()) == 0
+    ulps = np.abs(gpu.logprobs.cpu().numpy().view(np.int32).astype(np.int64) - cpu.logprobs.view(np.int32))
+    assert (ulps <= 1).all()
+    bad = kdtree.topk_merge(*_to_device(torch, cuda_device, _twin_fields(_TWIN_IN_K)), 30, errors="status")
+    assert bad.row_status.cpu().tolist() == [_lib.STATUS["KDT_ERR_VALUE"]]
+    assert np.isnan(bad.logprobs.cpu().numpy()).all() and bad.ids.cpu().tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.gpu
+def test_gpu_merge_kernels_give_the_same_bits(cuda_device):
+    """The warp-per-row kernel and the block-per-row kernel: the same log-probs bit for
+    bit, the same ids and statuses, over many rows, shard counts and k (ties, -inf
+    stretches and bad rows included)."""
+    torch = pytest.importorskip("torch")
+    raw = _lib.load()
+    rng = np.random.default_rng(12)
+    try:
+        for shards, k in [(1, 5), (2, 64), (3, 33), (8, 64), (8, 96), (13, 17), (32, 4), (40, 2)]:
+            vocab = max(3001, shards * k * 2)
+            logits = np.round(rng.standard_normal((3, 50, vocab)) * 3, 1).astype(np.float32)
+            logits[0, :5, ::2] = -np.inf
+            edges = split_points(rng, vocab, shards, k)
+            parts = [kdtree.topk_shard(logits[..., a:b], k, int(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+            stack = [np.stack([p[i] for p in parts]) for i in range(4)]
+            stack[3][0, 0, 7] = -1.0  # a bad row: row 7
+            bad = np.zeros(150, bool)
+            bad[7] = True
+            dev = _to_device(torch, cuda_device, stack)
+            outs = []
+            for variant in (1, 2):
+                assert raw.kdt_testing_set_topk_merge(variant) == 0
+                outs.append([t.cpu().numpy() for t in kdtree.topk_merge(*dev, vocab, errors="status")])
+            (lp1, id1, st1), (lp2, id2, st2) = outs
+            np.testing.assert_array_equal(lp1.view(np.int32), lp2.view(np.int32))
+            np.testing.assert_array_equal(id1, id2)
+            np.testing.assert_array_equal(st1, st2)
+            assert ((st1.reshape(-1) != 0) == bad).all()
+    finally:
+        raw.kdt_testing_set_topk_merge(0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shards, k", [(1, 8), (2, 64), (8, 64), (5, 1), (3, 300)])
-def test_gpu_merge_equals_the_cpu_merge(cuda_device, shards, k):
+def test_gpu_merge_equals_the_cpu_merge(cuda_device, merge_kernel, shards, k):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(shards * 31 + k)
     vocab = 4099
@@ -247,7 +329,7 @@ def test_gpu_merge_equals_the_cpu_merge(cuda_device, shards, k):
 
 
 @pytest.mark.gpu
-def test_gpu_merge_flags_the_rows_the_cpu_rejects(cuda_device):
+def test_gpu_merge_flags_the_rows_the_cpu_rejects(cuda_device, merge_kernel):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((2, 3, 50)).astype(np.float32)

@@ -207,12 +207,25 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     stack = [torch.from_numpy(np.ascontiguousarray(np.stack([p[i] for p in parts]))).cuda() for i in range(4)]
     graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
     merge = cuda_median_us(lambda g: g.replay(), graphs, repeats)
+    # the warp-per-row kernel, forced through the test-only switch (native/kdt_testing.h)
+    from kdtree import _native
+
+    raw = _native.load()
+    raw.kdt_testing_set_topk_merge(2)
+    try:
+        warp_graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
+        merge_warp = cuda_median_us(lambda g: g.replay(), warp_graphs, repeats)
+        warp_out = kdtree.topk_merge(*stack, vocab)
+    finally:
+        raw.kdt_testing_set_topk_merge(0)
     full = torch.from_numpy(logits).cuda().to(torch.bfloat16)
     gathered = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: kdtree.topk_logprobs(x, K, errors="status"),
                                                               [full]), repeats)
     got = kdtree.topk_merge(*stack, vocab)
     want = kdtree.topk_merge(*[t.cpu().numpy() for t in stack], vocab)
     same = bool(np.array_equal(got.ids.cpu().numpy(), want.ids))
+    same_warp = bool(torch.equal(warp_out.ids, got.ids) and torch.equal(warp_out.logprobs.view(torch.int32),
+                                                                        got.logprobs.view(torch.int32)))
     # what one rank makes of its bf16 slice and the all-gather moves (every rank's)
     from kdtree.distributed import shard_summary
 
@@ -220,7 +233,8 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     summary = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]), repeats)
     shard_bytes = sum(shard_summary(full[..., a:b], K, int(a)).numel() * 4
                       for a, b in zip(edges[:-1], edges[1:], strict=True))
-    return dict(merge=merge, gathered=gathered, same=same, shard_bytes=shard_bytes, summary=summary,
+    return dict(merge=merge, merge_warp=merge_warp, same_warp=same_warp, gathered=gathered, same=same,
+                shard_bytes=shard_bytes, summary=summary,
                 full_bytes=B * L * vocab * 2, shards=shards, vocab=vocab)
 
 
@@ -355,10 +369,12 @@ def main() -> None:
         print("|---|---|---|")
         print(f"| kdtree merge of the shards' summaries (CUDA graph) | {r['merge']:.1f} | "
               f"{r['shard_bytes'] / 1e6:.2f} MB ({100 * r['shard_bytes'] / r['full_bytes']:.2f}%) |")
+        print(f"| the same, one warp a row (kdt_testing_set_topk_merge(2)) | {r['merge_warp']:.1f} | same |")
         print(f"| one rank's shard_summary of its bf16 slice (CUDA graph) | {r['summary']:.1f} | - |")
         print(f"| top-k of the gathered bf16 logits on one GPU | {r['gathered']:.1f} | "
               f"{r['full_bytes'] / 1e6:.1f} MB (100%) |")
-        print(f"ids equal to the CPU merge's: {r['same']}\n")
+        print(f"ids equal to the CPU merge's: {r['same']}; the warp kernel's outputs bit-equal to the block "
+              f"kernel's: {r['same_warp']}\n")
     if "build" not in args.skip:
         print(f"## tree build: B={B}, L={L}, K=N, V=32,000 (drafter logits -> top-k on the GPU first)")
         print("| drafter | N | kdtree GPU us (graph) | kdtree CPU us (batch) | published us (host heap) | "

@@ -26,6 +26,7 @@ int testing_verify_cluster();
 int testing_attention_warp_tiles();
 bool testing_attention_mma_sync();
 int testing_attention_sm90();
+int testing_topk_merge();
 
 // After a launch: KDT_OK, or KDT_ERR_CUDA naming `what` and the runtime's message.
 kdt_status launch_status(const char* what);

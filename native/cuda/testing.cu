@@ -12,6 +12,7 @@ std::atomic<int32_t> g_verify_cluster{0};
 std::atomic<int32_t> g_attention_warp_tiles{0};
 std::atomic<int32_t> g_attention_mma_sync{0};
 std::atomic<int32_t> g_attention_sm90{0};
+std::atomic<int32_t> g_topk_merge{0};
 }  // namespace
 
 uint32_t kdt::testing_tree_paths() { return g_tree_paths.load(std::memory_order_relaxed); }
@@ -20,6 +21,7 @@ int kdt::testing_verify_cluster() { return g_verify_cluster.load(std::memory_ord
 int kdt::testing_attention_warp_tiles() { return g_attention_warp_tiles.load(std::memory_order_relaxed); }
 bool kdt::testing_attention_mma_sync() { return g_attention_mma_sync.load(std::memory_order_relaxed) != 0; }
 int kdt::testing_attention_sm90() { return g_attention_sm90.load(std::memory_order_relaxed); }
+int kdt::testing_topk_merge() { return g_topk_merge.load(std::memory_order_relaxed); }
 
 extern "C" kdt_status kdt_testing_set_tree_paths(uint32_t paths) {
     if ((paths & ~KDT_TESTING_TREES_ALL) != 0) {
@@ -61,5 +63,13 @@ extern "C" kdt_status kdt_testing_set_attention_sm90(int32_t variant) {
         return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "attention sm90 variant %d: expected 0 or 1", (int)variant);
     }
     g_attention_sm90.store(variant, std::memory_order_relaxed);
+    return kdt_ok();
+}
+
+extern "C" kdt_status kdt_testing_set_topk_merge(int32_t variant) {
+    if (variant != 0 && variant != 1 && variant != 2) {
+        return kdt_fail(KDT_ERR_INVALID_ARGUMENT, "top-k merge variant %d: expected 0, 1 or 2", (int)variant);
+    }
+    g_topk_merge.store(variant, std::memory_order_relaxed);
     return kdt_ok();
 }

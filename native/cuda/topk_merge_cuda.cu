@@ -228,6 +228,158 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     }
 }
 
+// The warp-per-row merge: up to kWarpRows rows a block, one warp each, no block barrier.
+// The warp copies its row's T lists to shared memory, checks them as merge_kernel does,
+// then merges them pairwise (T lists, ceil(T / 2), ... 1), each merge cut at k entries:
+// output position pos of the merge of lists A and B is found by a binary search of the
+// merge path (how many of A's entries come among the first pos; A first on ties), one lane
+// a position. Two copies of one (logit, id) in different lists end adjacent; both within
+// the first k is the CPU's duplicate error. Lanes compute the shards' exp terms of the
+// log-sum-exp in parallel and every lane adds them in shard order with merge_kernel's
+// compensated sum, so the outputs are merge_kernel's bit for bit.
+constexpr int kWarpRows = 4;
+constexpr int64_t kWarpStageBytes = 48 * 1024;  // a block's shared memory: kWarpRows x 2 x T x k x 8
+
+__global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams p, int rows_per_block) {
+    extern __shared__ __align__(8) unsigned char s_rows[];  // per warp: two buffers of [T x k] logits, ids
+    const unsigned full = 0xffffffffu;
+    const int lane = (int)(threadIdx.x & 31), w = (int)(threadIdx.x >> 5);
+    const int64_t r = (int64_t)blockIdx.x * rows_per_block + w;
+    if (w >= rows_per_block || r >= p.rows) return;  // a whole warp: no barrier below is block-wide
+    const int T = (int)p.shards, k = (int)p.k, n = T * k;
+    const int64_t R = p.rows;
+    const size_t per_shard = (size_t)R * (size_t)k;
+    const size_t row_at = (size_t)r * (size_t)k;
+    float* sv = reinterpret_cast<float*>(s_rows + (size_t)w * (size_t)n * 16u);
+    int32_t* si = reinterpret_cast<int32_t*>(sv + n);
+    float* dv = reinterpret_cast<float*>(si + n);
+    int32_t* di = reinterpret_cast<int32_t*>(dv + n);
+    for (int t = 0; t < T; t++) {
+        const size_t at = (size_t)t * per_shard + row_at;
+        for (int c = lane; c < k; c += 32) {
+            sv[t * k + c] = p.logits[at + c];
+            si[t * k + c] = p.ids[at + c];
+        }
+    }
+    __syncwarp();
+    // 1. The checks of merge_kernel (check_shard_row) and the row's max.
+    bool bad = false;
+    float mx = -INFINITY;
+    for (int t = lane; t < T; t += 32) {
+        const size_t cell = (size_t)t * (size_t)R + (size_t)r;
+        const float mt = p.max[cell];
+        const double rest = p.rest[cell];
+        bad |= isnan(mt) || mt == INFINITY || !(rest >= 0.0) || rest > (double)p.vocab ||
+               (mt == -INFINITY && rest != 0.0) || (k > 0 && sv[t * k] != mt);
+        mx = fmaxf(mx, mt);
+    }
+    for (int t = 0; t < T; t++) {
+        const float* v = sv + t * k;
+        const int32_t* id = si + t * k;
+        for (int c = lane; c < k; c += 32) {
+            const float x = v[c];
+            const int32_t xi = id[c];
+            bad |= xi < 0 || (int64_t)xi >= p.vocab || isnan(x) || x == INFINITY;
+            if (c > 0) bad |= !worse(x, xi, v[c - 1], id[c - 1]);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(full, mx, off));
+    bool row_bad = __any_sync(full, bad) || mx == -INFINITY;  // (every logit -inf: no distribution)
+    // 2. The pairwise merges, each cut at k.
+    if (!row_bad) {
+        int lists = T;
+        while (lists > 1) {
+            const int pairs = lists / 2;
+            for (int j = 0; j < pairs; j++) {
+                const float* av = sv + 2 * j * k;
+                const int32_t* ai = si + 2 * j * k;
+                const float* bv = av + k;
+                const int32_t* bi = ai + k;
+                for (int pos = lane; pos < k; pos += 32) {
+                    int lo = 0, hi = pos;  // A's entries among the first pos outputs
+                    while (lo < hi) {
+                        const int mid = (lo + hi) >> 1;
+                        if (!worse(av[mid], ai[mid], bv[pos - 1 - mid], bi[pos - 1 - mid])) {
+                            lo = mid + 1;
+                        } else {
+                            hi = mid;
+                        }
+                    }
+                    const int jb = pos - lo;
+                    const bool take_a = !worse(av[lo], ai[lo], bv[jb], bi[jb]);
+                    dv[j * k + pos] = take_a ? av[lo] : bv[jb];
+                    di[j * k + pos] = take_a ? ai[lo] : bi[jb];
+                }
+            }
+            if (lists & 1) {
+                for (int c = lane; c < k; c += 32) {
+                    dv[pairs * k + c] = sv[(lists - 1) * k + c];
+                    di[pairs * k + c] = si[(lists - 1) * k + c];
+                }
+            }
+            __syncwarp();
+            float* tv = sv;
+            sv = dv;
+            dv = tv;
+            int32_t* ti = si;
+            si = di;
+            di = ti;
+            lists = pairs + (lists & 1);
+        }
+        // two copies of one entry within the first k: the CPU's duplicate
+        bool twin = false;
+        for (int c = 1 + lane; c < k; c += 32) twin |= sv[c] == sv[c - 1] && si[c] == si[c - 1];
+        row_bad = __any_sync(full, twin);
+    }
+    // 3. The log-sum-exp, as merge_kernel's thread 0 combines it.
+    double log_sum = 0.0;
+    if (!row_bad) {
+        const float m = mx;
+        CompSum s = {0.0, 0.0};
+        bool top = false;
+        for (int base = 0; base < T; base += 32) {
+            const int t = base + lane;
+            float mt = -INFINITY;
+            double rest = 0.0, scale = 0.0;
+            if (t < T) {
+                const size_t cell = (size_t)t * (size_t)R + (size_t)r;
+                mt = p.max[cell];
+                rest = p.rest[cell];
+                scale = mt == m ? 1.0 : exp((double)mt - (double)m);
+            }
+            const int count = T - base < 32 ? T - base : 32;
+            for (int j = 0; j < count; j++) {
+                const float mj = __shfl_sync(full, mt, j);
+                const double rj = __shfl_sync(full, rest, j);
+                const double sj = __shfl_sync(full, scale, j);
+                if (mj == -INFINITY) continue;
+                if (!top && mj == m) {
+                    comp_add(&s, rj);
+                    top = true;
+                    continue;
+                }
+                comp_add(&s, sj);
+                comp_add(&s, rj * sj);
+            }
+        }
+        log_sum = log1p(s.sum + s.carry);
+    }
+    if (lane == 0) p.status[r] = row_bad ? KDT_ERR_VALUE : KDT_OK;
+    float* ov = p.out_lp + row_at;
+    int32_t* oi = p.out_ids + row_at;
+    const double m = (double)mx;
+    for (int c = lane; c < k; c += 32) {
+        if (row_bad) {
+            ov[c] = NAN;
+            oi[c] = (int32_t)c;
+        } else {
+            ov[c] = (float)(((double)sv[c] - m) - log_sum);
+            oi[c] = si[c];
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_ids, const float* shard_max,
@@ -287,6 +439,15 @@ extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32
     p.out_ids = out_ids;
     p.status = row_status;
     const int64_t list_bytes = shards * k * 8;
+    const int variant = kdt::testing_topk_merge();
+    const int64_t warp_rows = list_bytes > 0 ? kWarpStageBytes / (2 * list_bytes) : kWarpRows;
+    if (variant == 2 && warp_rows >= 1) {
+        const int per_block = (int)(warp_rows < kWarpRows ? warp_rows : kWarpRows);
+        const int64_t blocks = (rows + per_block - 1) / per_block;
+        merge_warp_kernel<<<(unsigned)blocks, 32 * per_block, (size_t)(per_block * 2 * list_bytes),
+                            kdt::as_stream(stream)>>>(p, per_block);
+        return kdt::launch_status("sharded top-k merge (warp per row)");
+    }
     p.staged = list_bytes <= kStageBytes;
     merge_kernel<<<(unsigned)rows, kThreads, p.staged ? (size_t)list_bytes : 0, kdt::as_stream(stream)>>>(p);
     return kdt::launch_status("sharded top-k merge");
