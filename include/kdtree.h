@@ -617,6 +617,27 @@ KDT_API kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t*
                                        float* out_logprobs, int32_t* out_ids, int32_t* row_status,
                                        void* stream);
 
+/*
+ * A vocabulary shard's row statistics on the GPU: kdt_topk_shard_cpu's out_max and
+ * out_sum_rest for every row (b, l) of `logits` (the shard's columns; float32, float16 or
+ * bfloat16; 2-D inputs as rows), in one kernel reading each row twice, so that a shard's
+ * summary needs no float64 copy of its logits. With kdt_topk_logprobs_cuda's ids (the
+ * shard's top k) and the logits at them it makes the shard's whole summary.
+ *   out_max   device float32 [B * L]: the row's largest logit (-inf when all are -inf);
+ *             NaN for a row holding a NaN or a +inf.
+ *   out_rest  device float64 [B * L]: sum of exp(logit - max) over the row but its first
+ *             entry at the max (-0 and +0 equal), in float64, each of 256 threads summing
+ *             its columns in order and the threads' sums added in a fixed tree (so within
+ *             float64 rounding of the CPU's compensated sum, not bit-equal); 0 when all
+ *             are -inf; NaN for a row holding a NaN or a +inf (which kdt_topk_merge_* reject).
+ * Stream-ordered, no allocation, no workspace, capturable in a CUDA graph. Returns
+ * (host-side) the checks of kdt_logits (KDT_ERR_INVALID_ARGUMENT, KDT_ERR_NULL_POINTER),
+ * KDT_ERR_NULL_POINTER (an output), KDT_ERR_INVALID_ARGUMENT (a misaligned output),
+ * KDT_ERR_OVERFLOW, KDT_ERR_CUDA, KDT_ERR_UNSUPPORTED.
+ */
+KDT_API kdt_status kdt_topk_shard_stats_cuda(const kdt_logits* logits, float* out_max, double* out_rest,
+                                             void* stream);
+
 /* Layouts of kdt_tree_attention_mask_cuda's output. Fixed values. */
 typedef enum kdt_mask_kind {
     KDT_MASK_BOOL = 0,          /* uint8 [B, N+1, C]: 1 visible, 0 hidden                    */

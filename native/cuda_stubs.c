@@ -166,3 +166,11 @@ kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_i
                                float* out_logprobs, int32_t* out_ids, int32_t* row_status, void* stream) {
     return no_cuda("kdt_topk_merge_cuda");
 }
+
+kdt_status kdt_topk_shard_stats_cuda(const kdt_logits* logits, float* out_max, double* out_rest, void* stream) {
+    (void)logits;
+    (void)out_max;
+    (void)out_rest;
+    (void)stream;
+    return no_cuda("kdt_topk_shard_stats_cuda");
+}

@@ -58,6 +58,7 @@ int main(void) {
                                                   NULL),
                      KDT_ERR_UNSUPPORTED);
         CHECK_STATUS(kdt_compact_kv_cuda(NULL, NULL, NULL, NULL, 3, status, NULL), KDT_ERR_UNSUPPORTED);
+        CHECK_STATUS(kdt_topk_shard_stats_cuda(NULL, NULL, NULL, NULL), KDT_ERR_UNSUPPORTED);
         CHECK_ERR_HAS("without CUDA");
         HARNESS_EXIT();
     }
@@ -122,6 +123,27 @@ int main(void) {
         CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 11, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);
         CHECK_ERR_HAS("width");
+        /* A shard's row statistics: the host-side checks. */
+        {
+            float smax[2];
+            double srest[2];
+            CHECK_STATUS(kdt_topk_shard_stats_cuda(NULL, smax, srest, NULL), KDT_ERR_NULL_POINTER);
+            CHECK_STATUS(kdt_topk_shard_stats_cuda(&lg, NULL, srest, NULL), KDT_ERR_NULL_POINTER);
+            CHECK_ERR_HAS("out_max");
+            CHECK_STATUS(kdt_topk_shard_stats_cuda(&lg, smax, NULL, NULL), KDT_ERR_NULL_POINTER);
+            CHECK_ERR_HAS("out_rest");
+            CHECK_STATUS(kdt_topk_shard_stats_cuda(&lg, smax, (double*)((char*)srest + 4), NULL),
+                         KDT_ERR_INVALID_ARGUMENT);
+            CHECK_ERR_HAS("out_rest");
+            CHECK_ERR_HAS("aligned");
+            lg.length = 0; /* no rows: nothing to do, nothing checked past the description */
+            CHECK_OK(kdt_topk_shard_stats_cuda(&lg, NULL, NULL, NULL));
+            lg.length = 2;
+            lg.dtype = KDT_DTYPE_INT32;
+            CHECK_STATUS(kdt_topk_shard_stats_cuda(&lg, smax, srest, NULL), KDT_ERR_INVALID_ARGUMENT);
+            CHECK_ERR_HAS("dtype");
+            lg.dtype = KDT_DTYPE_BFLOAT16;
+        }
         lg.dtype = KDT_DTYPE_INT32;
         CHECK_STATUS(kdt_trees_build_from_logits_cuda(&lg, 3, NULL, NULL, NULL, NULL, -1, &t, status, NULL, 0, NULL),
                      KDT_ERR_INVALID_ARGUMENT);

@@ -463,10 +463,66 @@ def test_shard_summary_edges_on_cpu_tensors():
 # ---- the GPU form of kdtree.distributed (shard_summary, NCCL) ----------------------------------
 
 
+@pytest.fixture(params=["torch", "fused"])
+def summary_stats(request, monkeypatch):
+    """Where a CUDA shard summary's rest comes from: torch's float64 passes (the default) or
+    kdt_topk_shard_stats_cuda."""
+    import kdtree.distributed
+
+    monkeypatch.setattr(kdtree.distributed, "_FUSED_STATS", request.param == "fused")
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gpu_shard_stats_equal_topk_shard(cuda_device, dtype):
+    """kdt_topk_shard_stats_cuda: each row's max exactly and rest within float64 rounding of
+    topk_shard's, over rows shorter and longer than a block, strided 3-D input, ties at the
+    max (the first one's term left out, -0 equal to +0), -inf stretches, a row of only -inf
+    (max -inf, rest 0) and rows with a NaN or a +inf (NaN, NaN)."""
+    torch = pytest.importorskip("torch")
+    from kdtree.core.cuda import topk_shard_stats
+
+    rng = np.random.default_rng(3)
+    for vocab in (1, 7, 256, 1000, 20480):
+        x = (rng.standard_normal((3, 5, vocab + 3)) * 4).astype(np.float32)[..., 2:vocab + 2]
+        x[0, 0] = np.round(x[0, 0])  # ties at the max
+        x[0, 1, ::2] = -np.inf
+        x[0, 2] = -np.inf
+        x[1, 0, -1] = np.nan
+        x[1, 1, 0] = np.inf
+        if vocab >= 2:
+            x[2, 0, :2] = [-0.0, 0.0]
+            x[2, 0, 2:] = np.minimum(x[2, 0, 2:], -1.0)
+        dev_x = torch.from_numpy(np.ascontiguousarray(x)).to(cuda_device).to(getattr(torch, dtype))
+        full = torch.zeros((3, 5, vocab + 5), dtype=dev_x.dtype, device=cuda_device)
+        full[..., 1:vocab + 1] = dev_x
+        view = full[..., 1:vocab + 1]  # strided rows, not 16-byte aligned
+        host = view.float().cpu().numpy()
+        mx, rest = (t.cpu().numpy() for t in topk_shard_stats(view))
+        assert mx.shape == (3, 5) and rest.shape == (3, 5) and rest.dtype == np.float64
+        bad = np.isnan(host).any(-1) | np.isposinf(host).any(-1)
+        assert np.isnan(mx[bad]).all() and np.isnan(rest[bad]).all()
+        want = kdtree.topk_shard(np.where(bad[..., None], 0.0, host).astype(np.float32), 1, 0)
+        np.testing.assert_array_equal(mx[~bad], want.max[~bad])
+        np.testing.assert_allclose(rest[~bad], want.sum_rest[~bad], rtol=1e-13, atol=0)
+        assert mx[0, 2] == -np.inf and rest[0, 2] == 0.0
+        if vocab >= 2:
+            want_rest = np.exp(host[2, 0, 1:].astype(np.float64)).sum()  # the -0 at column 0 is the max
+            np.testing.assert_allclose(rest[2, 0], want_rest, rtol=1e-13)
+    one = torch.tensor([1.0, 3.0, 3.0, -np.inf], device=cuda_device)
+    mx, rest = topk_shard_stats(one)
+    assert float(mx) == 3.0 and abs(float(rest) - (1.0 + np.exp(-2.0))) < 1e-15
+    empty = topk_shard_stats(torch.zeros((0, 4), device=cuda_device))
+    assert tuple(empty[0].shape) == (0,) and tuple(empty[1].shape) == (0,)
+    with pytest.raises(kdtree.KdtreeTypeError, match="float32, float16 or bfloat16"):
+        topk_shard_stats(torch.zeros((2, 4), dtype=torch.float64, device=cuda_device))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shards, k", [(1, 8), (3, 64), (8, 16)])
-def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
+def test_gpu_shard_summary_equals_topk_shard(cuda_device, summary_stats, dtype, shards, k):
     """Each slice's GPU summary is topk_shard's four fields (logits, ids, max exactly; the
     rest within float64 rounding), and merging the summaries on the GPU gives the gathered
     row's top-k (ids exactly, log-probs within one float32 ulp of the CPU merge)."""
@@ -505,7 +561,7 @@ def test_gpu_shard_summary_equals_topk_shard(cuda_device, dtype, shards, k):
 
 
 @pytest.mark.gpu
-def test_gpu_shard_summary_marks_bad_rows(cuda_device):
+def test_gpu_shard_summary_marks_bad_rows(cuda_device, summary_stats):
     torch = pytest.importorskip("torch")
     from kdtree.distributed import shard_summary, unpack_summary
 

@@ -227,14 +227,25 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     same_warp = bool(torch.equal(warp_out.ids, got.ids) and torch.equal(warp_out.logprobs.view(torch.int32),
                                                                         got.logprobs.view(torch.int32)))
     # what one rank makes of its bf16 slice and the all-gather moves (every rank's)
+    from kdtree import distributed as kdist
     from kdtree.distributed import shard_summary
 
     first = full[..., edges[0]:edges[1]].contiguous()  # a rank holds its slice whole
     summary = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]), repeats)
+    kdist._FUSED_STATS = True  # the rest from kdt_topk_shard_stats_cuda
+    try:
+        summary_fused = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]),
+                                       repeats)
+        fused_rest = shard_summary(first, K, 0)[:, -2:].contiguous().view(torch.float64)
+    finally:
+        kdist._FUSED_STATS = False
+    torch_rest = shard_summary(first, K, 0)[:, -2:].contiguous().view(torch.float64)
+    rest_err = float(((fused_rest - torch_rest).abs() / torch_rest.abs().clamp_min(1e-300)).max())
     shard_bytes = sum(shard_summary(full[..., a:b], K, int(a)).numel() * 4
                       for a, b in zip(edges[:-1], edges[1:], strict=True))
     return dict(merge=merge, merge_warp=merge_warp, same_warp=same_warp, gathered=gathered, same=same,
-                shard_bytes=shard_bytes, summary=summary,
+                shard_bytes=shard_bytes, summary=summary, summary_fused=summary_fused,
+                rest_err=rest_err,
                 full_bytes=B * L * vocab * 2, shards=shards, vocab=vocab)
 
 
@@ -370,11 +381,13 @@ def main() -> None:
         print(f"| kdtree merge of the shards' summaries (CUDA graph) | {r['merge']:.1f} | "
               f"{r['shard_bytes'] / 1e6:.2f} MB ({100 * r['shard_bytes'] / r['full_bytes']:.2f}%) |")
         print(f"| the same, one warp a row (kdt_testing_set_topk_merge(2)) | {r['merge_warp']:.1f} | same |")
-        print(f"| one rank's shard_summary of its bf16 slice (CUDA graph) | {r['summary']:.1f} | - |")
+        print(f"| one rank's shard_summary of its bf16 slice, torch float64 rest (CUDA graph) | {r['summary']:.1f} | - |")
+        print(f"| the same, rest from kdt_topk_shard_stats_cuda | {r['summary_fused']:.1f} | - |")
         print(f"| top-k of the gathered bf16 logits on one GPU | {r['gathered']:.1f} | "
               f"{r['full_bytes'] / 1e6:.1f} MB (100%) |")
         print(f"ids equal to the CPU merge's: {r['same']}; the warp kernel's outputs bit-equal to the block "
-              f"kernel's: {r['same_warp']}\n")
+              f"kernel's: {r['same_warp']}; fused statistics: max relative rest difference {r['rest_err']:.1e} "
+              f"from torch's\n")
     if "build" not in args.skip:
         print(f"## tree build: B={B}, L={L}, K=N, V=32,000 (drafter logits -> top-k on the GPU first)")
         print("| drafter | N | kdtree GPU us (graph) | kdtree CPU us (batch) | published us (host heap) | "

@@ -380,7 +380,126 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
     }
 }
 
+// kdt_topk_shard_stats_cuda: one block a row, two passes over the row. The first finds the
+// max and its first column (ties: the lower column, -0 equal to +0) and whether the row
+// holds a NaN or a +inf; the second sums exp(x - max) in float64 over every other column,
+// each thread in column order, then the warps' sums in warp order.
+constexpr int kStatsThreads = 256;
+
+struct StatsParams {
+    const char* data;
+    int64_t batch_stride, row_stride, length, rows, vocab;
+    size_t esize;
+    float* out_max;
+    double* out_rest;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kStatsThreads) shard_stats_kernel(StatsParams p) {
+    constexpr int kW = kStatsThreads / 32;
+    __shared__ float s_m[kW];
+    __shared__ int32_t s_at[kW];
+    __shared__ int s_bad[kW];
+    __shared__ double s_sum[kW];
+    const unsigned full = 0xffffffffu;
+    const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
+    const int V = (int)p.vocab;  // <= INT32_MAX (check_logits)
+    for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+        const int64_t b = r / p.length, l = r - b * p.length;
+        const void* row = p.data + (size_t)(b * p.batch_stride + l * p.row_stride) * p.esize;
+        float m = -INFINITY;
+        int32_t at = INT32_MAX;
+        bool bad = false;
+        for (int j = (int)threadIdx.x; j < V; j += kStatsThreads) {
+            const float x = kdt::load_logit<D>(row, j);
+            bad |= isnan(x) || x == INFINITY;
+            if (x > m || (x == m && at == INT32_MAX)) {  // (a row's first -inf counts as its max's column)
+                m = x;
+                at = j;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float om = __shfl_xor_sync(full, m, off);
+            const int32_t oa = __shfl_xor_sync(full, at, off);
+            if (om > m || (om == m && oa < at)) {
+                m = om;
+                at = oa;
+            }
+        }
+        const bool warp_bad = __any_sync(full, bad);
+        if (lane == 0) {
+            s_m[warp] = m;
+            s_at[warp] = at;
+            s_bad[warp] = warp_bad ? 1 : 0;
+        }
+        __syncthreads();
+        m = s_m[0];
+        at = s_at[0];
+        bad = s_bad[0] != 0;
+        for (int w = 1; w < kW; w++) {
+            if (s_m[w] > m || (s_m[w] == m && s_at[w] < at)) {
+                m = s_m[w];
+                at = s_at[w];
+            }
+            bad |= s_bad[w] != 0;
+        }
+        double sum = 0.0;
+        if (!bad && m != -INFINITY) {
+            const double md = (double)m;
+            for (int j = (int)threadIdx.x; j < V; j += kStatsThreads) {
+                if (j != at) sum += exp((double)kdt::load_logit<D>(row, j) - md);
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(full, sum, off);
+        if (lane == 0) s_sum[warp] = sum;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double total = 0.0;
+            for (int w = 0; w < kW; w++) total += s_sum[w];
+            p.out_max[r] = bad ? NAN : m;
+            p.out_rest[r] = bad ? (double)NAN : total;
+        }
+        __syncthreads();  // the next row reuses the shared arrays
+    }
+}
+
 }  // namespace
+
+extern "C" kdt_status kdt_topk_shard_stats_cuda(const kdt_logits* logits, float* out_max, double* out_rest,
+                                                void* stream) {
+    kdt_status st = kdt::check_logits(logits, "logits", -1, -1);
+    if (st != KDT_OK) return st;
+    const int64_t B = logits->batch, L = logits->length;
+    if (B == 0 || L == 0) return kdt_ok();
+    if (B > INT64_MAX / L) return kdt_fail(KDT_ERR_OVERFLOW, "logits: batch * length overflows");
+    if (out_max == NULL || out_rest == NULL) {
+        return kdt_fail(KDT_ERR_NULL_POINTER, "%s is NULL", out_max == NULL ? "out_max" : "out_rest");
+    }
+    st = kdt::check_aligned(out_max, 4, "out_max");
+    if (st != KDT_OK) return st;
+    st = kdt::check_aligned(out_rest, 8, "out_rest");
+    if (st != KDT_OK) return st;
+    StatsParams p;
+    p.data = static_cast<const char*>(logits->data);
+    p.batch_stride = logits->batch_stride;
+    p.row_stride = logits->row_stride;
+    p.length = L;
+    p.rows = B * L;
+    p.vocab = logits->vocab;
+    p.esize = kdt::float_dtype_size(logits->dtype);
+    p.out_max = out_max;
+    p.out_rest = out_rest;
+    const unsigned grid = (unsigned)(p.rows < (int64_t)INT32_MAX ? p.rows : (int64_t)INT32_MAX);
+    cudaStream_t s = kdt::as_stream(stream);
+    switch (logits->dtype) {
+        case KDT_DTYPE_FLOAT32: shard_stats_kernel<KDT_DTYPE_FLOAT32><<<grid, kStatsThreads, 0, s>>>(p); break;
+        case KDT_DTYPE_FLOAT16: shard_stats_kernel<KDT_DTYPE_FLOAT16><<<grid, kStatsThreads, 0, s>>>(p); break;
+        default: shard_stats_kernel<KDT_DTYPE_BFLOAT16><<<grid, kStatsThreads, 0, s>>>(p); break;
+    }
+    return kdt::launch_status("shard statistics");
+}
 
 extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32_t* shard_ids, const float* shard_max,
                                           const double* shard_sum_rest, int64_t shards, int64_t rows, int64_t k,

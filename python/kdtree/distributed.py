@@ -234,6 +234,11 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
 
 _MAX_LEAD = 8  # leading axes of the logits the rank check carries
 
+# CUDA summaries take the rest from kdt_topk_shard_stats_cuda (one kernel, two reads of the
+# logits) instead of torch's float64 passes (a float64 copy of the logits, then exp, scatter
+# and sum); off by default until the kernel has run against the tests on a GPU.
+_FUSED_STATS = False
+
 
 def shard_summary(local_logits, k: int, vocab_offset: int):
     """One rank's summary of its vocabulary slice on the GPU, packed for the all-gather.
@@ -284,13 +289,18 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
     idx = torch.as_tensor(top.ids, device=flat.device).long()
     kept = flat.gather(1, idx)  # the values the summary keeps, in the logits' dtype
     mx = kept[:, 0].float()
-    terms = torch.exp(flat.double() - mx.double()[:, None])
-    terms.scatter_(1, idx[:, :1], 0.0)  # the first entry at the max: its term 1 is not part of the rest
-    # from the logits themselves (a failed top-k's fallback ids say nothing of the row)
-    only_neg_inf = (flat == float("-inf")).all(1)
-    bad = (torch.isnan(flat) | (flat == float("inf"))).any(1)
-    rest = torch.where(only_neg_inf, torch.zeros_like(mx, dtype=torch.float64), terms.sum(1))
-    rest = torch.where(bad, torch.full_like(rest, float("nan")), rest)
+    if flat.is_cuda and _FUSED_STATS:
+        from .core.cuda import topk_shard_stats
+
+        rest = topk_shard_stats(flat)[1]
+    else:
+        terms = torch.exp(flat.double() - mx.double()[:, None])
+        terms.scatter_(1, idx[:, :1], 0.0)  # the first entry at the max: its term 1 is not part of the rest
+        # from the logits themselves (a failed top-k's fallback ids say nothing of the row)
+        only_neg_inf = (flat == float("-inf")).all(1)
+        bad = (torch.isnan(flat) | (flat == float("inf"))).any(1)
+        rest = torch.where(only_neg_inf, torch.zeros_like(mx, dtype=torch.float64), terms.sum(1))
+        rest = torch.where(bad, torch.full_like(rest, float("nan")), rest)
     return torch.cat([_pack_values(kept), (idx + int(vocab_offset)).to(torch.int32),
                       mx.contiguous()[:, None].view(torch.int32), rest.contiguous()[:, None].view(torch.int32)], 1)
 

@@ -396,6 +396,9 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     #     int64_t k, int64_t vocab, float* out_logprobs, int32_t* out_ids, int32_t* row_status,
     #     void* stream)
     "kdt_topk_merge_cuda": ("status", [_vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _vp]),
+    # kdt_status kdt_topk_shard_stats_cuda(const kdt_logits* logits, float* out_max, double* out_rest,
+    #                                      void* stream)
+    "kdt_topk_shard_stats_cuda": ("status", [_logits_p, _vp, _vp, _vp]),
     # kdt_status kdt_trees_ragged_cuda(const kdt_trees* trees, kdt_trees_ragged* out,
     #     int32_t* request_status, void* stream)
     "kdt_trees_ragged_cuda": ("status", [_trees_p, ctypes.POINTER(KdtTreesRagged), _vp, _vp]),

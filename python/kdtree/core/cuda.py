@@ -972,3 +972,37 @@ def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int, *
     if errors == "raise" and rows > 0:
         _raise_on_status(status, "topk_merge", unit="row")
     return TopK(out_lp, out_ids, status)
+
+
+def topk_shard_stats(logits, *, stream=None):
+    """A vocabulary shard's row statistics on the GPU (``kdt_topk_shard_stats_cuda``):
+    ``(max float32 [...], rest float64 [...])`` over the last axis of ``logits`` (a CUDA
+    array ``[..., V]``, float32 / float16 / bfloat16, the last axis contiguous), as
+    :func:`kdtree.topk_shard`'s ``max`` and ``sum_rest`` (rest within float64 rounding);
+    a row holding a NaN or a +inf gets NaN in both, a row of only -inf max -inf and rest 0.
+    Stream-ordered, no synchronisation.
+
+    Raises:
+        KdtreeTypeError: another dtype. KdtreeError: no axis, a non-contiguous last axis,
+            leading axes whose strides do not merge into rows.
+    """
+    s = dev.current_stream(logits, stream)
+    v = dev.view(logits, "logits", s)
+    if len(v.shape) < 1:
+        raise checks.shape_error("logits must have at least one dimension [..., V]")
+    lead, vocab = v.shape[:-1], v.shape[-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    if len(v.shape) > 3:
+        merged = _merge_leading(v)
+        if merged is None:
+            raise checks.shape_error(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
+                                     "merged into rows; pass a [B, L, V] view")
+        v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
+    struct = _logits_struct(v, "logits", two_d="rows")
+    with dev.on_device(logits):
+        mx = dev.empty(logits, lead, "float32")
+        rest = dev.empty(logits, lead, "float64")
+        if rows > 0:
+            _lib.load().kdt_topk_shard_stats_cuda(ctypes.byref(struct), dev.view(mx, "out").ptr,
+                                                  dev.view(rest, "out").ptr, s)
+    return mx, rest
