@@ -160,6 +160,57 @@ def test_stop_sequences_end_requests_where_autoregressive_decoding_does(pair, pr
         assert out.finish_reason == "stop_sequence"
 
 
+@pytest.mark.parametrize("mode", ["ddtree", "ar"])
+def test_per_request_stops_end_each_request_where_autoregressive_decoding_does(pair, prompts, expected, mode):
+    """Requests with their own stop tokens and sequences (SamplingParams) in one batch, next
+    to one without: each output ends where greedy autoregressive decoding with that
+    request's stops ends; the stops of one request do not touch another."""
+    target, drafter = pair
+    kw = dict(max_batch=4, budget=32, mode=mode, max_length=512)
+    plain = Engine(target, drafter, **kw).generate(prompts[:4], NEW)
+    seq_cases = _stop_sequence_cases(prompts, expected, [o.committed for o in plain])
+    token_cases = [(i, want[k]) for i, want in enumerate(expected[:8]) for k in range(3, NEW)
+                   if want[k] not in want[:k]]
+    requests = []  # (prompt index, SamplingParams, AR stop_tokens, AR stop_sequences)
+    for i, stop in token_cases[:3]:
+        requests.append((i, SamplingParams(stop_token_ids=[stop, 0]), [stop, 0], None))
+    for i, q, _ in seq_cases[:3]:
+        requests.append((i, SamplingParams(stop_sequences=[q, list(range(1, 17))]), (), [q, list(range(1, 17))]))
+    requests.append((5, SamplingParams(), (), None))
+    ref = load_causal_lm(PAIR / "target", dtype="float32")
+    eng = Engine(target, drafter, **kw)
+    outs = eng.generate([prompts[i] for i, *_ in requests], NEW, sampling=[sp for _, sp, _, _ in requests])
+    ends = set()
+    for (i, sp, stops, seqs), out in zip(requests, outs, strict=True):
+        ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_tokens=stops, stop_sequences=seqs)
+        assert out.tokens == ar.tokens, (mode, i, sp)
+        assert out.finish_reason == ar.stop_reason, (mode, i, sp)
+        assert sum(out.committed) == len(out.tokens)
+        ends.add(out.finish_reason)
+    assert ends == {"stop_token", "stop_sequence", "max_new_tokens"}
+    assert outs[-1].tokens == expected[5]
+
+
+def test_per_request_stops_are_checked(pair):
+    target, drafter = pair
+    for kw, match in ((dict(stop_token_ids="ab"), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+                      (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(stop_token_ids=5), "stop_token_ids"),
+                      (dict(stop_token_ids=[2**31]), "stop_token_ids"), (dict(stop_sequences=[[]]), "1 to 16"),
+                      (dict(stop_sequences=[list(range(17))]), "1 to 16"), (dict(stop_sequences=[[-1]]), "negative"),
+                      (dict(stop_sequences="ab"), "sequence of token sequences")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    sp = SamplingParams(stop_token_ids=iter([4, 2]), stop_sequences=(q for q in [[5, 6], [7]]))
+    assert sp.stop_token_ids == (4, 2) and sp.stop_sequences == ((5, 6), (7,))
+    eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64)
+    vocab = eng.vocab_size
+    with pytest.raises(ValueError, match=f"token {vocab} outside"):
+        eng.submit([1, 2], 4, SamplingParams(stop_token_ids=[vocab]))
+    with pytest.raises(ValueError, match=r"stop_sequences\[1\] holds a token outside"):
+        eng.submit([1, 2], 4, SamplingParams(stop_sequences=[[3], [1, vocab]]))
+    assert not eng.busy
+
+
 def test_stop_sequences_are_checked(pair):
     target, drafter = pair
     for bad, match in (([[]], "1 to 16"), ([list(range(17))], "1 to 16"), ([[-1]], "negative"),
@@ -684,6 +735,28 @@ def test_gpu_stop_sequences_in_the_graph(gpu_pair, prompts, expected):
         ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_sequences=seqs)
         assert out.tokens == ar.tokens, (i, q)
         assert out.finish_reason == ar.stop_reason == "stop_sequence"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_per_request_stops_with_graphs(gpu_pair, prompts, expected):
+    """Per-request stops applied when the host reads a round one step behind the device: the
+    outputs of autoregressive decoding with each request's stops; a slot whose request
+    ended mid-round is refilled only after the round in flight is read."""
+    target, drafter = gpu_pair
+    kw = dict(max_batch=2, budget=32, max_length=512)
+    token_cases = [(i, want[k]) for i, want in enumerate(expected[:8]) for k in range(3, NEW)
+                   if want[k] not in want[:k]][:4]
+    eng = Engine(target, drafter, **kw)
+    assert eng.use_graphs
+    prompts_in = [prompts[i] for i, _ in token_cases] + [prompts[9]]
+    params = [SamplingParams(stop_token_ids=[stop]) for _, stop in token_cases] + [SamplingParams()]
+    outs = eng.generate(prompts_in, NEW, sampling=params)
+    ref = load_causal_lm(PAIR / "target", dtype="float32")
+    for (i, stop), out in zip(token_cases, outs, strict=False):
+        ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_tokens=[stop])
+        assert out.tokens == ar.tokens and out.finish_reason == ar.stop_reason == "stop_token", (i, stop)
+    assert outs[-1].tokens == expected[9]
 
 
 def test_generate_queues_nothing_when_a_request_is_refused(pair, prompts, expected):

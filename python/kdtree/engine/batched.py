@@ -113,12 +113,24 @@ class SamplingParams:
     likely tokens (0: all) and then to the ``top_p`` nucleus (the cuts of
     :func:`kdtree.verify_sample_from_logits`); ``seed`` keys the request's counter-based
     draws with the round number and its slot (the same seed gives the same draws in the
-    same slot; the slot enters the draw as kdtree's request index)."""
+    same slot; the slot enters the draw as kdtree's request index).
+
+    ``stop_token_ids`` and ``stop_sequences`` end this request on top of the engine's
+    ``stop_tokens`` and ``stop_sequences`` (the same meaning: the token, or the sequence's
+    last token, is kept in the output; ``finish_reason`` "stop_token" or "stop_sequence";
+    a sequence holds 1 to 16 ids and may begin in the prompt). They are applied on the
+    host when a round's tokens are read: the round's committed tokens are cut right after
+    the first that ends the request, so the output is the one decoding with these stops
+    gives. (The engine's own stops are applied inside the verify walk, which also spares
+    the work past them.) Ids past the engine's vocabulary are refused by
+    :meth:`Engine.submit`."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    stop_token_ids: Sequence[int] = ()
+    stop_sequences: Sequence[Sequence[int]] = ()
 
     def __post_init__(self) -> None:
         # the engine keeps these in float32 / int32 device arrays: values that do not fit
@@ -134,10 +146,47 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, 2**31) (0: no top-k), got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        self.stop_token_ids = _stop_ids(self.stop_token_ids)
+        self.stop_sequences = _stop_seqs(self.stop_sequences)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _stop_ids(ids) -> tuple[int, ...]:
+    """Per-request stop token ids as a tuple of ints in [0, 2^31) (ValueError otherwise)."""
+    items = None if isinstance(ids, (str, bytes)) else ids
+    try:
+        items = list(items)
+    except TypeError:
+        items = None
+    if items is None or any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+                            or not 0 <= int(t) < 2**31 for t in items):
+        raise ValueError(f"stop_token_ids must be token ids (integers in [0, 2**31)), got {ids!r}")
+    return tuple(int(t) for t in items)
+
+
+def _stop_seqs(seqs) -> tuple[tuple[int, ...], ...]:
+    """Per-request stop sequences as tuples of ids, checked as :func:`kdtree.stop_sequences`
+    checks them (ValueError naming the sequence)."""
+    from .. import _native
+    from ..core import api
+
+    items = None if isinstance(seqs, (str, bytes)) else seqs
+    try:
+        items = list(items)
+    except TypeError:
+        items = None
+    if items is None:
+        raise ValueError(f"stop_sequences must be a sequence of token sequences (for example [[13, 14]]), got "
+                         f"{type(seqs).__name__}")
+    if not items:
+        return ()
+    try:
+        return tuple(tuple(q) for q in api.stop_sequences(items).sequences)
+    except (_native.KdtreeError, TypeError) as exc:
+        raise ValueError(f"stop_sequences: {exc}") from None
 
 
 @dataclass
@@ -148,8 +197,9 @@ class RequestOutput:
         request_id     the id :meth:`Engine.submit` returned
         prompt         the prompt's token ids
         tokens         the generated tokens (prompt excluded)
-        finish_reason  None while running; "stop_token", "max_new_tokens", "length"
-                       (the engine's max_length reached) or "error" (see ``error``)
+        finish_reason  None while running; "stop_token", "stop_sequence" (the engine's
+                       or the request's own stops), "max_new_tokens", "length" (the
+                       engine's max_length reached) or "error" (see ``error``)
         error          why the request failed (a kdtree status from its round), or None
         rounds         rounds that committed tokens for it (target forwards after prefill)
         committed      per such round, the tokens committed (accepted draft tokens + bonus)
@@ -613,6 +663,12 @@ class Engine:
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__} {sampling!r}")
         if not sampling.greedy and not self.sampling:
             raise ValueError("this engine verifies greedily; build it with sampling=True for temperature > 0")
+        for t in sampling.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"sampling.stop_token_ids: token {t} outside [0, {self.vocab_size})")
+        for i, q in enumerate(sampling.stop_sequences):
+            if any(t >= self.vocab_size for t in q):
+                raise ValueError(f"sampling.stop_sequences[{i}] holds a token outside [0, {self.vocab_size})")
         if self.vocab_slice is not None and not sampling.greedy and (sampling.top_p < 1 or sampling.top_k > 0):
             raise ValueError("top_p and top_k are not supported over a vocabulary-sharded LM head (their cuts need "
                              "the whole row); sample with temperature alone")
@@ -1191,6 +1247,10 @@ class Engine:
             if c == 0:
                 continue
             new = rows[s][:c]
+            own = _request_stop(req.sampling, out.prompt, out.tokens, new)  # (cut, reason) or None
+            if own is not None:
+                c = own[0]
+                new = new[:c]
             out.tokens.extend(new)
             out.rounds += 1
             out.committed.append(c)
@@ -1199,6 +1259,8 @@ class Engine:
                 req.on_tokens(c)
             if new[-1] in stops:
                 self._finish(req, "stop_token")
+            elif own is not None:
+                self._finish(req, own[1])
             elif self.stop_sequences and _ends_with_one(out.prompt, out.tokens, self.stop_sequences):
                 self._finish(req, "stop_sequence")
             elif remaining[s] <= 0:
@@ -1405,6 +1467,27 @@ class Engine:
     def reset_stats(self) -> None:
         self._count_prefill_gpu(wait=True)
         self.stats = EngineStats()
+
+
+def _request_stop(sampling, prompt, before, new) -> tuple[int, str] | None:
+    """Where a request's own stops end it within a round's committed tokens ``new`` (after
+    ``before``, the request's earlier tokens): (tokens of ``new`` kept, "stop_token" or
+    "stop_sequence") at the first token that is one of ``sampling.stop_token_ids`` or
+    completes one of ``sampling.stop_sequences`` in prompt + before + new; None if none
+    does."""
+    ids, seqs = sampling.stop_token_ids, sampling.stop_sequences
+    if not ids and not seqs:
+        return None
+    # the last 15 tokens before the round: enough for a 16-token sequence ending in it
+    stream = (list(prompt[-15:]) + list(before))[-15:] if len(before) < 15 else list(before[-15:])
+    for j, t in enumerate(new):
+        stream.append(t)
+        if t in ids:
+            return j + 1, "stop_token"
+        for q in seqs:
+            if len(stream) >= len(q) and tuple(stream[-len(q):]) == q:
+                return j + 1, "stop_sequence"
+    return None
 
 
 def _ends_with_one(prompt, tokens, sequences) -> bool:
