@@ -323,6 +323,38 @@ def test_a_difference_is_rounding_only_if_the_wider_float_run_agrees(monkeypatch
     assert "identical: NO, first difference at new token 1 (not rounding)" in out.getvalue()
 
 
+def test_a_prompts_file_line_has_its_own_stop_texts(tmp_path):
+    """A JSON line's "stop" texts end that request only (after the tokens ': PreTrainedModel'
+    encodes to, where the default prompt's greedy continuation has them), the same line
+    without them runs to its cap, both equal their autoregressive runs; a bad "stop" is an
+    error naming the line."""
+    import argparse
+    import json
+
+    from kdtree.apps.generate import PROMPT_CHARS, _default_prompt
+
+    prompt = _default_prompt(argparse.Namespace(prompt=None, prompt_file=None, prompt_offset=None,
+                                                prompt_chars=PROMPT_CHARS))[0]
+    f = tmp_path / "stops.jsonl"
+    f.write_text(json.dumps({"prompt": prompt, "stop": ["zzz qqq", ": PreTrainedModel"]}) + "\n"
+                 + json.dumps({"prompt": prompt}) + "\n")
+    r = run_cli(["generate", "--temperature", "0", "--batch-size", "2", "--prompts-file", str(f), "--max-new-tokens",
+                 "32", "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    heads = [ln for ln in r.stdout.splitlines() if ln.startswith("---- request ")]
+    assert len(heads) == 2 and ", stop_sequence," in heads[0] and "32 new, max_new_tokens" in heads[1], heads
+    first = r.stdout.split(heads[0])[1].split(heads[1])[0]
+    assert first.rstrip("\n").endswith(": PreTrainedModel"), first[-200:]
+    assert "identical  : 2 of 2 outputs equal greedy autoregressive decoding" in r.stdout
+    for stop, said in (('"abc"', '"stop" must be a list of non-empty texts'),
+                       ('[""]', '"stop" must be a list of non-empty texts'),
+                       ('["' + "x y " * 20 + '"]', "prompt 1 (line 2): stop 'x y x y")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "def f("}\n{"prompt": "import os", "stop": ' + stop + "}\n")
+        r = run_cli(["generate", "--batch-size", "2", "--prompts-file", str(bad)], tmp_path)
+        assert r.returncode == 2 and said in r.stderr, (stop, r.stderr[-300:])
+
+
 def test_stop_texts_end_the_continuation_after_their_tokens(tmp_path):
     """--stop TEXT: the continuation (greedy, 32 tokens otherwise) ends right after the
     tokens ': PreTrainedModel' encodes to, with the same text from AR; a text of no tokens

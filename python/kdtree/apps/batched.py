@@ -4,8 +4,9 @@ graph a round on a GPU).
 
 The prompts file holds one prompt a line (``\\n`` and ``\\\\`` escapes are decoded), or, for
 a ``.jsonl`` file or lines starting with ``{``, JSON objects with ``"prompt"`` and
-optionally ``"max_new_tokens"``, ``"temperature"``, ``"top_p"``, ``"top_k"`` and
-``"seed"``; the flags (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``,
+optionally ``"max_new_tokens"``, ``"temperature"``, ``"top_p"``, ``"top_k"``, ``"seed"``
+and ``"stop"`` (a list of texts that end that request, each encoded as ``--stop`` is, on
+top of ``--stop``); the flags (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``,
 ``--max-new-tokens``) are the defaults of the lines that do not set them. A greedy line
 (temperature 0) with its own top-p or top-k is refused; the flags' top-p and top-k apply to
 the sampling lines only. Printed: each request's continuation, then the aggregate tokens/s, the mean
@@ -60,9 +61,12 @@ def read_prompts(path: Path) -> list[dict]:
                 raise UsageError(f"{path}, line {n}: not a JSON object ({exc.msg} at column {exc.colno})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise UsageError(f'{path}, line {n}: a JSON line needs a "prompt" string')
-            unknown = sorted(set(obj) - {"prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed"})
+            unknown = sorted(set(obj) - {"prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
             if unknown:
                 raise UsageError(f"{path}, line {n}: unknown fields {unknown}")
+            stop = obj.get("stop", [])
+            if not isinstance(stop, list) or not all(isinstance(t, str) and t for t in stop):
+                raise UsageError(f'{path}, line {n}: "stop" must be a list of non-empty texts, got {stop!r}')
             out.append({**obj, "_line": n})
         else:
             out.append({"prompt": _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line), "_line": n})
@@ -140,10 +144,15 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
         if cap < 0:
             raise UsageError(f"{where}: max_new_tokens must be >= 0, got {cap}")
         try:
+            own_stops = stop_sequences_of(tok, e.get("stop"))
+        except UsageError as exc:
+            raise UsageError(f"{where}: {str(exc).replace('--stop', 'stop')}") from None
+        try:
             params.append(SamplingParams(temperature=float(_setting(e, "temperature", args.temperature, "float", where)),
                                          top_p=float(_setting(e, "top_p", args.top_p, "float", where)),
                                          top_k=_setting(e, "top_k", args.top_k, "int", where),
-                                         seed=_setting(e, "seed", args.seed + i, "int", where)))
+                                         seed=_setting(e, "seed", args.seed + i, "int", where),
+                                         stop_sequences=own_stops))
         except ValueError as exc:
             raise UsageError(f"{where}: {exc}") from None
         # a greedy request's own cuts are a mistake; the flags' cuts are the defaults of the
