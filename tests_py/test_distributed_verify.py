@@ -50,14 +50,15 @@ _WORKER = textwrap.dedent("""
         local = local[:, :-1]
     if mode == "disagree":  # a rank that differs from the others: every rank raises, none waits
         errors = []
-        for case in ("nodes", "vocab", "seed"):
+        for case in ("nodes", "vocab", "seed", "offset"):
             kw = dict(temperature=0.7, seed=5)
             if rank == 1 and case == "nodes":
                 kw["nodes"] = np.zeros((batch, budget), np.int64)  # one row short
             if rank == 1 and case == "seed":
                 kw["seed"] = 6
+            start = None if rank == 1 and case == "offset" else lo  # not an int: that rank's own error
             try:
-                target_tokens_sharded(local, lo, vocab + (rank == 1 and case == "vocab"), **kw)
+                target_tokens_sharded(local, start, vocab + (rank == 1 and case == "vocab"), **kw)
                 errors.append("accepted")
             except KdtreeError as exc:
                 errors.append(str(exc))
@@ -158,7 +159,9 @@ def test_ranks_that_disagree_fail_every_rank(spawn_ranks, tmp_path):
     """Another nodes shape, vocabulary or seed on one rank: every rank raises (the rank with
     the bad nodes its own error, the others name it), none waits in the second gather."""
     errors = [json.loads(Path(o + ".err").read_text()) for o in run_ranks(spawn_ranks, tmp_path, "disagree")]
-    nodes, vocab, seed = zip(*errors, strict=True)
+    nodes, vocab, seed, offset = zip(*errors, strict=True)
+    assert "vocab_offset must be an int" in offset[1]
+    assert all("rank(s) [1] failed in target_tokens_sharded" in e for e in (offset[0], offset[2]))
     assert "nodes must have shape (4, 13), got (4, 12)" in nodes[1]
     assert all("rank(s) [1] failed in target_tokens_sharded" in e for e in (nodes[0], nodes[2]))
     assert len(set(vocab)) == 1 and "rank 1 passes vocab = 2004, rank 0 2003" in vocab[0]

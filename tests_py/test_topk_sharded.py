@@ -173,8 +173,19 @@ _WORKER = textwrap.dedent("""
     offset = lo + 1 if mode == "offset" and rank == 2 else lo
     if mode == "dtype" and rank == 1:
         local = local.half()
+    k = 32
+    if rank == 1 and mode == "scalar":  # a 0-d tensor: no vocabulary axis
+        local = torch.tensor(1.0)
+    if rank == 1 and mode == "k-none":
+        k = None
+    if rank == 1 and mode == "lead":  # nine leading axes, the others two
+        local = local.reshape((1,) * 7 + tuple(local.shape))
+    if rank == 1 and mode == "ints":
+        local = local.to(torch.int32)
+    if mode == "k0":
+        k = 0
     try:
-        got = topk_logprobs_sharded(local, 32, offset, edges[-1])
+        got = topk_logprobs_sharded(local, k, offset, edges[-1])
         np.savez(out, logprobs=got.logprobs.numpy(), ids=got.ids.numpy(), logits=logits.float().numpy())
     except KdtreeError as exc:
         open(out + ".err", "w").write(str(exc))
@@ -215,6 +226,35 @@ def test_ranks_whose_logits_differ_in_width_fail_alike(spawn_ranks, tmp_path):
     errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, "dtype")]
     assert len(set(errors)) == 1
     assert "rank 1 passes float16 logits, rank 0 bfloat16" in errors[0]
+
+
+@pytest.mark.parametrize("mode, said", [("scalar", "floating tensor [..., V_rank], got torch.float32 ()"),
+                                        ("k-none", "k must be an int"), ("lead", "9 leading axes; at most 8"),
+                                        ("ints", "floating tensor"), ("k0", "k must be in [1, 1024], got 0")])
+def test_a_rank_with_bad_arguments_fails_every_rank_at_once(spawn_ranks, tmp_path, mode, said):
+    """A rank whose own arguments are wrong (no vocabulary axis, k not an int, too many
+    leading axes, integer logits; k = 0 on every rank) raises its own error, and the other
+    ranks name it, instead of waiting in the all-gather it never joins."""
+    errors = [Path(o + ".err").read_text() for o in run_ranks(spawn_ranks, tmp_path, mode)]
+    if mode == "k0":
+        assert all(said in e for e in errors), errors
+        return
+    assert said in errors[1], errors[1]
+    for e in (errors[0], errors[2]):
+        assert "rank(s) [1] failed in topk_shard" in e, e
+
+
+def test_summary_width_takes_torch_dtypes_only():
+    torch = pytest.importorskip("torch")
+    from kdtree.distributed import summary_width
+
+    assert [summary_width(5, d) for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)] == \
+        [13, 13, 11, 11]
+    for bad in (np.float16, "float16", None):
+        with pytest.raises(kdtree.KdtreeTypeError, match="torch dtype"):
+            summary_width(64, bad)
+    with pytest.raises(kdtree.KdtreeError, match="k must be in"):
+        summary_width(0, torch.float32)
 
 
 # ---- the merge on the GPU (kdt_topk_merge_cuda) --------------------------------------------------

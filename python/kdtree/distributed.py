@@ -38,8 +38,8 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     Every rank gets the same result: :class:`kdtree.TopK` of torch tensors ``(logprobs
     float32 [..., k], ids int32 [..., k])``, equal to :func:`kdtree.topk_logprobs` on the
     gathered rows (see :func:`kdtree.topk_merge` for the log-probs' last bit). Two
-    all-gathers: 13 integers a rank (status, offset, slice size, k, leading shape) that
-    every rank checks, then the summary's :func:`summary_width` int32 words a row (the bits
+    all-gathers: 15 integers a rank (status, offset, slice size, k, leading shape, vocab,
+    the logits' width) that every rank checks (ranks are numbered within `group`), then the summary's :func:`summary_width` int32 words a row (the bits
     of :func:`shard_summary`'s layout: ``(2 k + 3) x 4`` bytes a row a rank for float32
     logits, ``(ceil(k / 2) + k + 3) x 4`` for float16 and bfloat16 ones, whose top-k values
     travel in their own 16 bits; the ranks' dtypes must agree).
@@ -54,9 +54,11 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
     fails its request).
 
     Raises:
-        KdtreeTypeError: a tensor that is neither a CPU nor a CUDA tensor. KdtreeError, on every
-        rank alike (CPU): a rank's :func:`kdtree.topk_shard` failed (that rank raises its
-        own error, the others name it), k, the leading shape or the width of the logits'
+        KdtreeTypeError / KdtreeError, on every rank alike (CPU): a rank's own arguments are
+        wrong (not a CPU or CUDA tensor, not floating, no axis or more than 8 leading axes,
+        an empty slice, k outside [1, 1024], vocab_offset or vocab not an int in range) or
+        its :func:`kdtree.topk_shard` failed (that rank raises its own error, the others
+        name it), k, the leading shape or the width of the logits'
         dtype (32 or 16 bits, float16 against bfloat16) differ between ranks, or the
         slices do not tile ``[0, vocab)``; then as :func:`kdtree.topk_merge`. CUDA: k outside
         ``[1, min(V_rank, 1024)]`` (raised before any collective).
@@ -68,34 +70,48 @@ def topk_logprobs_sharded(local_logits, k: int, vocab_offset: int, vocab: int, g
 
     if isinstance(local_logits, torch.Tensor) and local_logits.is_cuda:
         return _topk_logprobs_sharded_cuda(local_logits, k, vocab_offset, vocab, group)
-    if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
-        raise _lib.KdtreeTypeError(_lib.STATUS["KDT_ERR_INVALID_ARGUMENT"],
-                                   "topk_logprobs_sharded takes a CPU or CUDA torch tensor, got "
-                                   f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
-    x = local_logits.detach()
-    if x.dtype != torch.float32:
-        x = x.float()
-    lead = tuple(x.shape[:-1])
-    if len(lead) > _MAX_LEAD:
-        raise ValueError(f"local_logits has {len(lead)} leading axes; at most {_MAX_LEAD}")
-    # Every rank joins both all-gathers whatever happens here, so that a failure on one
-    # rank becomes the same error on every rank instead of a wait for the group's timeout.
-    failure, shard = None, None
+    # Every rank joins both all-gathers whatever is wrong with its own arguments, so that a
+    # failure on one rank becomes the same error on every rank instead of a wait for the
+    # group's timeout: the checks and the rank's summary are made first, a failure is sent
+    # as a status, and the failing rank raises its own error after the first all-gather.
+    failure, shard, lead, half = None, None, (), 0
     try:
-        shard = topk_shard(x.numpy(), k, vocab_offset)
-    except _lib.KdtreeError as exc:
+        from .core import checks
+
+        if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
+            raise _lib.KdtreeTypeError(_lib.STATUS["KDT_ERR_INVALID_ARGUMENT"],
+                                       "topk_logprobs_sharded takes a CPU or CUDA torch tensor, got "
+                                       f"{type(local_logits).__name__} on "
+                                       f"{getattr(local_logits, 'device', 'the host')}")
+        if not local_logits.dtype.is_floating_point or local_logits.dim() < 1:
+            raise checks.type_error(f"local_logits must be a floating tensor [..., V_rank], got {local_logits.dtype} "
+                                    f"{tuple(local_logits.shape)}")
+        lead = tuple(local_logits.shape[:-1])
+        if len(lead) > _MAX_LEAD:
+            raise checks.shape_error(f"local_logits has {len(lead)} leading axes; at most {_MAX_LEAD}")
+        if local_logits.shape[-1] == 0:
+            raise checks.shape_error(f"local_logits {tuple(local_logits.shape)} holds an empty vocabulary slice "
+                                     "(V_rank = 0): every rank needs k entries at least")
+        k = checks.int_scalar(k, "k", 1, 1024)
+        vocab_offset = checks.int_scalar(vocab_offset, "vocab_offset", 0, 2**31 - 1)
+        vocab = checks.int_scalar(vocab, "vocab", 1, 2**31)
+        value_dtype = _value_dtype(local_logits.dtype)  # the summary's value width: the ranks must agree
+        half = {torch.float16: 1, torch.bfloat16: 2}.get(value_dtype, 0)
+        x = local_logits.detach()
+        shard = topk_shard(x.float().numpy() if x.dtype != torch.float32 else x.numpy(), k, vocab_offset)
+    except (_lib.KdtreeError, TypeError, ValueError) as exc:
         failure = exc
     world = dist.get_world_size(group)
-    value_dtype = _value_dtype(local_logits.dtype)  # the summary's value width: the ranks must agree
-    half = {torch.float16: 1, torch.bfloat16: 2}.get(value_dtype, 0)
-    meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset), int(x.shape[-1]),
-                         int(k), len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead)) + [int(vocab), half],
-                        dtype=torch.int64)
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
-    problem = _check_ranks([m.tolist() for m in metas], vocab, dist.get_rank(group))
+    if failure is None:
+        meta = [0, vocab_offset, int(local_logits.shape[-1]), k, len(lead)] + list(lead) + \
+            [-1] * (_MAX_LEAD - len(lead)) + [vocab, half]
+    else:
+        meta = [getattr(failure, "status", 0) or _lib.STATUS["KDT_ERR_INVALID_ARGUMENT"]] + [0] * (6 + _MAX_LEAD)
+    metas = [torch.empty(len(meta), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(metas, torch.tensor(meta, dtype=torch.int64), group=group)
     if failure is not None:
         raise failure
+    problem = _check_ranks([m.tolist() for m in metas], vocab, dist.get_rank(group))
     if problem is not None:
         raise _lib.KdtreeError(_lib.STATUS["KDT_ERR_VALUE" if "failed" in problem else "KDT_ERR_SHAPE"], problem)
     # shard_summary's int32 layout: the logits (in 16 bits for 16-bit logits: they came from
@@ -140,7 +156,7 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
         no choice (a NaN logit; sampled: also +inf, or only -inf). Pass it to
         :func:`kdtree.verify_greedy` with the same ``stop_tokens`` / ``max_commit``: the
         acceptance equals the unsharded ``verify_*_from_logits`` call's (a -1 at a visited
-        node is that call's error). One all-gather of 13 integers a rank (checked on
+        node is that call's error). One all-gather of 15 integers a rank (checked on
         every rank as :func:`topk_logprobs_sharded` does), then one of four float64 a row
         (``B (N+1) 32`` bytes a rank, against ``2 V`` bytes a row of bf16 logits).
 
@@ -173,9 +189,17 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
     if not isinstance(local_logits, torch.Tensor) or local_logits.device.type != "cpu":
         raise TypeError("target_tokens_sharded takes a CPU or CUDA torch tensor, got "
                         f"{type(local_logits).__name__} on {getattr(local_logits, 'device', 'the host')}")
-    x = local_logits.detach().float().numpy()
     failure = None
-    if x.ndim != 3 or x.shape[-1] < 1:
+    try:  # a rank's own bad argument is sent as a status (every rank raises), not raised alone
+        if not local_logits.dtype.is_floating_point:
+            raise checks.type_error(f"local_logits must be a floating tensor, got {local_logits.dtype}")
+        vocab_offset = checks.int_scalar(vocab_offset, "vocab_offset", 0, 2**31 - 1)
+        vocab = checks.int_scalar(vocab, "vocab", 1, 2**31)
+    except (_lib.KdtreeError, TypeError, ValueError) as exc:
+        failure = exc
+        vocab_offset, vocab = 0, 1
+    x = local_logits.detach().float().numpy() if local_logits.dtype.is_floating_point else np.zeros((0,), np.float32)
+    if failure is None and (x.ndim != 3 or x.shape[-1] < 1):
         failure = checks.shape_error(f"local_logits must be [B, N+1, V_rank >= 1], got {tuple(x.shape)}")
     batch = int(x.shape[0]) if x.ndim == 3 else 0
     temps, seeds, offsets = np.zeros(batch, np.float32), np.zeros(batch, np.uint64), np.zeros(batch, np.uint64)
@@ -194,7 +218,7 @@ def target_tokens_sharded(local_logits, vocab_offset: int, vocab: int, *, temper
         except _lib.KdtreeError as exc:
             failure = exc
     settings = _settings_digest(temps, seeds, offsets, keys) if failure is None else 0
-    meta = torch.tensor([failure.status if failure is not None else 0, int(vocab_offset),
+    meta = torch.tensor([getattr(failure, "status", 1) if failure is not None else 0, int(vocab_offset),
                          int(x.shape[-1]) if x.ndim else 0, 0, len(lead)] + list(lead) + [-1] * (_MAX_LEAD - len(lead))
                         + [int(vocab), settings], dtype=torch.int64)
     metas = [torch.empty_like(meta) for _ in range(world)]
@@ -341,11 +365,16 @@ def summary_width(k: int, dtype) -> int:
     (396 bytes) against 131 (524 bytes).
 
     Raises:
-        KdtreeTypeError: k not an int. KdtreeError: k outside [1, 1024].
+        KdtreeTypeError: k not an int, dtype not a torch dtype. KdtreeError: k outside
+            [1, 1024].
     """
+    import torch
+
     from .core import checks
 
     k = checks.int_scalar(k, "k", 1, 1024)
+    if not isinstance(dtype, torch.dtype):
+        raise checks.type_error(f"dtype must be a torch dtype (the logits'), got {dtype!r}")
     return _value_words(k, dtype) + k + 3
 
 
