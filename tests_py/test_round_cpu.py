@@ -167,6 +167,18 @@ def test_greedy_from_logits_takes_the_first_maximum():
     acc = kdtree.verify_greedy_from_logits(t, logits)
     assert acc.accepted_nodes[0].tolist() == [0, 1, 2]
     assert acc.accept_length.tolist() == [2] and acc.bonus_token.tolist() == [4]
+    # the argmax at the rows the walk read (root, node 1, node 2), -1 at node 3, as on the GPU
+    assert acc.target_tokens.dtype == np.int32 and acc.target_tokens.tolist() == [[10, 20, 4, -1]]
+    # a walk that ends on an accepted stop reads no row there; a cap of 1 reads the root only
+    stopped = kdtree.verify_greedy_from_logits(t, logits, stop_tokens=[20])
+    assert stopped.bonus_token.tolist() == [-1] and stopped.target_tokens.tolist() == [[10, 20, -1, -1]]
+    capped = kdtree.verify_greedy_from_logits(t, logits, max_commit=1)
+    assert capped.accept_length.tolist() == [0] and capped.target_tokens.tolist() == [[10, -1, -1, -1]]
+    assert kdtree.verify_greedy_from_logits(t, logits, max_commit=0).target_tokens.tolist() == [[-1] * 4]
+    out = kdtree.verify_greedy_from_logits(t, logits)
+    out.target_tokens = np.zeros((1, 4), np.int32)
+    assert kdtree.verify_greedy_from_logits(t, logits, max_commit=1, out=out) is out
+    assert out.target_tokens.tolist() == [[10, -1, -1, -1]] and out.accept_length.tolist() == [0]
     logits[0, 3, 0] = np.nan  # a row the walk does not visit: no error (as on the GPU)
     again = kdtree.verify_greedy_from_logits(t, logits)
     assert again.accepted_nodes[0].tolist() == [0, 1, 2] and again.bonus_token.tolist() == [4]

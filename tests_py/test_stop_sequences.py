@@ -57,8 +57,23 @@ def test_sequence_spanning_the_history():
     # Committed before: ..., 7, 5 (5 is the root's token). The sequence 7 5 10 ends at the first node.
     acc = kdtree.verify_greedy(trees, target, stop_sequences=[[7, 5, 10]], stop_history=[[-1, 3, 7, 5]])
     assert acc.accept_length.tolist() == [1] and acc.bonus_token.tolist() == [-1]
-    # Without the history the same sequence cannot match.
+    # Without the history the same sequence cannot match (7 is not known) ...
     acc = kdtree.verify_greedy(trees, target, stop_sequences=[[7, 5, 10]])
+    assert acc.accept_length.tolist() == [4]
+    # ... but one that begins at the root does: with no history the root's token (5) is the
+    # stream's last committed token, on every walk (the from-logits ones too)
+    acc = kdtree.verify_greedy(trees, target, stop_sequences=[[5, 10]])
+    assert acc.accept_length.tolist() == [1] and acc.bonus_token.tolist() == [-1]
+    logits = np.zeros((1, trees.budget + 1, 60), np.float32)
+    logits[0, np.arange(5), [10, 20, 30, 40, 50]] = 1.0
+    for walk in (kdtree.verify_greedy_from_logits(trees, logits, stop_sequences=[[5, 10]]),
+                 kdtree.verify_sample_from_logits(trees, logits * 1000, 1.0, seed=3, offset=0,
+                                                  stop_sequences=[[5, 10]]),
+                 kdtree.verify_sample_from_logits(trees, logits * 1000, [1.0], seed=3, offset=0, top_k=[3],
+                                                  stop_sequences=[[5, 10]])):
+        assert walk.accept_length.tolist() == [1] and walk.bonus_token.tolist() == [-1]
+    # a history given replaces the root: one that does not end at 5 does not match
+    acc = kdtree.verify_greedy(trees, target, stop_sequences=[[5, 10]], stop_history=[[5, 6]])
     assert acc.accept_length.tolist() == [4]
     # -1 (fewer committed tokens) never matches.
     acc = kdtree.verify_greedy(trees, target, stop_sequences=[[3, 7, 5, 10, 20]], stop_history=[[-1, 7, 5]])

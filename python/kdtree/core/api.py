@@ -194,7 +194,10 @@ def verify_greedy(
             prepared there once with :func:`kdtree.stop_sequences` (``like=``).
         stop_history: None, or ints ``[B, H]``: each request's last committed tokens,
             right-aligned (the last column is the token the root stands for), -1 where a
-            request has fewer; H = 15 always suffices. Only with ``stop_sequences``.
+            request has fewer; H = 15 always suffices. Only with ``stop_sequences``. None
+            with stop sequences: the root tokens (``trees.tokens[:, 0]``) alone, so a
+            sequence that spans the root and this round's tokens completes; pass the
+            longer history for sequences that reach further back.
             GPU: with prepared device sequences, a device int32 ``[B, H]`` array is used
             in place.
         max_commit: None, an int, or ``[B]`` ints >= 0: the most tokens (accepted + bonus)
@@ -224,6 +227,7 @@ def verify_greedy(
         ValueError / KdtreeError: shape mismatch, negative caps or target tokens at visited
         nodes, inconsistent tree links.
     """
+    stop_history = _root_history(trees, stop_sequences, stop_history)
     if not isinstance(trees, TreeBatch):
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     if _device.is_device_array(trees.num_nodes):
@@ -236,14 +240,46 @@ def verify_greedy(
     return _host_out(out, acc, trees)
 
 
+def _root_history(trees, stop_sequences, stop_history):
+    """``stop_history`` as given, or (None, with stop sequences) the root tokens as a
+    one-column history: the root stands for the last committed token, so that a sequence
+    ending at a draft token right after it completes without a history from the caller."""
+    if stop_history is not None or stop_sequences is None or not isinstance(trees, TreeBatch):
+        return stop_history
+    seqs = getattr(stop_sequences, "sequences", stop_sequences)
+    try:
+        if len(seqs) == 0:
+            return None
+    except TypeError:
+        return None  # (refused by the walk's own checks)
+    col = trees.tokens[:, :1]
+    if isinstance(col, np.ndarray):
+        return np.ascontiguousarray(col, np.int32)
+    if hasattr(col, "contiguous"):  # torch
+        return col.contiguous()
+    if type(col).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy.ascontiguousarray(col)
+    return col
+
+
 def _host_out(out, acc: Acceptance, trees: TreeBatch) -> Acceptance:
-    """A host call's result, copied into ``out`` when one is given (``out.target_tokens``
-    is not written: host calls compute no target tokens)."""
+    """A host call's result, copied into ``out`` when one is given (``target_tokens`` too
+    when the call computed them: copied into ``out.target_tokens``, or set there when it is
+    None)."""
     if out is None:
         return acc
     if not isinstance(out, Acceptance):
         raise checks.type_error(f"out must be an Acceptance (from an earlier verify call), got {type(out).__name__}")
-    return _copy_host_out(acc, out, ("accepted_nodes", "accept_length", "bonus_token", "request_status"), "verify")
+    names = ("accepted_nodes", "accept_length", "bonus_token", "request_status")
+    fresh = acc.target_tokens is not None and out.target_tokens is None
+    if acc.target_tokens is not None and out.target_tokens is not None:
+        names += ("target_tokens",)
+    _copy_host_out(acc, out, names, "verify")
+    if fresh:
+        out.target_tokens = acc.target_tokens
+    return out
 
 
 def _copy_host_out(result, out, names: tuple[str, ...], what: str):
@@ -537,11 +573,13 @@ def verify_greedy_from_logits(
             bfloat16, only the rows the walk visits are read.
         stop_tokens, max_commit, stop_sequences, stop_history: as :func:`verify_greedy`.
         errors, stream: as :func:`verify_greedy`.
-        out: as :func:`verify_greedy`; on the GPU ``out.target_tokens`` (int32 ``[B, N+1]``,
-            or None: not computed) is rewritten whole too.
+        out: as :func:`verify_greedy`; ``out.target_tokens`` (int32 ``[B, N+1]``; GPU: or
+            None, not computed) is rewritten whole too (host: set when it is None).
 
     Returns:
-        :class:`Acceptance`; on the GPU ``target_tokens`` holds the argmax at visited nodes.
+        :class:`Acceptance`; ``target_tokens`` holds the argmax at the nodes the walk read
+        (the root and the accepted nodes, the last only when a bonus token follows it), -1
+        elsewhere, on the CPU and the GPU alike.
 
     Raises:
         ValueError / KdtreeError: shapes, a NaN logit in a row the walk visits ("request 1,
@@ -549,6 +587,7 @@ def verify_greedy_from_logits(
         are ordinary values for the argmax: a visited row of only -inf gives token 0 (the
         lowest id among equal values), one with +inf its first +inf, on the CPU and the GPU.
     """
+    stop_history = _root_history(trees, stop_sequences, stop_history)
     if _device.is_device_array(target_logits):
         return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
                                          stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
@@ -618,7 +657,8 @@ def verify_sample_from_logits(
     the offsets in the graph (``offsets += 1``) to draw new tokens every replay.
 
     Returns:
-        :class:`Acceptance` (GPU: ``target_tokens`` holds the draws at visited nodes).
+        :class:`Acceptance` (``target_tokens`` holds the draws at the nodes the walk read,
+        -1 elsewhere, as :func:`verify_greedy_from_logits`).
 
     Raises:
         ValueError / KdtreeError: as :func:`verify_greedy_from_logits`; a visited row with a
@@ -626,6 +666,7 @@ def verify_sample_from_logits(
         only -inf logits"); a request's bad setting ("request 2: top_p 1.5 must be in
         (0, 1]").
     """
+    stop_history = _root_history(trees, stop_sequences, stop_history)
     if not isinstance(trees, TreeBatch):
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     given = {"temperature": temperature, "seed": seed, "offset": offset, "top_p": top_p, "top_k": top_k}

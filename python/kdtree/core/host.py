@@ -158,13 +158,28 @@ def _argmax_rows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _visited_tokens(acc: Acceptance, tokens: np.ndarray) -> np.ndarray:
+    """int32 [B, N+1]: the chosen token at every node the walk read a row of (the root and
+    the accepted nodes, the last one only when a bonus token follows it: a walk that ends
+    on an accepted stop reads no row there), -1 elsewhere: the GPU walk's target_tokens."""
+    out = np.full(tokens.shape, -1, np.int32)
+    for b in range(tokens.shape[0]):
+        n = int(acc.accept_length[b]) + (1 if int(acc.bonus_token[b]) >= 0 else 0)
+        nodes = acc.accepted_nodes[b, :n]
+        nodes = nodes[nodes >= 0]
+        out[b, nodes] = tokens[b, nodes]
+    return out
+
+
 def _walk_from_rows(trees: TreeBatch, x: np.ndarray, tokens: np.ndarray, sampled: bool, **walk) -> Acceptance:
     """verify_greedy along per-node tokens chosen from the host target logits x [B, N+1, V]
     (-1 where a row gives no token). The walk reports such a node as a negative target
     token; the error is renamed after the row's logits ("target_logits[1, 0] holds a NaN
     logit"), which is what the caller passed."""
     try:
-        return verify_greedy(trees, tokens, **walk)
+        acc = verify_greedy(trees, tokens, **walk)
+        acc.target_tokens = _visited_tokens(acc, tokens)
+        return acc
     except _lib.KdtreeError as exc:
         found = re.search(r"request (\d+), node (\d+): target token -1 is negative", str(exc))
         if found is None:
@@ -588,6 +603,7 @@ def verify_sample_batch(trees, target_logits, settings, *, stop_tokens, max_comm
     for b in unset:
         status[b] = STATUS["KDT_ERR_VALUE"]
         acc.accepted_nodes[b], acc.accept_length[b], acc.bonus_token[b] = -1, 0, -1
+        acc.target_tokens[b] = -1
     failed = np.flatnonzero(status != 0)
     if errors == "raise" and failed.size:
         b = int(failed[0])

@@ -212,12 +212,15 @@ def verify_greedy(
     of its children; a stop token, or an accepted token that makes the committed stream
     (``stop_history[b]``, then the accepted tokens) end with one of ``stop_sequences``,
     ends the walk with no bonus; ``max_commit`` caps the committed tokens (accepted +
-    bonus).
+    bonus). Without ``stop_history`` the stream starts with the root token (the last
+    committed token the root stands for).
     """
     target = np.asarray(target_tokens)
     batch = trees.batch
     stops = {int(t) for t in stop_tokens}
     sequences = [tuple(int(t) for t in seq) for seq in (stop_sequences or [])]
+    if stop_history is None and sequences:
+        stop_history = np.asarray(trees.tokens)[:, :1]
     history = None if stop_history is None else np.asarray(stop_history).reshape(batch, -1)
     caps: Sequence[int | None]
     if max_commit is None:

@@ -93,8 +93,11 @@ class Acceptance:
         bonus_token     int32 [B]       the target's token at the last accepted node, or -1
                                         when none is committed (stop token accepted, cap 0)
         request_status  int32 [B] / None  GPU calls only: KDT_OK (0) or the request's status
-        target_tokens   int32 [B, N+1]    GPU from-logits calls only: the target's token at
-                        / None            each visited node (argmax or draw), -1 elsewhere
+        target_tokens   int32 [B, N+1]    the from-logits calls (CPU and GPU): the target's
+                        / None            token (argmax or draw) at each node the walk read a
+                                          row of (the root and the accepted nodes, the last
+                                          one only when a bonus token follows it), -1
+                                          elsewhere; None from verify_greedy (given tokens)
 
     Committed tokens for request b: ``trees.tokens[b, accepted_nodes[b, 1:1+accept_length[b]]]``
     followed by ``bonus_token[b]`` when it is >= 0.
