@@ -77,7 +77,15 @@ def test_sglang_inputs_drive_sglangs_walk_to_kdtrees_result(seed):
     t = x["draft_token_num"]
     assert t == 21
     cand = x["draft_token"].reshape(trees.batch, t)
-    np.testing.assert_array_equal(cand, trees.tokens)
+    # real rows the trees' tokens, padding rows (budgets 0, 7, 3, 12 leave some) token 0, not -1
+    real = np.arange(t)[None, :] <= trees.num_nodes[:, None]
+    assert (~real).sum() > 20 and (trees.tokens[~real] == -1).all()
+    np.testing.assert_array_equal(cand, np.where(real, trees.tokens, 0))
+    padded = formats.sglang_verify_inputs(trees, seq_lens, mask="qlen", pad_token=151643)["draft_token"]
+    np.testing.assert_array_equal(padded.reshape(trees.batch, t), np.where(real, trees.tokens, 151643))
+    for bad in (-1, 2**31, 1.5):
+        with pytest.raises((kdtree.KdtreeError, TypeError), match="pad_token"):
+            formats.sglang_verify_inputs(trees, seq_lens, pad_token=bad)
     np.testing.assert_array_equal(x["retrive_index"], np.arange(trees.batch * t).reshape(trees.batch, t))
     np.testing.assert_array_equal(x["positions"], (seq_lens[:, None] + trees.depths).reshape(-1))
     for name in ("draft_token", "positions", "retrive_index", "retrive_next_token", "retrive_next_sibling"):

@@ -59,6 +59,26 @@ def test_merge_equals_the_gathered_top_k(shards, k):
     assert np.abs(got.logprobs - taken).max() <= 1e-6 * np.abs(taken).max() + 1e-7
 
 
+def test_merge_takes_a_list_of_shards():
+    """topk_merge(shards, vocab=V): the TopKShard list stacked here (numpy and torch), the
+    same result as the stacked fields; a list with fields, or no vocab, is refused."""
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((3, 5, 400)) * 3).astype(np.float32)
+    parts = [kdtree.topk_shard(logits[..., a:b], 6, a) for a, b in ((0, 150), (150, 260), (260, 400))]
+    stacked = kdtree.topk_merge(*[np.stack([p[f] for p in parts]) for f in range(4)], 400)
+    listed = kdtree.topk_merge(parts, vocab=400)
+    np.testing.assert_array_equal(listed.ids, stacked.ids)
+    np.testing.assert_array_equal(listed.logprobs, stacked.logprobs)
+    np.testing.assert_array_equal(listed.ids, kdtree.topk_logprobs(logits, 6).ids)
+    torch = pytest.importorskip("torch")
+    as_torch = [kdtree.TopKShard(*(torch.from_numpy(np.ascontiguousarray(f)) for f in p)) for p in parts]
+    np.testing.assert_array_equal(np.asarray(kdtree.topk_merge(as_torch, vocab=400).ids), stacked.ids)
+    with pytest.raises(kdtree.KdtreeTypeError, match="pass vocab= alone"):
+        kdtree.topk_merge(parts, parts[0].ids, vocab=400)
+    with pytest.raises(kdtree.KdtreeTypeError, match="a sequence of TopKShard, vocab=V"):
+        kdtree.topk_merge(parts)
+
+
 def test_log_probs_near_zero_keep_their_precision():
     # A confident row: the top log-prob is about -exp(-37.25) = -6.6e-17, far below the
     # float64 resolution of a sum near 1; log1p of the rest keeps it (not 0, not -2.2e-16).

@@ -140,7 +140,7 @@ def _real(trees, ops):
 # ---- SGLang -------------------------------------------------------------------------------------
 
 
-def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> dict:
+def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full", pad_token: int = 0) -> dict:
     """SGLang's EAGLE tree verify inputs for kdtree's trees (``draft_token_num`` T = N + 1).
 
     Args:
@@ -155,10 +155,14 @@ def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> d
             ``[B * T * T]``, the tree columns only) or ``"bitpacked"``
             (QLEN_ONLY_BITPACKING: one word a row, ``[B * T]``, bit j = tree column j;
             uint8 for T <= 8, uint16 <= 16, uint32 <= 32; SGLang's kernels take no more).
+        pad_token: the ``draft_token`` of padding rows (rows past a request's num_nodes:
+            smaller budgets, fewer candidates): SGLang embeds every row, so a valid token id
+            (default 0) instead of the trees' pad token (-1 by default); no walk reaches
+            those rows and their outputs are never read.
 
     Returns:
         dict with ``draft_token`` int64 ``[B * T]`` (request-major; row 0 of each request is
-        the root), ``positions`` int64 ``[B * T]`` (seq_len + depth), ``retrive_index``
+        the root; padding rows ``pad_token``), ``positions`` int64 ``[B * T]`` (seq_len + depth), ``retrive_index``
         int64 ``[B, T]`` (the global row b * T + i), ``retrive_next_token`` and
         ``retrive_next_sibling`` int64 ``[B, T]`` (request-local first child and next
         sibling, -1 for none), ``custom_mask`` as above and ``draft_token_num`` T. A real
@@ -166,10 +170,11 @@ def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> d
         included) and, in FULL_MASK, every prefix column; a padding row sees only itself.
 
     Raises:
-        KdtreeError: an unknown mask mode, ``seq_lens`` of the wrong shape or negative, or
-            ``"bitpacked"`` with T > 32.
+        KdtreeError: an unknown mask mode, ``seq_lens`` of the wrong shape or negative,
+            ``"bitpacked"`` with T > 32, a pad_token outside [0, 2^31).
     """
     _check_trees(trees, ("tokens", "depths", "first_child", "next_sibling", "visibility_bits"))
+    pad_token = checks.int_scalar(pad_token, "pad_token (a token id SGLang can embed)", 0, 2**31 - 1)
     ops = _ops(trees.tokens)
     batch, rows = trees.batch, trees.budget + 1
     # seq_lens is read on the host (checked; the FULL_MASK blocks are sized by it): a device
@@ -180,7 +185,8 @@ def sglang_verify_inputs(trees: TreeBatch, seq_lens, *, mask: str = "full") -> d
         raise checks.range_error(f"seq_lens must be >= 0, got {lens_host.tolist()}")
     lens = ops.asarray(lens_host, "int64")
     out = {
-        "draft_token": ops.cast(trees.tokens, "int64").reshape(-1),
+        "draft_token": ops.where(_real(trees, ops), ops.cast(trees.tokens, "int64"),
+                                 ops.full((batch, rows), pad_token, "int64")).reshape(-1),
         "positions": (lens[:, None] + ops.cast(trees.depths, "int64")).reshape(-1),
         "retrive_index": ops.arange(batch * rows).reshape(batch, rows),
         "retrive_next_token": ops.cast(trees.first_child, "int64"),

@@ -372,11 +372,12 @@ def topk_shard(logits, k: int, vocab_offset: int) -> TopKShard:
     return host.topk_shard(logits, k, vocab_offset)
 
 
-def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int, *, errors: str = "raise",
-               stream=None) -> TopK:
+def topk_merge(shard_logits, shard_ids=None, shard_max=None, shard_sum_rest=None, vocab: int | None = None, *,
+               errors: str = "raise", stream=None) -> TopK:
     """The global top-k log-probs from T shards' :func:`topk_shard` outputs, stacked on a
     leading axis (``[T, ..., k]``, ``[T, ...]``); the shards hold disjoint vocabulary ranges
-    covering ``vocab`` entries.
+    covering ``vocab`` entries. Or ``topk_merge(shards, vocab=V)`` with ``shards`` a
+    sequence of T :class:`TopKShard` (the four fields stacked here; numpy, torch or CuPy).
 
     The ids and their order (ties: lower id) are exactly those of :func:`topk_logprobs` on
     the gathered rows. The log-sum-exp is combined exactly from the shards' statistics
@@ -400,14 +401,41 @@ def topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab: int, *
         KdtreeError: T outside [1, 1024], shapes that disagree, an unsorted shard list, an
         id outside ``[0, vocab)`` or listed by two shards, statistics no shard gives, a row
         whose logits are all -inf (messages name the shard, the row of the flattened
-        leading axes, and the entry). A shard with a wrong offset whose ids do not collide
-        in the top k is not detected (:mod:`kdtree.distributed` checks the ranks' ranges).
+        leading axes, and the entry). Not detected here (the merge sees only each shard's
+        top k and statistics; :mod:`kdtree.distributed` checks the ranks' ranges): a shard
+        with a wrong offset whose ids do not collide in the top k, and a missing shard (the
+        result is then the top k of the ids the shards cover, normalised over them alone).
+        KdtreeTypeError: a sequence of TopKShard with other fields also given, or fields
+        missing, or vocab missing.
     """
+    if isinstance(shard_logits, (list, tuple)) and not isinstance(shard_logits, TopKShard) and shard_logits \
+            and all(isinstance(p, TopKShard) for p in shard_logits):
+        if shard_ids is not None or shard_max is not None or shard_sum_rest is not None:
+            raise checks.type_error("topk_merge: with a sequence of TopKShard, pass vocab= alone (the shards hold "
+                                    "the other fields)")
+        shard_logits, shard_ids, shard_max, shard_sum_rest = (_stack([p[f] for p in shard_logits]) for f in range(4))
+    if shard_ids is None or shard_max is None or shard_sum_rest is None or vocab is None:
+        raise checks.type_error("topk_merge takes (shard_logits, shard_ids, shard_max, shard_sum_rest, vocab), or "
+                                "(a sequence of TopKShard, vocab=V)")
     if _device.is_device_array(shard_logits):
         return _gpu().topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab, errors=errors,
                                  stream=stream)
     checks.cpu_only(stream, errors, "topk_merge")
     return host.topk_merge(shard_logits, shard_ids, shard_max, shard_sum_rest, vocab)
+
+
+def _stack(arrays):
+    """The arrays stacked on a new leading axis by their own library (numpy, torch, CuPy)."""
+    mod = type(arrays[0]).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        return torch.stack(arrays)
+    if mod == "cupy":
+        import cupy
+
+        return cupy.stack(arrays)
+    return np.stack([np.asarray(a) for a in arrays])
 
 
 def build_trees_from_logits(
