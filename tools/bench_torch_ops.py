@@ -9,7 +9,10 @@ shows): per call, the median over many calls of the wall time of
            that call (what a compiled round pays a call);
 
 and the difference op - api: what registering the call as an operator adds. On CUDA the
-times are host times (no synchronisation inside the loop; the GPU work queues behind).
+times are host times (no synchronisation inside the loop; the GPU work queues behind),
+and a column ``status`` times the function with ``errors="status"`` (no status read-back,
+so no synchronisation: the host work alone); ``--profile`` then prints where one call's
+host time goes (cProfile over the function form, the 12 largest cumulative entries).
 
     python tools/bench_torch_ops.py [--device cpu|cuda] [--no-compile] [--json out.json]
 """
@@ -48,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--reps", type=int, default=400)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile the function form of each call")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -93,9 +97,32 @@ def main(argv=None) -> int:
         "compact_kv": (lambda: api.compact_kv(key_arrays, value_arrays, host(pos), acc_obj),
                        lambda: torch.ops.kdtree.compact_kv(keys, values, pos, *acc)),
     }
+    status_calls = {
+        "topk_logprobs": lambda: api.topk_logprobs(host(logits), K, errors="status"),
+        "build_trees": lambda: api.build_trees(host(lp), host(ids), N, root_tokens=host(roots),
+                                               root_positions=host(pos), pad_token=0, errors="status"),
+        "verify_greedy_from_logits": lambda: api.verify_greedy_from_logits(trees, host(target),
+                                                                           max_commit=host(caps), errors="status"),
+        "compact_kv": lambda: api.compact_kv(key_arrays, value_arrays, host(pos), acc_obj, errors="status"),
+    }
     rows = []
     for name, (direct, op) in calls.items():
         row = {"op": name, "api_us": timed(direct, args.reps), "op_us": timed(op, args.reps)}
+        if cuda:
+            row["status_us"] = timed(status_calls[name], args.reps)
+        if args.profile:
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                (status_calls[name] if cuda else direct)()
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(12)
+            print(f"---- {name}: cProfile of 200 calls{' (errors=status)' if cuda else ''}\n{text.getvalue()}")
         if not args.no_compile:
             compiled = torch.compile(op, fullgraph=True)
             compiled()
@@ -106,12 +133,15 @@ def main(argv=None) -> int:
     total = {k: sum(r[k] for r in rows) for k in rows[0] if k != "op"}
     print(f"kdtree torch ops, host cost a call ({dev}, B={B}, L={L}, N={N}, V={V}, kdtree {kdtree.__version__}, "
           f"torch {torch.__version__}), median of 5 x {args.reps} calls, us")
-    head = ["op", "api", "op", "op - api"] + ([] if args.no_compile else ["compiled", "compiled - api"])
+    head = ["op", "api", "op", "op - api"] + ([] if args.no_compile else ["compiled", "compiled - api"]) + \
+        (["api status"] if cuda else [])
     print(" | ".join(f"{h:>26}" if i == 0 else f"{h:>14}" for i, h in enumerate(head)))
     for r in rows + [dict(op="the round's four calls", **total)]:
         cells = [r["api_us"], r["op_us"], r["op_us"] - r["api_us"]]
         if not args.no_compile:
             cells += [r["compiled_us"], r["compiled_us"] - r["api_us"]]
+        if cuda:
+            cells += [r["status_us"]]
         print(f"{r['op']:>26} | " + " | ".join(f"{c:14.1f}" for c in cells))
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(dev), "rows": rows, "total": total}, indent=1) + "\n")

@@ -163,11 +163,11 @@ def _visited_tokens(acc: Acceptance, tokens: np.ndarray) -> np.ndarray:
     the accepted nodes, the last one only when a bonus token follows it: a walk that ends
     on an accepted stop reads no row there), -1 elsewhere: the GPU walk's target_tokens."""
     out = np.full(tokens.shape, -1, np.int32)
-    for b in range(tokens.shape[0]):
-        n = int(acc.accept_length[b]) + (1 if int(acc.bonus_token[b]) >= 0 else 0)
-        nodes = acc.accepted_nodes[b, :n]
-        nodes = nodes[nodes >= 0]
-        out[b, nodes] = tokens[b, nodes]
+    nodes = acc.accepted_nodes
+    read = acc.accept_length.astype(np.int64) + (acc.bonus_token >= 0)  # path entries whose rows were read
+    keep = (np.arange(nodes.shape[1])[None, :] < read[:, None]) & (nodes >= 0)
+    rows, cols = np.nonzero(keep)[0], nodes[keep]
+    out[rows, cols] = tokens[rows, cols]
     return out
 
 
