@@ -82,6 +82,23 @@ def test_sequence_spanning_the_history():
     assert acc.accept_length.tolist() == [2] and acc.bonus_token.tolist() == [-1]
 
 
+def test_no_sequence_at_all_is_no_stop():
+    """[] and an empty prepared set are no stop sequences alike (a history is then unused);
+    a history without any stop_sequences argument is still refused."""
+    trees = chain_trees()
+    target = target_along(trees, {0: 10, 1: 20, 2: 30, 3: 40, 4: 50})
+    empty = kdtree.stop_sequences([])
+    assert empty.sequences == () and empty.longest == 0
+    for seqs in ([], (), empty):
+        for history in (None, [[5]]):
+            acc = kdtree.verify_greedy(trees, target, stop_sequences=seqs, stop_history=history)
+            assert acc.accept_length.tolist() == [4] and acc.bonus_token.tolist() == [50]
+    with pytest.raises(kdtree.KdtreeError, match="stop_history is given without stop_sequences"):
+        kdtree.verify_greedy(trees, target, stop_history=[[5]])
+    with pytest.raises(kdtree.KdtreeTypeError, match="like must be a CUDA array"):
+        kdtree.stop_sequences([], like=np.zeros(2))
+
+
 def test_bonus_that_completes_a_sequence_is_committed():
     trees = chain_trees()
     target = target_along(trees, {0: 10, 1: 20, 2: 30, 3: 40, 4: 50})
@@ -229,7 +246,7 @@ def test_prepared_sequences_on_the_host():
     got = kdtree.verify_greedy(trees, target, stop_sequences=prepared)
     want = kdtree.verify_greedy(trees, target, stop_sequences=[[10, 20], [7]])
     assert int(got.accept_length[0]) == int(want.accept_length[0]) == 2
-    for bad, match in (([], "at least one"), ([[1] * 17], "1 to 16"), ([[-2]], "negative")):
+    for bad, match in (([[1] * 17], "1 to 16"), ([[-2]], "negative")):
         with pytest.raises(kdtree.KdtreeError, match=match):
             kdtree.stop_sequences(bad)
     with pytest.raises(TypeError, match="like must be a CUDA array"):

@@ -146,13 +146,19 @@ def stop_sequences(sequences, like=None) -> StopSequences:
         :class:`kdtree.StopSequences`, accepted wherever ``stop_sequences=`` is (host calls
         read its sequences).
 
+    No sequence at all (``[]``) gives an empty :class:`StopSequences`, which the verify
+    calls take as none, as they take ``stop_sequences=[]`` (a ``stop_history`` is then
+    unused).
+
     Raises:
         KdtreeError: an empty sequence, one of more than 16 tokens, a negative id.
         KdtreeTypeError: not a sequence of token sequences.
     """
     seq = checks.stop_sequences(sequences, None, 1)
-    if seq is None:
-        raise checks.invalid("stop_sequences needs at least one sequence")
+    if seq is None:  # no sequence: the verify calls take it as none (a history is then unused)
+        if like is not None and not _device.is_device_array(like):
+            raise checks.type_error(f"like must be a CUDA array (torch or CuPy) or None, got {type(like).__name__}")
+        return StopSequences((), np.zeros(0, np.int32), np.zeros(1, np.int64))
     tokens, offsets, _ = seq
     packed = tuple(tuple(int(t) for t in tokens[offsets[i]:offsets[i + 1]]) for i in range(offsets.size - 1))
     if like is not None:
@@ -227,7 +233,7 @@ def verify_greedy(
         ValueError / KdtreeError: shape mismatch, negative caps or target tokens at visited
         nodes, inconsistent tree links.
     """
-    stop_history = _root_history(trees, stop_sequences, stop_history)
+    stop_sequences, stop_history = _stop_args(trees, stop_sequences, stop_history)
     if not isinstance(trees, TreeBatch):
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     if _device.is_device_array(trees.num_nodes):
@@ -240,28 +246,32 @@ def verify_greedy(
     return _host_out(out, acc, trees)
 
 
-def _root_history(trees, stop_sequences, stop_history):
-    """``stop_history`` as given, or (None, with stop sequences) the root tokens as a
-    one-column history: the root stands for the last committed token, so that a sequence
-    ending at a draft token right after it completes without a history from the caller."""
-    if stop_history is not None or stop_sequences is None or not isinstance(trees, TreeBatch):
-        return stop_history
+def _stop_args(trees, stop_sequences, stop_history):
+    """(stop_sequences, stop_history) for a walk: no sequence at all (None, an empty list,
+    an empty :class:`StopSequences`) is None with no history (a history then has nothing
+    to match); with sequences and no history, the root tokens as a one-column history:
+    the root stands for the last committed token, so that a sequence ending at a draft
+    token right after it completes without a history from the caller."""
+    if stop_sequences is None or not isinstance(trees, TreeBatch):
+        return stop_sequences, stop_history
     seqs = getattr(stop_sequences, "sequences", stop_sequences)
     try:
         if len(seqs) == 0:
-            return None
+            return None, None
     except TypeError:
-        return None  # (refused by the walk's own checks)
+        return stop_sequences, stop_history  # (refused by the walk's own checks)
+    if stop_history is not None:
+        return stop_sequences, stop_history
     col = trees.tokens[:, :1]
     if isinstance(col, np.ndarray):
-        return np.ascontiguousarray(col, np.int32)
+        return stop_sequences, np.ascontiguousarray(col, np.int32)
     if hasattr(col, "contiguous"):  # torch
-        return col.contiguous()
+        return stop_sequences, col.contiguous()
     if type(col).__module__.split(".")[0] == "cupy":
         import cupy
 
-        return cupy.ascontiguousarray(col)
-    return col
+        return stop_sequences, cupy.ascontiguousarray(col)
+    return stop_sequences, col
 
 
 def _host_out(out, acc: Acceptance, trees: TreeBatch) -> Acceptance:
@@ -615,7 +625,7 @@ def verify_greedy_from_logits(
         are ordinary values for the argmax: a visited row of only -inf gives token 0 (the
         lowest id among equal values), one with +inf its first +inf, on the CPU and the GPU.
     """
-    stop_history = _root_history(trees, stop_sequences, stop_history)
+    stop_sequences, stop_history = _stop_args(trees, stop_sequences, stop_history)
     if _device.is_device_array(target_logits):
         return _gpu().verify_from_logits(trees, target_logits, temperature=None, seed=0, offset=0,
                                          stop_tokens=stop_tokens, max_commit=max_commit, errors=errors,
@@ -694,7 +704,7 @@ def verify_sample_from_logits(
         only -inf logits"); a request's bad setting ("request 2: top_p 1.5 must be in
         (0, 1]").
     """
-    stop_history = _root_history(trees, stop_sequences, stop_history)
+    stop_sequences, stop_history = _stop_args(trees, stop_sequences, stop_history)
     if not isinstance(trees, TreeBatch):
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     given = {"temperature": temperature, "seed": seed, "offset": offset, "top_p": top_p, "top_k": top_k}

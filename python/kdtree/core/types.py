@@ -307,5 +307,5 @@ class StopSequences:
 
     @property
     def longest(self) -> int:
-        return max(len(q) for q in self.sequences)
+        return max((len(q) for q in self.sequences), default=0)
 
