@@ -256,6 +256,48 @@ def test_submit_and_step(pair, prompts, expected):
     assert [eng.output(i).tokens for i in ids] == expected[:5]
 
 
+def test_abort_and_release(pair, prompts, expected):
+    """abort() ends a decoding, a prefilling and a queued request at once (tokens so far
+    kept, "aborted"); the others still decode to autoregressive decoding's outputs in the
+    freed slots; release() hands back finished outputs only and forgets them."""
+    _abort_and_release(*pair, prompts, expected)
+
+
+def _abort_and_release(target, drafter, prompts, expected):
+    eng = Engine(target, drafter, max_batch=2, budget=16, max_length=512, prefill_chunk=16)
+    if eng.use_graphs:
+        eng.capture_all()
+    long = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # prefilled over several steps
+    order = [0, long, 1, 2, 3]
+    ids = [eng.submit(prompts[i], NEW) for i in order]
+    eng.step()
+    while len(eng.output(ids[0]).tokens) < 3:  # request 0 decodes; the long one is still prefilling
+        eng.step()
+    assert not eng.output(ids[1]).tokens and not eng.output(ids[1]).finished
+    assert [r.out.request_id for r in eng._prefilling] == [ids[1]] and len(prompts[long]) > 3 * 16
+    assert eng.abort(ids[0]) and eng.abort(ids[1]) and eng.abort(ids[3])  # decoding, prefilling, queued
+    kept = list(eng.output(ids[0]).tokens)
+    with pytest.raises(ValueError, match="has not finished"):
+        eng.release(ids[2])
+    while eng.busy:
+        eng.step()
+    outs = {i: eng.output(i) for i in ids}
+    assert [outs[ids[k]].finish_reason for k in range(5)] == ["aborted", "aborted", "max_new_tokens", "aborted",
+                                                               "max_new_tokens"]
+    assert outs[ids[0]].tokens == kept and 3 <= len(kept) < NEW and kept == expected[0][:len(kept)]
+    assert outs[ids[1]].tokens == [] and outs[ids[3]].tokens == []
+    assert outs[ids[2]].tokens == expected[1] and outs[ids[4]].tokens == expected[3]
+    assert eng.abort(ids[2]) is False  # already finished: nothing changes
+    assert eng.release(ids[2]) is outs[ids[2]]
+    for call in (eng.output, eng.abort, eng.release):
+        with pytest.raises(KeyError, match="released"):
+            call(ids[2])
+    # generate() hands its outputs over: the engine keeps none
+    outs = eng.generate(prompts[5:7], 4)
+    with pytest.raises(KeyError):
+        eng.output(outs[0].request_id)
+
+
 def test_bad_input(pair):
     target, drafter = pair
     eng = Engine(target, drafter, max_batch=1, budget=4, max_length=64)
@@ -757,6 +799,14 @@ def test_gpu_per_request_stops_with_graphs(gpu_pair, prompts, expected):
         ar = autoregressive_generate(HFTarget(ref), prompts[i], NEW, stop_tokens=[stop])
         assert out.tokens == ar.tokens and out.finish_reason == ar.stop_reason == "stop_token", (i, stop)
     assert outs[-1].tokens == expected[9]
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_abort_with_a_round_in_flight(gpu_pair, prompts, expected):
+    """abort() between steps while the host reads rounds one step behind the device: the
+    aborted slot's in-flight round is read and dropped, and the slot is refilled after."""
+    _abort_and_release(*gpu_pair, prompts, expected)
 
 
 def test_generate_queues_nothing_when_a_request_is_refused(pair, prompts, expected):

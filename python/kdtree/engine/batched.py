@@ -199,7 +199,8 @@ class RequestOutput:
         tokens         the generated tokens (prompt excluded)
         finish_reason  None while running; "stop_token", "stop_sequence" (the engine's
                        or the request's own stops), "max_new_tokens", "length" (the
-                       engine's max_length reached) or "error" (see ``error``)
+                       engine's max_length reached), "aborted" (:meth:`Engine.abort`) or
+                       "error" (see ``error``)
         error          why the request failed (a kdtree status from its round), or None
         rounds         rounds that committed tokens for it (target forwards after prefill)
         committed      per such round, the tokens committed (accepted draft tokens + bonus)
@@ -676,10 +677,52 @@ class Engine:
 
     def output(self, request_id: int) -> RequestOutput:
         """The request's output so far (``finish_reason`` set once it ended). KeyError
-        for an id :meth:`submit` did not return."""
+        for an id :meth:`submit` did not return, or one :meth:`release` gave back."""
         out = self._outputs.get(request_id)
         if out is None:
-            raise KeyError(f"no request {request_id!r} in this engine (ids 0 .. {self._next_id - 1})")
+            raise KeyError(f"no request {request_id!r} in this engine (ids 0 .. {self._next_id - 1}, less those "
+                           "released)")
+        return out
+
+    def abort(self, request_id: int) -> bool:
+        """Ends a request now, wherever it is (queued, prefilling or decoding): its output
+        keeps the tokens committed so far, ``finish_reason`` "aborted"; its slot takes the
+        next queued request once no launched round still holds it. Returns False (and
+        changes nothing) for a request that had already finished. Under tensor parallelism
+        every rank must abort the same request between the same steps.
+
+        Raises:
+            KeyError: an id :meth:`submit` did not return, or one already released.
+        """
+        out = self.output(request_id)
+        if out.finished:
+            return False
+        req = next((r for r in self._queue if r.out is out), None)
+        if req is not None:
+            self._queue.remove(req)
+            out.finish_reason = "aborted"
+            return True
+        req = next((r for r in self._prefilling if r.out is out), None)
+        if req is not None:
+            self._prefilling.remove(req)
+        else:
+            req = next(r for r in self._slots if r is not None and r.out is out)
+        self._finish(req, "aborted")
+        return True
+
+    def release(self, request_id: int) -> RequestOutput:
+        """A finished request's output, which the engine then forgets (a long-running
+        engine keeps every output until released; :meth:`generate` releases the ones it
+        returns).
+
+        Raises:
+            KeyError: an unknown or already released id. ValueError: the request has not
+                finished (:meth:`abort` it, or step until it ends).
+        """
+        out = self.output(request_id)
+        if not out.finished:
+            raise ValueError(f"request {request_id} has not finished: abort it or step the engine until it ends")
+        del self._outputs[request_id]
         return out
 
     @property
@@ -691,7 +734,8 @@ class Engine:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Decodes every prompt to the end (continuous batching over the slots); returns
-        the outputs in the prompts' order. ``sampling``: one for all or one per prompt.
+        the outputs in the prompts' order (released: the engine keeps none of them).
+        ``sampling``: one for all or one per prompt.
         ``progress(n)`` is called with the tokens committed after each round. With CUDA
         graphs on an idle engine it first captures every bucket's round graph
         (:meth:`capture_all`; already captured ones are kept)."""
@@ -709,7 +753,7 @@ class Engine:
         ids = [self.submit(p, max_new_tokens, s, on_tokens=progress) for p, s in zip(prompts, sampling, strict=True)]
         while self.busy:
             self.step()
-        return [self._outputs[i] for i in ids]
+        return [self.release(i) for i in ids]
 
     # ---- the step --------------------------------------------------------------------
 
