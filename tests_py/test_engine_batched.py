@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import kdtree  # noqa: E402
 from kdtree.engine import autoregressive_generate  # noqa: E402
 from kdtree.engine.batched import Engine, SamplingParams  # noqa: E402
 from kdtree.engine.dflash import load_dflash  # noqa: E402
@@ -296,6 +297,59 @@ def _abort_and_release(target, drafter, prompts, expected):
     outs = eng.generate(prompts[5:7], 4)
     with pytest.raises(KeyError):
         eng.output(outs[0].request_id)
+
+
+def test_callbacks_run_after_the_round_and_cannot_break_it(pair, prompts, expected):
+    """on_tokens runs once the whole round is read: one that raises comes out of step()
+    after the other requests' tokens are in (none dropped, none stuck), one that aborts
+    its own finished request changes nothing, a non-callable is refused at submit, and a
+    SamplingParams changed after submit has no effect (the request keeps its own copy)."""
+    target, drafter = pair
+    eng = Engine(target, drafter, max_batch=2, budget=16, max_length=512)
+    calls = []
+
+    def flaky(count):
+        calls.append(count)
+        if len(calls) == 2:
+            raise RuntimeError("a caller's bug")
+
+    a = eng.submit(prompts[0], NEW, on_tokens=flaky)
+    b = eng.submit(prompts[1], NEW)
+    raised = 0
+    while eng.busy:
+        try:
+            eng.step()
+        except RuntimeError:
+            raised += 1
+    assert raised == 1 and sum(calls) == NEW
+    assert eng.output(a).tokens == expected[0] and eng.output(b).tokens == expected[1]
+    assert eng.output(a).finish_reason == eng.output(b).finish_reason == "max_new_tokens"
+    # a request that aborts itself from its callback when its last round is read: already finished
+    got = []
+    c = eng.submit(prompts[2], 4, on_tokens=lambda n: got.append(eng.abort(c)) if len(eng.output(c).tokens) == 4
+                   else None)
+    while eng.busy:
+        eng.step()
+    assert got[-1] is False and eng.output(c).finish_reason == "max_new_tokens" and eng.output(c).tokens == \
+        expected[2][:4]
+    with pytest.raises(TypeError, match="on_tokens must be a callable"):
+        eng.submit(prompts[0], 4, on_tokens=5)
+    sp = SamplingParams()
+    d = eng.submit(prompts[3], 8, sp)
+    sp.stop_token_ids = (expected[3][0],)  # after submit: not the request's any more
+    bad = SamplingParams()
+    bad.stop_token_ids = [-3]  # changed after it was built: checked again at submit
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eng.submit(prompts[3], 8, bad)
+    while eng.busy:
+        eng.step()
+    assert eng.output(d).tokens == expected[3][:8]
+    with pytest.raises(TypeError, match="request_id must be an int"):
+        eng.output(True)
+    with pytest.raises(ValueError, match="holds a bool"):
+        SamplingParams(stop_sequences=[[True, 2]])
+    with pytest.raises(kdtree.KdtreeTypeError, match="holds a bool"):
+        kdtree.stop_sequences([np.array([1, 0], bool)])
 
 
 def test_bad_input(pair):

@@ -172,6 +172,8 @@ def stop_sequences(sequences, history, batch: int):
                 raise type_error(f"stop_sequences[{i}] must be an ordered sequence of token ids (a list, tuple or "
                                  f"1-D array), got {type(seq).__name__}")
             items = list(seq)
+            if any(isinstance(t, (bool, np.bool_)) for t in items) or getattr(seq, "dtype", None) == np.bool_:
+                raise type_error(f"stop_sequences[{i}] holds a bool, not a token id")
             a = int_array(items, f"stop_sequences[{i}]") if items else np.zeros(0, np.int32)
             if a.ndim != 1:
                 raise type_error(f"stop_sequences[{i}] must be a flat sequence of token ids, got an array of shape "

@@ -43,6 +43,7 @@ prompt never stalls decoding for more than one chunk) and runs one round;
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections import deque
@@ -629,9 +630,19 @@ class Engine:
         Raises:
             ValueError: an empty prompt, a token outside the vocabulary, a prompt of
                 ``max_length`` tokens or more, negative ``max_new_tokens``, sampling on
-                an engine built with ``sampling=False``.
+                an engine built with ``sampling=False``, settings (checked again here:
+                the request keeps its own copy) out of range.
+            TypeError: ``sampling`` not a SamplingParams, ``on_tokens`` not callable.
+
+        ``on_tokens(count)`` is called when a round's tokens for the request are read,
+        after the whole round is read and every request it ended is finished; an
+        exception it raises comes out of :meth:`step` once every callback of the round
+        ran (the engine stays consistent).
         """
         tokens, sampling = self._checked_request(prompt, max_new_tokens, sampling)
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be a callable taking the count of tokens a round commits, or None, got "
+                            f"{type(on_tokens).__name__}")
         rid = self._next_id
         self._next_id += 1
         out = RequestOutput(rid, tokens)
@@ -662,6 +673,9 @@ class Engine:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__} {sampling!r}")
+        # the request's own copy, checked again: settings changed on the caller's object
+        # after it was built (or after this call) are checked here or have no effect
+        sampling = dataclasses.replace(sampling)
         if not sampling.greedy and not self.sampling:
             raise ValueError("this engine verifies greedily; build it with sampling=True for temperature > 0")
         for t in sampling.stop_token_ids:
@@ -678,7 +692,9 @@ class Engine:
     def output(self, request_id: int) -> RequestOutput:
         """The request's output so far (``finish_reason`` set once it ended). KeyError
         for an id :meth:`submit` did not return, or one :meth:`release` gave back."""
-        out = self._outputs.get(request_id)
+        if isinstance(request_id, (bool, np.bool_)) or not isinstance(request_id, (int, np.integer)):
+            raise TypeError(f"request_id must be an int that submit() returned, got {type(request_id).__name__}")
+        out = self._outputs.get(int(request_id))
         if out is None:
             raise KeyError(f"no request {request_id!r} in this engine (ids 0 .. {self._next_id - 1}, less those "
                            "released)")
@@ -722,7 +738,7 @@ class Engine:
         out = self.output(request_id)
         if not out.finished:
             raise ValueError(f"request {request_id} has not finished: abort it or step the engine until it ends")
-        del self._outputs[request_id]
+        del self._outputs[int(request_id)]
         return out
 
     @property
@@ -1274,6 +1290,7 @@ class Engine:
                 self._curve = per.copy() if self._curve is None else (1 - w) * self._curve + w * per
         rows = tokens[:top].tolist()
         stops, stats = self.stop_tokens, self.stats
+        calls = []  # (callback, count): called once the whole round is read
         for s in sorted(launched):
             req = self._slots[s]
             if req is None:
@@ -1300,7 +1317,7 @@ class Engine:
             out.committed.append(c)
             stats.tokens += c
             if req.on_tokens is not None:
-                req.on_tokens(c)
+                calls.append((req.on_tokens, c))
             if new[-1] in stops:
                 self._finish(req, "stop_token")
             elif own is not None:
@@ -1309,9 +1326,21 @@ class Engine:
                 self._finish(req, "stop_sequence")
             elif remaining[s] <= 0:
                 self._finish(req, "max_new_tokens" if len(out.tokens) >= req.max_new_tokens else "length")
+        # The callbacks run after every slot of the round is read and every request that
+        # ended is finished, so that one that raises (or aborts a request) leaves the
+        # engine consistent; the first exception is raised after all of them ran.
+        failure = None
+        for callback, count in calls:
+            try:
+                callback(count)
+            except BaseException as exc:  # noqa: BLE001 (re-raised below)
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _finish(self, req: _Request, reason: str) -> None:
-        req.out.finish_reason = reason
+        if req.out.finish_reason is None:
+            req.out.finish_reason = reason
         if req.slot >= 0 and self._slots[req.slot] is req:
             self._slots[req.slot] = None
             self.state.remaining[req.slot] = 0
