@@ -343,6 +343,7 @@ def test_a_prompts_file_line_has_its_own_stop_texts(tmp_path):
     assert r.returncode == 0, r.stderr
     heads = [ln for ln in r.stdout.splitlines() if ln.startswith("---- request ")]
     assert len(heads) == 2 and ", stop_sequence," in heads[0] and "32 new, max_new_tokens" in heads[1], heads
+    assert "own stops 'zzz qqq', ': PreTrainedModel'" in heads[0] and "own stops" not in heads[1]
     first = r.stdout.split(heads[0])[1].split(heads[1])[0]
     assert first.rstrip("\n").endswith(": PreTrainedModel"), first[-200:]
     assert "identical  : 2 of 2 outputs equal greedy autoregressive decoding" in r.stdout

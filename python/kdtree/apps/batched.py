@@ -224,6 +224,8 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     outs, wall, stats, used = decode("ddtree", "DDTree")
     for i, o in enumerate(outs):
         extra = f", error: {o.error}" if o.error else ""
+        if entries[i].get("stop"):
+            extra += ", own stops " + ", ".join(repr(t) for t in entries[i]["stop"])
         head = entries[i]["prompt"][:40].replace("\n", "\\n")
         print(f"\n---- request {i} (line {entries[i]['_line']}: {head!r}): {len(o.prompt)} prompt tokens, "
               f"{len(o.tokens)} new, {o.finish_reason}, acceptance length {o.mean_acceptance_length:.2f}{extra} ----",
