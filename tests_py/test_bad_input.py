@@ -241,14 +241,35 @@ def test_budget_over_the_process_memory_limit_says_so(tmp_path):
     import subprocess
     import sys
 
+    # The room is the limit less the address space already in use: 4 GiB above it here; then
+    # 3 GiB reserved (untouched, as loaded libraries and maps are) under a limit 256 MiB
+    # above the use, where a 1 GiB mask is refused by the guard, not by numpy.
     code = (
         "import resource, numpy as np, kdtree\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))\n"
+        "def used():\n"
+        "    return int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used() + (4 << 30), resource.RLIM_INFINITY))\n"
         "lp = np.log(np.full((1, 2, 2), 0.5, np.float32)); ids = np.array([[[1, 2], [3, 4]]], np.int32)\n"
         "try:\n"
         "    kdtree.build_trees(lp, ids, 80000)\n"
         "except MemoryError as e:\n"
         "    print(e)\n"
+        "small = kdtree.build_trees(lp, ids, 3)\n"
+        "try:  # 512 MiB packed, but a 4 GiB bool mask while it is packed\n"
+        "    kdtree.tree_attention_mask(small, [1 << 30], kind='flashinfer')\n"
+        "except kdtree.KdtreeError as e:\n"
+        "    print('flashinfer guard:', e)\n"
+        "except MemoryError as e:\n"
+        "    print('flashinfer numpy:', e)\n"
+        "reserved = np.empty(3 << 30, np.uint8)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used() + (256 << 20), resource.RLIM_INFINITY))\n"
+        "trees = kdtree.build_trees(lp, ids, 3)\n"
+        "try:\n"
+        "    kdtree.tree_attention_mask(trees, [(1 << 30) // 4])\n"
+        "except kdtree.KdtreeError as e:\n"
+        "    print('guard:', e)\n"
+        "except MemoryError as e:\n"
+        "    print('numpy:', e)\n"
     )
     from pathlib import Path
 
@@ -258,6 +279,8 @@ def test_budget_over_the_process_memory_limit_says_so(tmp_path):
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "budget 80000" in r.stdout and "of the 4.0 GiB of memory this process can get now" in r.stdout
+    assert "guard:" in r.stdout and "the bool masks [1, 4, 268435460]" in r.stdout, r.stdout
+    assert "flashinfer guard:" in r.stdout and "one request's unpacked bool mask" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("budget", [2.0, "4", None, True, np.float64(3), np.bool_(True)])

@@ -187,6 +187,21 @@ def test_greedy_from_logits_takes_the_first_maximum():
         kdtree.verify_greedy_from_logits(t, logits)
 
 
+def test_trees_copy_and_pickle_after_a_native_call():
+    """A TreeBatch used by a native call (which caches its C view on it) still copies and
+    pickles: the copies carry the arrays and give the same walk."""
+    import copy
+    import pickle
+
+    t = chain_and_sibling_tree()
+    target = np.array([[10, 20, 4, 0]], np.int32)
+    want = kdtree.verify_greedy(t, target)
+    for other in (copy.deepcopy(t), pickle.loads(pickle.dumps(t)), copy.copy(t)):
+        assert other.tokens.tolist() == t.tokens.tolist() and other.budget == t.budget
+        got = kdtree.verify_greedy(other, target)
+        assert got.accepted_nodes.tolist() == want.accepted_nodes.tolist() == [[0, 1, 2]]
+
+
 def test_cpu_compact_kv_checks_every_request_before_moving_anything():
     k = np.arange(24, dtype=np.float32).reshape(1, 1, 12, 2)
     before = k.copy()

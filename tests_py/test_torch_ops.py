@@ -104,6 +104,21 @@ def test_compact_kv_op_moves_the_rows_the_function_moves():
     torch.ops.kdtree.compact_kv([k], [v], positions, torch.from_numpy(acc.accepted_nodes),
                                 torch.from_numpy(acc.accept_length), torch.from_numpy(acc.bonus_token))
     assert np.array_equal(k.numpy(), kn) and np.array_equal(v.numpy(), vn)
+    # bfloat16 and one-byte caches (no numpy view): the same moves as on float32, bit for bit
+    acc_t = (torch.from_numpy(acc.accepted_nodes), torch.from_numpy(acc.accept_length),
+             torch.from_numpy(acc.bonus_token))
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        src = torch.randn(3, 2, 40, 8)
+        kq, vq = src.to(dtype), (src * 2).to(dtype)
+        same = torch.float16 if dtype == torch.bfloat16 else torch.uint8  # a view of the same bytes numpy has
+        want_k, want_v = kq.view(same).numpy().copy(), vq.view(same).numpy().copy()
+        kdtree.compact_kv([want_k], [want_v], positions.numpy(), acc)  # the same moves on those views
+        torch.ops.kdtree.compact_kv([kq], [vq], positions, *acc_t)
+        got_k, got_v = kq.view(same).numpy(), vq.view(same).numpy()
+        assert got_k.tobytes() == want_k.tobytes() and got_v.tobytes() == want_v.tobytes(), dtype
+    # the function's own checks hold through the operator: one tensor as keys and values
+    with pytest.raises(kdtree.KdtreeError, match="distinct"):
+        torch.ops.kdtree.compact_kv([k], [k], positions, *acc_t)
 
 
 def test_request_limits_and_ragged_ops():

@@ -131,8 +131,10 @@ def compact_kv(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: T
     if all(t.is_cuda for t in k_layers):
         api.compact_kv(list(k_layers), list(v_layers), prefix_lengths, acc)
         return
-    api.compact_kv([t.detach().numpy() for t in k_layers], [t.detach().numpy() for t in v_layers],
-                   _arg(prefix_lengths), acc)
+    # the tensors themselves: the function reads every cache dtype it takes (bfloat16 and
+    # one-byte ones, which have no numpy view) and makes its checks on them (distinct
+    # layers, no gradient)
+    api.compact_kv(list(k_layers), list(v_layers), _arg(prefix_lengths), acc)
 
 
 @compact_kv.register_fake

@@ -523,7 +523,10 @@ def tree_attention_mask(trees, prefix_lengths, *, kind, dtype, columns, errors):
         if sum(sizes) > checks.INT32_MAX:
             raise KdtreeError(STATUS["KDT_ERR_BUFFER_TOO_SMALL"], f"the packed masks need {sum(sizes)} bytes, more "
                               "than int32 offsets allow")
-        memory.outputs_fit(sum(sizes), f"the packed masks of {batch} request(s)")
+        # at the peak: the packed masks and one request's unpacked bool mask (8 bits a bit)
+        largest = max((rows * (max(int(p), 0) + rows) for p in prefix), default=0)
+        memory.outputs_fit(sum(sizes) + largest, f"the packed masks of {batch} request(s) (and one request's "
+                           "unpacked bool mask while it is packed)")
         indptr = np.zeros(batch + 1, np.int64)
         indptr[1:] = np.cumsum(sizes)
         mask = np.zeros(int(indptr[-1]), np.uint8)

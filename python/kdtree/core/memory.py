@@ -27,7 +27,8 @@ def available_bytes() -> int | None:
     """The memory this process can still get, in bytes: the smallest of the kernel's
     ``MemAvailable`` (/proc/meminfo), the room left under its cgroup's limit (v2
     ``memory.max`` - ``memory.current``, or v1 ``memory.limit_in_bytes`` -
-    ``memory.usage_in_bytes``) and ``RLIMIT_AS``; physical memory where none of these can
+    ``memory.usage_in_bytes``) and the room under ``RLIMIT_AS`` (the limit less the
+    address space in use, /proc/self/statm); physical memory where none of these can
     be read; None if nothing is known."""
     limits = []
     meminfo = _read("/proc/meminfo")
@@ -46,8 +47,10 @@ def available_bytes() -> int | None:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-        if soft != resource.RLIM_INFINITY:
-            limits.append(int(soft))
+        if soft != resource.RLIM_INFINITY:  # the room left under it: less the address space in use
+            statm = _read("/proc/self/statm")
+            used = int(statm.split()[0]) * os.sysconf("SC_PAGE_SIZE") if statm else 0
+            limits.append(max(int(soft) - used, 0))
     except (ImportError, ValueError, OSError):
         pass
     if not limits:

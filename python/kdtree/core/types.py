@@ -72,6 +72,13 @@ class TreeBatch:
     # same array objects are in place (see kdtree.core.host.trees_struct).
     _native: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        # copies and pickles carry the arrays, not the cached C view (its pointers name
+        # this object's buffers; a copy makes its own on first use)
+        state = dict(self.__dict__)
+        state["_native"] = None
+        return state
+
     @property
     def batch(self) -> int:
         """Number of requests ``B``."""
