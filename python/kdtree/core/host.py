@@ -67,7 +67,11 @@ def check_tree_fields(trees, names) -> None:
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
     budget = checks.int_scalar(trees.budget, "trees.budget", 0, checks.MAX_BUDGET)
     if not isinstance(trees.num_nodes, np.ndarray) or trees.num_nodes.ndim != 1:
-        raise checks.shape_error("trees.num_nodes must be a C-contiguous int32 array of shape (B,)")
+        n = trees.num_nodes
+        got = (f"{type(n).__module__.split('.')[0]}.{type(n).__name__} on {getattr(n, 'device', 'the host')} "
+               "(host trees hold numpy arrays: kdtree.torch_ops.tree_batch makes them from CPU tensors)"
+               if not isinstance(n, np.ndarray) else f"shape {n.shape}")
+        raise checks.shape_error(f"trees.num_nodes must be a C-contiguous int32 array of shape (B,), got {got}")
     batch, rows = trees.num_nodes.shape[0], budget + 1
     for name in names:
         dtype, ndim = TREE_FIELDS[name]
