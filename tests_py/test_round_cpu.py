@@ -141,6 +141,11 @@ def test_mask_rejects_bad_arguments():
         kdtree.tree_attention_mask(t, [0], kind="flashinfer", columns=10)
     with pytest.raises(ValueError, match="stream= applies to GPU arrays only"):
         kdtree.tree_attention_mask(t, [0], stream=1)
+    with pytest.raises(ValueError, match="got None"):  # (not numpy's float64 for None)
+        kdtree.tree_attention_mask(t, [0], kind="additive", dtype=None)
+    assert kdtree.tree_attention_mask(t, [0], kind="bool", dtype=None)[0].shape == (1, 4, 4)  # unused there
+    with pytest.raises(ValueError, match="columns must be in"):  # a mask beyond any address space
+        kdtree.tree_attention_mask(t, [0], columns=2**61)
 
 
 # ---- Trees and verification from logits -----------------------------------------------------

@@ -558,8 +558,13 @@ def tree_attention_mask(
     """
     if not isinstance(trees, TreeBatch):
         raise checks.type_error(f"trees must be a TreeBatch, got {type(trees).__name__}")
-    if columns is not None:
-        columns = checks.int_scalar(columns, "columns", 0, 2**62)
+    if columns is not None:  # (a [B, N+1, C] float32 mask of more than 2^62 bytes is no mask)
+        columns = checks.int_scalar(columns, "columns", 0, 2**62 // (4 * (int(trees.budget) + 1))
+                                    if isinstance(trees, TreeBatch) and isinstance(trees.budget, int)
+                                    and trees.budget >= 0 else 2**62)
+    if dtype is None and kind == "additive":
+        raise checks.invalid("dtype must be 'float32', 'float16' or 'bfloat16' (a name, or a numpy or torch dtype), "
+                             "got None")
     dtype = checks.dtype_name(dtype)
     if check_positions:
         _check_root_positions(trees, prefix_lengths)
