@@ -264,6 +264,46 @@ def test_a_rank_with_bad_arguments_fails_every_rank_at_once(spawn_ranks, tmp_pat
         assert "rank(s) [1] failed in topk_shard" in e, e
 
 
+_DEVICE_FORM_WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import kdtree
+    from kdtree import distributed
+
+    rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rng = np.random.default_rng(21)
+    edges = [0, 333, 700]
+    logits = (rng.standard_normal((2, 5, 700)) * 3).astype(np.float32)
+    logits[0, 0, 100:200] = 6.0  # ties inside and across the slices
+    results = {}
+    for name in ("float32", "float16", "bfloat16"):
+        full = torch.from_numpy(logits).to(getattr(torch, name))
+        local = full[..., edges[rank]:edges[rank + 1]].contiguous()
+        for k in (1, 7):
+            got = distributed._topk_logprobs_sharded_cuda(local, k, edges[rank], 700, None)
+            want = kdtree.topk_logprobs(full.float().numpy(), k)
+            results[f"{name} {k}"] = [bool(np.array_equal(np.asarray(got.ids), want.ids)),
+                                      bool(np.array_equal(np.asarray(got.logprobs), want.logprobs)),
+                                      bool((np.asarray(got.row_status) == 0).all())]
+    json.dump(results, open(out, "w"))
+    dist.destroy_process_group()
+""")
+
+
+def test_the_gpu_form_on_cpu_tensors_in_a_gloo_world(spawn_ranks, tmp_path):
+    """The NCCL path of topk_logprobs_sharded (shard_summary, one all_gather_into_tensor,
+    the merge with statuses) run on CPU tensors over gloo: every rank gets the gathered
+    rows' top-k exactly, from float32 and from 16-bit summaries, odd and even k."""
+    outs = [str(tmp_path / f"form{r}.json") for r in range(2)]
+    spawn_ranks(_DEVICE_FORM_WORKER, 2, lambda r: [r, 2, outs[r]], timeout=120)
+    for o in outs:
+        results = json.loads(Path(o).read_text())
+        assert len(results) == 6 and all(all(v) for v in results.values()), results
+
+
 def test_summary_width_takes_torch_dtypes_only():
     torch = pytest.importorskip("torch")
     from kdtree.distributed import summary_width
