@@ -558,6 +558,7 @@ extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32
     p.out_ids = out_ids;
     p.status = row_status;
     const int64_t list_bytes = shards * k * 8;
+    p.staged = list_bytes <= kStageBytes;
     const int variant = kdt::testing_topk_merge();
     const int64_t warp_rows = list_bytes > 0 ? kWarpStageBytes / (2 * list_bytes) : kWarpRows;
     if (variant == 2 && warp_rows >= 1) {
@@ -567,7 +568,6 @@ extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32
                             kdt::as_stream(stream)>>>(p, per_block);
         return kdt::launch_status("sharded top-k merge (warp per row)");
     }
-    p.staged = list_bytes <= kStageBytes;
     merge_kernel<<<(unsigned)rows, kThreads, p.staged ? (size_t)list_bytes : 0, kdt::as_stream(stream)>>>(p);
     return kdt::launch_status("sharded top-k merge");
 }
