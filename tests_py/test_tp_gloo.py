@@ -26,7 +26,7 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (transform
 ROOT = Path(__file__).resolve().parents[1]
 
 _WORKER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -85,9 +85,15 @@ _WORKER = textwrap.dedent("""
         sampled = speculative_generate(HFTarget(model, temperature=0.8, seed=3), RandomDrafter(97, 2), prompt, 24,
                                        budget=16, depth=4)
         result["sampled"] = [int(t) for t in sampled.tokens]
-    json.dump(result, open(out, "w"))
-    dist.barrier()  # both ranks done before either tears gloo down
-    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.barrier()  # both ranks' results are written
+    # Leave without torch's gloo teardown: after transformers' tensor-parallel load a rank
+    # has aborted now and then with "terminate called without an active exception" and no
+    # Python traceback (two CI runs of 2026-12-04 and 2026-12-05; not reproduced in 15
+    # runs here); the results are written by then, and the OS closes the sockets.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
