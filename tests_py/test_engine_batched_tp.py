@@ -33,6 +33,7 @@ CASES = [
     ("ddtree", dict(budget=12), None),
     ("sampled", dict(budget=12, sampling=True), [(0.0, 0), (0.8, 1), (1.3, 2), (0.6, 3), (0.0, 0), (0.9, 5)]),
     ("auto", dict(budget="auto", auto_budgets=(4, 12)), None),
+    ("budget 0", dict(budget=0), None),  # root-only trees (the sharded top-k still takes k = 1)
 ]
 
 _WORKER = textwrap.dedent("""
@@ -88,6 +89,19 @@ _WORKER = textwrap.dedent("""
         result["wide"] = "accepted"
     except ValueError as exc:
         result["wide"] = str(exc)
+    # rank 1 fails after the settings agree (its caches cannot be allocated): both raise
+    from kdtree.engine import attention
+    attach = attention.attach
+    if rank == 1:
+        def no_room(*args, **kwargs):
+            raise RuntimeError("out of memory (simulated)")
+        attention.attach = no_room
+    try:
+        Engine(target, drafter, max_batch=2, max_length=96, budget=4)
+        result["late failure"] = "accepted"
+    except RuntimeError as exc:
+        result["late failure"] = str(exc)
+    attention.attach = attach
     eng = Engine(target, drafter, max_batch=2, max_length=96, budget=4, sampling=True)
     try:
         eng.submit([1, 2, 3], 4, SamplingParams(temperature=0.7, top_p=0.9))
@@ -176,6 +190,9 @@ def check_ranks(ranks, single):
     mismatch = {r["mismatch"] for r in ranks}
     assert len(mismatch) == 1
     assert "every rank must build the same engine" in (m := mismatch.pop()) and "rank 1 has budgets = [13]" in m
+    assert ranks[1]["late failure"] == "out of memory (simulated)"
+    assert ranks[0]["late failure"].startswith("rank 1 failed to build its engine (RuntimeError: out of memory")
+    assert single["budget 0"] == single["ar"]
 
 
 def test_engine_on_a_tensor_parallel_target_decodes_the_single_process_tokens(spawn_ranks, models, single, tmp_path):

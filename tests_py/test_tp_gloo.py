@@ -117,6 +117,25 @@ def tiny_target(tmp_path_factory):
     return folder
 
 
+def test_ranks_that_load_the_model_differently_fail_alike(spawn_ranks, tiny_target):
+    """One rank splitting the LM head by vocabulary and the other not: the same error on
+    both ranks (not two unrelated errors from collectives paired across calls)."""
+    texts = spawn_ranks(textwrap.dedent(f"""
+        import os
+        import torch.distributed as dist
+        from kdtree.engine.hf import load_causal_lm
+        dist.init_process_group("gloo")
+        try:
+            load_causal_lm({str(tiny_target)!r}, dtype="float64", tp=True, vocab_sharded_head=dist.get_rank() == 1)
+        except ValueError as exc:
+            print("ERR", exc, flush=True)
+        os._exit(0)
+    """), 2, timeout=300)
+    for text in texts:
+        assert "ERR every rank must load the same model the same way: rank 1 has vocab_sharded_head = True, rank 0 " \
+               "False" in text, text[-2000:]
+
+
 def test_tensor_parallel_ranks_decode_the_single_process_tokens(spawn_ranks, tiny_target, tmp_path):
     single = run_world(spawn_ranks, tmp_path, tiny_target, 1)[0]
     ranks = run_world(spawn_ranks, tmp_path, tiny_target, 2)

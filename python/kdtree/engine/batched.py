@@ -500,6 +500,19 @@ class Engine:
             self._agree_across_ranks(memory, sorted({int(t) for t in stop_list}), stop_sequences)
         elif memory is not None:
             raise ValueError(memory)
+        if self.tp > 1:  # a rank that fails from here on tells the others, which would wait in a round
+            failure = None
+            try:
+                self._allocate(torch, target, drafter, cfg, stop_list, stop_sequences)
+            except Exception as exc:  # noqa: BLE001 (raised below, on this rank as it is)
+                failure = exc
+            self._agree_built(failure)
+        else:
+            self._allocate(torch, target, drafter, cfg, stop_list, stop_sequences)
+
+    def _allocate(self, torch, target, drafter, cfg, stop_list, stop_sequences) -> None:
+        """The engine's device state (K/V caches, the drafter's, slot state, buffers), once
+        the settings are checked."""
         self.kv = attention.attach(target, self.max_batch, self.capacity)
         self.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         if drafter is not None:
@@ -540,6 +553,20 @@ class Engine:
             self._pinned = [self._pinned_set(torch) for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
             self._flip = 0
+
+    def _agree_built(self, failure: BaseException | None) -> None:
+        """Under tensor parallelism, after the allocations: every rank learns whether every
+        rank built its engine; a rank that failed raises its own error, the others a
+        RuntimeError naming it (so that none goes on to wait in a round's collective)."""
+        import torch.distributed as dist
+
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        bad = [(r, e) for r, e in enumerate(every) if e is not None]
+        if bad:
+            raise RuntimeError(f"rank {bad[0][0]} failed to build its engine ({bad[0][1]}): every rank stops")
 
     def _check_stop_sequences(self, stop_sequences) -> tuple:
         """The stop sequences as tuples of ids, checked (ValueError naming the sequence)."""
@@ -1026,7 +1053,7 @@ class Engine:
         nb = self.budget if probe else n
         full = buf if nb == n else self._round_buffers(b, nb)
         width = max(1, min(nb, self.vocab_size, MAX_WIDTH)) if self.mode == "ddtree" else self.width
-        k = min(width, nb)
+        k = max(1, min(width, nb))  # (budget 0: a root-only tree; the sharded top-k takes k >= 1)
         deep = self._depth_rows[None, :, None] >= (self.state.remaining[:b] - 1)[:, None, None]
         if self.on_cuda:
             topk = full.get("topk")

@@ -154,6 +154,17 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: Any = None, 
     if tp:
         import torch.distributed as dist
 
+        # every rank loads the same model the same way, or every rank raises (a rank that
+        # differs would otherwise pair its next collective with another one of the others')
+        mine = {"vocab_sharded_head": bool(vocab_sharded_head), "model": type(model).__name__,
+                "dtype": str(next(model.parameters()).dtype), "vocab_size": int(model.config.vocab_size)}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        for r, theirs in enumerate(every):
+            for key, value in theirs.items():
+                if value != every[0][key]:
+                    raise ValueError(f"every rank must load the same model the same way: rank {r} has {key} = "
+                                     f"{value!r}, rank 0 {every[0][key]!r}")
         if dist.get_world_size() == 1:
             # transformers applies no plan to a world of one rank and leaves the model on
             # the CPU: put it where a rank of a larger world would be
