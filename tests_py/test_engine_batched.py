@@ -299,6 +299,29 @@ def _abort_and_release(target, drafter, prompts, expected):
         eng.output(outs[0].request_id)
 
 
+@pytest.mark.parametrize("mode", ["ddtree", "ar"])
+def test_a_request_with_nan_activations_fails_alone_and_leaves_its_slot_clean(prompts, expected, mode):
+    """A token whose embedding is NaN: the request that holds it ends with "error" while the
+    other decodes on; the slot it held is cleared (masked cache rows holding NaN would
+    otherwise make every later request there NaN), so later requests decode as in a fresh
+    engine."""
+    target = load_causal_lm(PAIR / "target", dtype="float32")
+    drafter = load_dflash(PAIR / "drafter", target)
+    used = set().union(*map(set, prompts[:3]), *map(set, expected[:3]))
+    bad = next(t for t in range(100, 5000) if t not in used)
+
+    def nan_at_bad(module, args, out):  # (not the weights: this target's LM head is its embedding)
+        return out.masked_fill((args[0] == bad)[..., None], float("nan"))
+
+    target.get_input_embeddings().register_forward_hook(nan_at_bad)
+    eng = Engine(target, drafter, max_batch=2, budget=16, max_length=512, mode=mode)
+    first = eng.generate([prompts[0] + [bad, 7], prompts[1]], NEW)
+    assert first[0].finish_reason == "error" and "KDT_ERR_VALUE" in first[0].error
+    assert first[1].tokens == expected[1] and first[1].finish_reason == "max_new_tokens"
+    again = eng.generate([prompts[2], prompts[0]], NEW)  # prompts[2] takes the failed request's slot
+    assert [o.tokens for o in again] == [expected[2], expected[0]]
+
+
 def test_callbacks_run_after_the_round_and_cannot_break_it(pair, prompts, expected):
     """on_tokens runs once the whole round is read: one that raises comes out of step()
     after the other requests' tokens are in (none dropped, none stuck), one that aborts

@@ -543,6 +543,7 @@ class Engine:
         self.budget_counts: dict[int, int] = {}  # rounds run at each budget
         self.round_counts: dict[tuple[int, int], int] = {}  # rounds run at each (bucket, budget)
         self._slots: list[_Request | None] = [None] * self.max_batch
+        self._dirty: set[int] = set()  # slots a failed request held: cleared before they are reused
         self._queue: deque[_Request] = deque()
         self._prefilling: deque[_Request] = deque()
         self._pending: deque[tuple] = deque()  # rounds launched, outputs not read yet
@@ -826,6 +827,8 @@ class Engine:
             if not self._queue:
                 break
             if self._slots[i] is None and not self._slot_busy_on_device(i):
+                if i in self._dirty:
+                    self._clear_slot(i)
                 req = self._queue.popleft()
                 req.slot = i
                 self._slots[i] = req
@@ -837,6 +840,18 @@ class Engine:
                 if req.prefilled >= len(req.out.prompt) - 1:
                     self._prefilling.remove(req)
                     self._activate(req)
+
+    def _clear_slot(self, slot: int) -> None:
+        """Zeros a slot's cache rows, the target's and the drafter's, and the padding rows'
+        row (slot 0's last): a request that failed (a NaN or inf in its activations) may
+        have left non-finite values there, which attention over masked cache rows (SDPA:
+        weight 0 times NaN) would pass to the slot's next requests."""
+        for cache in (self.kv, self.drafter_kv):
+            for t in ([] if cache is None else list(cache.keys) + list(cache.values)):
+                t[slot].zero_()
+        for t in list(self.kv.keys) + list(self.kv.values):
+            t[0, :, -1].zero_()
+        self._dirty.discard(slot)
 
     def _slot_busy_on_device(self, slot: int) -> bool:
         """A slot freed by the host may still have a launched round whose outputs are
@@ -1077,8 +1092,8 @@ class Engine:
             trees = api.build_trees(lp, ids, nb, root_tokens=roots, root_positions=lengths,
                                     vocab_size=self.vocab_size, pad_token=0, out=full["trees"], errors="status")
         else:
-            if self.draft_slice is None:
-                lp, ids = api.topk_logprobs(logits.float().numpy(), k)
+            if self.draft_slice is None:  # (a row of NaN drafter logits: a root-only tree, as on the GPU)
+                lp, ids = api.topk_logprobs(logits.float().numpy(), k, errors="status")
             else:  # this rank's slice of the drafter's logits: the ranks' top-k merged
                 from ..distributed import topk_logprobs_sharded
 
@@ -1087,7 +1102,7 @@ class Engine:
             lp[np.broadcast_to(deep.numpy(), lp.shape)] = -np.inf
             trees = _trees_to_torch(api.build_trees(lp, ids, nb, root_tokens=roots.numpy(),
                                                     root_positions=lengths.numpy(),
-                                                    vocab_size=self.vocab_size, pad_token=0))
+                                                    vocab_size=self.vocab_size, pad_token=0, errors="status"))
         if probe:
             # the drafter's expected accepted draft tokens at every budget m: the sum of the first
             # m nodes' path probabilities (nodes come in decreasing score), over the active slots
@@ -1182,7 +1197,8 @@ class Engine:
             tokens = target_tokens_sharded(logits, self.vocab_slice[0], self.vocab_size, temperature=temps,
                                            seed=st.seed[:b].numpy().astype(np.uint64),
                                            offset=st.offset[:b].numpy().astype(np.uint64))
-            acc = api.verify_greedy(tn, tokens.numpy(), stop_tokens=stop_list, max_commit=caps.numpy(), **seq)
+            acc = api.verify_greedy(tn, tokens.numpy(), stop_tokens=stop_list, max_commit=caps.numpy(),
+                                    errors="status", **seq)
             if self.sampling:
                 st.offset[:b] += 1
         elif self.sampling:
@@ -1190,11 +1206,11 @@ class Engine:
             acc = api.verify_sample_from_logits(
                 tn, x, st.temperature[:b].numpy(), seed=st.seed[:b].numpy().astype(np.uint64),
                 offset=st.offset[:b].numpy().astype(np.uint64), top_p=st.top_p[:b].numpy(),
-                top_k=st.top_k[:b].numpy(), stop_tokens=stop_list, max_commit=caps.numpy(), **seq)
+                top_k=st.top_k[:b].numpy(), stop_tokens=stop_list, max_commit=caps.numpy(), errors="status", **seq)
             st.offset[:b] += 1
-        else:
+        else:  # (a request whose rows hold a NaN fails alone, as on the GPU)
             acc = api.verify_greedy_from_logits(tn, logits.float().numpy(), stop_tokens=stop_list,
-                                                max_commit=caps.numpy(), **seq)
+                                                max_commit=caps.numpy(), errors="status", **seq)
         return Acceptance(*(torch.from_numpy(np.asarray(a)) for a in (acc.accepted_nodes, acc.accept_length,
                                                                        acc.bonus_token)),
                           request_status=torch.from_numpy(np.asarray(acc.request_status)))
@@ -1212,10 +1228,13 @@ class Engine:
         elif self.dtype in (torch.float16, torch.bfloat16, torch.float32):
             from ..core.types import Acceptance
 
-            api.compact_kv(keys, values, lengths.numpy(),
-                           Acceptance(acc.accepted_nodes.numpy(), acc.accept_length.numpy(), acc.bonus_token.numpy()))
+            api.compact_kv(keys, values, lengths.numpy(),  # (a failed request's path: untouched)
+                           Acceptance(acc.accepted_nodes.numpy(), acc.accept_length.numpy(), acc.bonus_token.numpy()),
+                           errors="status")
         else:  # float64 (host tests): the same moves as index copies
             for r in range(b):
+                if int(acc.request_status[r]) != 0:
+                    continue
                 m, p = int(acc.accept_length[r]), int(lengths[r])
                 src = p + acc.accepted_nodes[r, : m + 1].long()
                 for t in keys + values:
@@ -1368,6 +1387,8 @@ class Engine:
     def _finish(self, req: _Request, reason: str) -> None:
         if req.out.finish_reason is None:
             req.out.finish_reason = reason
+        if reason == "error" and req.slot >= 0:
+            self._dirty.add(req.slot)  # cleared before the slot's next request
         if req.slot >= 0 and self._slots[req.slot] is req:
             self._slots[req.slot] = None
             self.state.remaining[req.slot] = 0
