@@ -305,7 +305,11 @@ def test_a_request_with_nan_activations_fails_alone_and_leaves_its_slot_clean(pr
     other decodes on; the slot it held is cleared (masked cache rows holding NaN would
     otherwise make every later request there NaN), so later requests decode as in a fresh
     engine."""
-    target = load_causal_lm(PAIR / "target", dtype="float32")
+    _nan_request(prompts, expected, mode, "cpu")
+
+
+def _nan_request(prompts, expected, mode, device):
+    target = load_causal_lm(PAIR / "target", device=device, dtype="float32")
     drafter = load_dflash(PAIR / "drafter", target)
     used = set().union(*map(set, prompts[:3]), *map(set, expected[:3]))
     bad = next(t for t in range(100, 5000) if t not in used)
@@ -896,3 +900,9 @@ def test_generate_queues_nothing_when_a_request_is_refused(pair, prompts, expect
     assert not eng.busy  # nothing of the refused calls was queued
     outs = eng.generate(prompts[:2], 4)
     assert [o.tokens for o in outs] == [e[:4] for e in expected[:2]] and eng._next_id == 2
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_a_request_with_nan_activations_fails_alone(prompts, expected):
+    _nan_request(prompts, expected, "ddtree", "cuda")
