@@ -416,6 +416,8 @@ def test_bad_input(pair):
         Engine(target, drafter, stop_tokens=5)
     with pytest.raises(ValueError, match="auto_budgets"):
         Engine(target, drafter, budget="auto", auto_budgets=[1.7, 8])
+    with pytest.raises(ValueError, match=r"auto_budgets must be integers in \[1, 4096\]"):
+        Engine(target, drafter, budget="auto", auto_budgets=[8, 10**30])
     with pytest.raises(ValueError, match="tree_attention must be"):
         Engine(target, drafter, tree_attention="flash")
     with pytest.raises(ValueError, match="tree_attention='kdtree': the kernel runs on CUDA devices"):

@@ -399,8 +399,8 @@ class Engine:
             if mode != "ddtree":
                 raise ValueError(f"budget='auto' chooses among DDTree budgets; mode {mode!r} has a fixed tree")
             if not auto_budgets or any(isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer))
-                                       or n < 1 for n in auto_budgets):
-                raise ValueError(f"auto_budgets must be integers >= 1, got {list(auto_budgets)!r}")
+                                       or not 1 <= n <= MAX_BUDGET for n in auto_budgets):
+                raise ValueError(f"auto_budgets must be integers in [1, {MAX_BUDGET}], got {list(auto_budgets)!r}")
             budgets = sorted({int(n) for n in auto_budgets})
             budget = budgets[-1]
         for name, v, lo, hi in (("max_batch", max_batch, 1, 1 << 16), ("budget", budget, 0, MAX_BUDGET),
@@ -624,7 +624,7 @@ class Engine:
 
         mine = {"mode": self.mode, "budgets": list(self.budgets), "max_batch": self.max_batch,
                 "max_length": self.max_length, "prefill_chunk": self.prefill_chunk, "sampling": self.sampling,
-                "stop_tokens": stops, "stop_sequences": [list(q) for q in stop_seqs],
+                "stop_tokens": stops, "stop_sequences": sorted(list(q) for q in stop_seqs),  # (a set: any order)
                 "use_graphs": self.use_graphs, "tree_attention": self.tree_attention,
                 "depth": self.depth, "vocab_size": self.vocab_size, "dtype": str(self.dtype),
                 "sharded LM head": self.vocab_slice is not None,
