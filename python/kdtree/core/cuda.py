@@ -250,14 +250,7 @@ def topk_logprobs(logits, k: int, *, errors: str, stream, out=None):
     vocab = v.shape[-1]
     if not 0 <= k <= min(vocab, 1024):
         raise checks.range_error(f"k must be in [0, min(V={vocab}, 1024)] on the GPU, got {k}")
-    if len(v.shape) > 3:  # merge leading axes when their strides allow it
-        rows = int(np.prod(lead, dtype=np.int64))
-        merged = _merge_leading(v)
-        if merged is None:
-            raise checks.shape_error(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
-                             "merged into rows; pass a [B, L, V] view")
-        v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
-    struct = _logits_struct(v, "logits", two_d="rows")
+    struct = _rows_struct(v)
     rows = int(struct.batch * struct.length)
     lib = _lib.load()
     with dev.on_device(logits):
@@ -285,6 +278,20 @@ def topk_logprobs(logits, k: int, *, errors: str, stream, out=None):
         except KdtreeError as exc:
             raise _lib.name_logits_row(exc, tuple(lead)) from None
     return TopK(out_lp, out_ids, status)
+
+
+def _rows_struct(v: dev.DeviceArray) -> _lib.KdtLogits:
+    """kdt_logits of a ``[..., V]`` view as independent rows: up to two leading axes as
+    they are, more merged into one when their strides allow it (KdtreeError otherwise)."""
+    if len(v.shape) > 3:
+        lead, vocab = v.shape[:-1], v.shape[-1]
+        merged = _merge_leading(v)
+        if merged is None:
+            raise checks.shape_error(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
+                                     "merged into rows; pass a [B, L, V] view")
+        rows = int(np.prod(lead, dtype=np.int64))
+        v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
+    return _logits_struct(v, "logits", two_d="rows")
 
 
 def _merge_leading(v: dev.DeviceArray) -> int | None:
@@ -990,15 +997,9 @@ def topk_shard_stats(logits, *, stream=None):
     v = dev.view(logits, "logits", s)
     if len(v.shape) < 1:
         raise checks.shape_error("logits must have at least one dimension [..., V]")
-    lead, vocab = v.shape[:-1], v.shape[-1]
+    lead = v.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
-    if len(v.shape) > 3:
-        merged = _merge_leading(v)
-        if merged is None:
-            raise checks.shape_error(f"logits: leading axes of shape {lead} with strides {v.strides[:-1]} cannot be "
-                                     "merged into rows; pass a [B, L, V] view")
-        v = dev.DeviceArray(v.ptr, (rows, vocab), (merged, v.strides[-1]), v.dtype, v.device, v.obj, v._keep)
-    struct = _logits_struct(v, "logits", two_d="rows")
+    struct = _rows_struct(v)
     with dev.on_device(logits):
         mx = dev.empty(logits, lead, "float32")
         rest = dev.empty(logits, lead, "float64")
