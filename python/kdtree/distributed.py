@@ -348,14 +348,8 @@ def _pack_values(vals):
     import torch
 
     if vals.dtype.itemsize == 2 and vals.shape[1] % 2:
-        vals = _pad_one(vals)
+        vals = torch.nn.functional.pad(vals, (0, 1))  # a zero half
     return vals.contiguous().view(torch.int32)
-
-
-def _pad_one(vals):
-    out = vals.new_zeros(vals.shape[0], vals.shape[1] + 1)
-    out[:, :-1] = vals
-    return out
 
 
 def summary_width(k: int, dtype) -> int:
