@@ -571,28 +571,14 @@ class Engine:
 
     def _check_stop_sequences(self, stop_sequences) -> tuple:
         """The stop sequences as tuples of ids, checked (ValueError naming the sequence)."""
-        from .. import _native
-        from ..core import api
+        seqs = () if stop_sequences is None else _stop_seqs(stop_sequences)
+        self._check_in_vocab(seqs, "stop_sequences")
+        return seqs
 
-        if stop_sequences is None:
-            return ()
-        try:
-            items = None if isinstance(stop_sequences, (str, bytes)) else list(stop_sequences)
-        except TypeError:
-            items = None
-        if items is None:
-            raise ValueError(f"stop_sequences must be a sequence of token sequences (for example [[13, 14]]), got "
-                             f"{type(stop_sequences).__name__}")
-        if not items:
-            return ()
-        try:
-            seqs = api.stop_sequences(items).sequences
-        except (_native.KdtreeError, TypeError) as exc:
-            raise ValueError(f"stop_sequences: {exc}") from None
+    def _check_in_vocab(self, seqs, what: str) -> None:
         for i, q in enumerate(seqs):
             if any(t >= self.vocab_size for t in q):
-                raise ValueError(f"stop_sequences[{i}] holds a token outside [0, {self.vocab_size})")
-        return seqs
+                raise ValueError(f"{what}[{i}] holds a token outside [0, {self.vocab_size})")
 
     def _setup_stop_sequences(self, torch, stop_sequences) -> None:
         """The stop sequences on the engine's device (prepared once: the verify calls use
@@ -709,9 +695,7 @@ class Engine:
         for t in sampling.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"sampling.stop_token_ids: token {t} outside [0, {self.vocab_size})")
-        for i, q in enumerate(sampling.stop_sequences):
-            if any(t >= self.vocab_size for t in q):
-                raise ValueError(f"sampling.stop_sequences[{i}] holds a token outside [0, {self.vocab_size})")
+        self._check_in_vocab(sampling.stop_sequences, "sampling.stop_sequences")
         if self.vocab_slice is not None and not sampling.greedy and (sampling.top_p < 1 or sampling.top_k > 0):
             raise ValueError("top_p and top_k are not supported over a vocabulary-sharded LM head (their cuts need "
                              "the whole row); sample with temperature alone")
