@@ -90,14 +90,45 @@ def repo_root() -> Path:
     return ROOT
 
 
+# Runs a rank's script, then leaves without torch's process-group teardown: after a
+# barrier (every rank's results are written) the process ends by os._exit. Teardown
+# through destroy_process_group or interpreter exit has aborted a rank now and then with
+# "terminate called without an active exception" and no Python traceback, after
+# transformers' tensor-parallel load (CI runs of 2026-12-04 and 2026-12-05), after the
+# rank had written its results. The script's own exit status and traceback are kept.
+_RANK_LAUNCHER = """
+import os, runpy, sys, traceback
+sys.argv = sys.argv[1:]
+code = 0
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+except BaseException:
+    traceback.print_exc()
+    code = 1
+try:
+    import torch.distributed as dist
+    if code == 0 and dist.is_initialized():
+        dist.barrier()
+except Exception:
+    traceback.print_exc()
+    code = 1
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
 @pytest.fixture
 def spawn_ranks(lib, tmp_path):
     """A function running ``script`` (Python source) as ``world`` processes of one
     torch.distributed world on this machine (gloo): each gets MASTER_ADDR/MASTER_PORT,
     RANK, WORLD_SIZE and LOCAL_RANK, this checkout's package and library, and the
     arguments ``args(rank)``; every process must exit 0 within ``timeout`` seconds (else
-    the test fails with its output). Returns the processes' outputs. Skips without torch
-    or its gloo backend."""
+    the test fails with its output). A script that leaves its process group initialized
+    ends with a barrier and no teardown (see _RANK_LAUNCHER). Returns the processes'
+    outputs. Skips without torch or its gloo backend."""
     import os
     import socket
     import subprocess
@@ -121,7 +152,8 @@ def spawn_ranks(lib, tmp_path):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
                        KDTREE_LIBRARY=str(_lib.load()._kdtree_path))
-            procs.append(subprocess.Popen([sys.executable, str(path), *map(str, args(rank))], env=env,
+            procs.append(subprocess.Popen([sys.executable, "-c", _RANK_LAUNCHER, str(path), *map(str, args(rank))],
+                                          env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = []
         for p in procs:

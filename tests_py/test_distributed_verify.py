@@ -93,7 +93,6 @@ _WORKER = textwrap.dedent("""
                  s_status=acc_s.request_status, **{f: getattr(trees, f) for f in kdtree.core.types.TREE_FIELDS})
     except KdtreeError as exc:
         open(out + ".err", "w").write(str(exc))
-    dist.destroy_process_group()
 """)
 
 

@@ -109,7 +109,6 @@ _WORKER = textwrap.dedent("""
     except ValueError as exc:
         result["top_p"] = str(exc)
     json.dump(result, open(out, "w"))
-    dist.destroy_process_group()
 """) % {"new": NEW}
 
 
@@ -297,7 +296,6 @@ _GPU_WORKER = textwrap.dedent("""
         params = [SamplingParams(temperature=0.0 if i %% 3 == 0 else 0.9, seed=i) for i in range(len(prompts))]
         result[name + " sampled"] = [o.tokens for o in eng.generate(prompts, %(new)d, params)]
     json.dump(result, open(out, "w"))
-    dist.destroy_process_group()
 """) % {"new": NEW}
 
 
@@ -337,7 +335,6 @@ _NCCL_WORKER = textwrap.dedent("""
         eng = Engine(target, drafter, max_batch=4, max_length=96, prefill_chunk=8, **kw)
         result[name] = [o.tokens for o in eng.generate(prompts, %(new)d, params)]
     json.dump(result, open(out, "w"))
-    dist.destroy_process_group()
 """) % {"new": NEW}
 
 

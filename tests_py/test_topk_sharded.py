@@ -209,7 +209,6 @@ _WORKER = textwrap.dedent("""
         np.savez(out, logprobs=got.logprobs.numpy(), ids=got.ids.numpy(), logits=logits.float().numpy())
     except KdtreeError as exc:
         open(out + ".err", "w").write(str(exc))
-    dist.destroy_process_group()
 """)
 
 
@@ -289,7 +288,6 @@ _DEVICE_FORM_WORKER = textwrap.dedent("""
                                       bool(np.array_equal(np.asarray(got.logprobs), want.logprobs)),
                                       bool((np.asarray(got.row_status) == 0).all())]
     json.dump(results, open(out, "w"))
-    dist.destroy_process_group()
 """)
 
 
@@ -695,7 +693,6 @@ _NCCL_WORKER = textwrap.dedent("""
     sampled = target_tokens_sharded(x, 0, 1000, temperature=temps, seed=[5, 6, 7, 8], offset=3)
     np.savez(out, logits=logits, lp=top.logprobs.cpu().numpy(), ids=top.ids.cpu().numpy(),
              status=top.row_status.cpu().numpy(), tokens=tokens.cpu().numpy(), sampled=sampled.cpu().numpy())
-    dist.destroy_process_group()
 """)
 
 
