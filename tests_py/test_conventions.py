@@ -374,3 +374,19 @@ def test_hand_built_trees_get_kdtree_messages_in_masks_and_verify():
     lp, ids, _, _ = small_round()
     with pytest.raises(kdtree.KdtreeTypeError, match="out must be a TreeBatch"):
         kdtree.build_trees(lp, ids, 4, out=dict())
+
+
+def test_no_module_defines_a_top_level_name_twice():
+    """A second ``def`` of a module-level name silently replaces the first for every caller,
+    including those in code paths CI cannot run (the CUDA wrappers): each module-level
+    function and class of the package is defined once."""
+    import ast
+    twice = []
+    for path in sorted((ROOT / "python" / "kdtree").rglob("*.py")):
+        seen = {}
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if node.name in seen and node.name != "_":
+                    twice.append(f"{path.relative_to(ROOT)}: {node.name} at lines {seen[node.name]} and {node.lineno}")
+                seen.setdefault(node.name, node.lineno)
+    assert twice == []

@@ -250,7 +250,7 @@ def topk_logprobs(logits, k: int, *, errors: str, stream, out=None):
     vocab = v.shape[-1]
     if not 0 <= k <= min(vocab, 1024):
         raise checks.range_error(f"k must be in [0, min(V={vocab}, 1024)] on the GPU, got {k}")
-    struct = _rows_struct(v)
+    struct = _logits_rows_struct(v)
     rows = int(struct.batch * struct.length)
     lib = _lib.load()
     with dev.on_device(logits):
@@ -280,7 +280,7 @@ def topk_logprobs(logits, k: int, *, errors: str, stream, out=None):
     return TopK(out_lp, out_ids, status)
 
 
-def _rows_struct(v: dev.DeviceArray) -> _lib.KdtLogits:
+def _logits_rows_struct(v: dev.DeviceArray) -> _lib.KdtLogits:
     """kdt_logits of a ``[..., V]`` view as independent rows: up to two leading axes as
     they are, more merged into one when their strides allow it (KdtreeError otherwise)."""
     if len(v.shape) > 3:
@@ -789,7 +789,7 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance: Acceptance, *, la
 _ATTN_LAYOUTS = {"bhsd": False, "bshd": False, "pshd": True, "phsd": True}
 
 
-def _rows_struct(v: dev.DeviceArray, name: str) -> _lib.KdtAttentionRows:
+def _attention_rows_struct(v: dev.DeviceArray, name: str) -> _lib.KdtAttentionRows:
     """kdt_attention_rows of a [B, R, H, D] view (head_dim contiguous; the stride of an axis
     of extent 1 is never stepped along and is passed as 0)."""
     b, r, h, d = v.shape
@@ -907,7 +907,7 @@ def tree_attention(q, k_cache, v_cache, trees: TreeBatch, prefix_lengths, *, lay
         cache = _lib.KdtAttentionCache(kv.ptr, vv.ptr, heads, os_ if (paged or cb > 1) else 0,
                                        hs if heads > 1 else 0, ts if seq > 1 else 0, capacity, bt_ptr, bt_stride,
                                        page_size)
-        qs, os2 = _rows_struct(qv, "q"), _rows_struct(ov, "out")
+        qs, os2 = _attention_rows_struct(qv, "q"), _attention_rows_struct(ov, "out")
         if mla:
             lib.kdt_tree_attention_mla_cuda(ctypes.byref(tstruct), pv.ptr, max_prefix, ctypes.byref(qs),
                                             ctypes.byref(cache), _DTYPE_CODES[qv.dtype], q_heads,
@@ -999,7 +999,7 @@ def topk_shard_stats(logits, *, stream=None):
         raise checks.shape_error("logits must have at least one dimension [..., V]")
     lead = v.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
-    struct = _rows_struct(v)
+    struct = _logits_rows_struct(v)
     with dev.on_device(logits):
         mx = dev.empty(logits, lead, "float32")
         rest = dev.empty(logits, lead, "float64")
