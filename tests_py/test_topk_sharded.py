@@ -394,7 +394,8 @@ def test_gpu_merge_kernels_give_the_same_bits(cuda_device):
             outs = []
             for variant in (1, 2):
                 assert raw.kdt_testing_set_topk_merge(variant) == 0
-                outs.append([t.cpu().numpy() for t in kdtree.topk_merge(*dev, vocab, errors="status")])
+                top = kdtree.topk_merge(*dev, vocab, errors="status")
+                outs.append([t.cpu().numpy() for t in (top.logprobs, top.ids, top.row_status)])
             (lp1, id1, st1), (lp2, id2, st2) = outs
             np.testing.assert_array_equal(lp1.view(np.int32), lp2.view(np.int32))
             np.testing.assert_array_equal(id1, id2)
@@ -563,8 +564,8 @@ def test_shard_summary_edges_on_cpu_tensors():
 
 @pytest.fixture(params=["torch", "fused"])
 def summary_stats(request, monkeypatch):
-    """Where a CUDA shard summary's rest comes from: torch's float64 passes (the default) or
-    kdt_topk_shard_stats_cuda."""
+    """Where a CUDA shard summary's rest comes from: torch's float64 passes or
+    kdt_topk_shard_stats_cuda (the default)."""
     import kdtree.distributed
 
     monkeypatch.setattr(kdtree.distributed, "_FUSED_STATS", request.param == "fused")

@@ -206,22 +206,22 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     parts = [kdtree.topk_shard(logits[..., a:b], K, int(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     stack = [torch.from_numpy(np.ascontiguousarray(np.stack([p[i] for p in parts]))).cuda() for i in range(4)]
     graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
-    merge = cuda_median_us(lambda g: g.replay(), graphs, repeats)
-    # the warp-per-row kernel, forced through the test-only switch (native/kdt_testing.h)
+    merge = cuda_median_us(lambda g: g.replay(), graphs, repeats)  # one warp a row (the automatic choice)
+    warp_out = kdtree.topk_merge(*stack, vocab)
+    # the block-per-row kernel, forced through the test-only switch (native/kdt_testing.h)
     from kdtree import _native
 
     raw = _native.load()
-    raw.kdt_testing_set_topk_merge(2)
+    raw.kdt_testing_set_topk_merge(1)
     try:
-        warp_graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
-        merge_warp = cuda_median_us(lambda g: g.replay(), warp_graphs, repeats)
-        warp_out = kdtree.topk_merge(*stack, vocab)
+        block_graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
+        merge_block = cuda_median_us(lambda g: g.replay(), block_graphs, repeats)
+        got = kdtree.topk_merge(*stack, vocab)
     finally:
         raw.kdt_testing_set_topk_merge(0)
     full = torch.from_numpy(logits).cuda().to(torch.bfloat16)
     gathered = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: kdtree.topk_logprobs(x, K, errors="status"),
                                                               [full]), repeats)
-    got = kdtree.topk_merge(*stack, vocab)
     want = kdtree.topk_merge(*[t.cpu().numpy() for t in stack], vocab)
     same = bool(np.array_equal(got.ids.cpu().numpy(), want.ids))
     same_warp = bool(torch.equal(warp_out.ids, got.ids) and torch.equal(warp_out.logprobs.view(torch.int32),
@@ -231,20 +231,26 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     from kdtree.distributed import shard_summary
 
     first = full[..., edges[0]:edges[1]].contiguous()  # a rank holds its slice whole
-    summary = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]), repeats)
-    kdist._FUSED_STATS = True  # the rest from kdt_topk_shard_stats_cuda
+    summary_fused = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]),
+                                   repeats)  # the rest from kdt_topk_shard_stats_cuda (the default)
+    fused_rest = shard_summary(first, K, 0)[:, -2:].contiguous().view(torch.float64)
+    kdist._FUSED_STATS = False  # torch's float64 passes
     try:
-        summary_fused = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]),
-                                       repeats)
-        fused_rest = shard_summary(first, K, 0)[:, -2:].contiguous().view(torch.float64)
+        summary = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: shard_summary(x, K, 0), [first]), repeats)
+        torch_rest = shard_summary(first, K, 0)[:, -2:].contiguous().view(torch.float64)
     finally:
-        kdist._FUSED_STATS = False
-    torch_rest = shard_summary(first, K, 0)[:, -2:].contiguous().view(torch.float64)
+        kdist._FUSED_STATS = True
+    from kdtree.core.cuda import topk_shard_stats  # the summary's two kernels alone
+
+    stats_only = cuda_median_us(lambda g: g.replay(), graphs_of(topk_shard_stats, [first]), repeats)
+    topk_only = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: kdtree.topk_logprobs(x, K, errors="status"),
+                                                               [first]), repeats)
     rest_err = float(((fused_rest - torch_rest).abs() / torch_rest.abs().clamp_min(1e-300)).max())
     shard_bytes = sum(shard_summary(full[..., a:b], K, int(a)).numel() * 4
                       for a, b in zip(edges[:-1], edges[1:], strict=True))
-    return dict(merge=merge, merge_warp=merge_warp, same_warp=same_warp, gathered=gathered, same=same,
-                shard_bytes=shard_bytes, summary=summary, summary_fused=summary_fused,
+    return dict(merge=merge, merge_block=merge_block, same_warp=same_warp, gathered=gathered, same=same,
+                shard_bytes=shard_bytes, summary=summary, summary_fused=summary_fused, stats_only=stats_only,
+                topk_only=topk_only,
                 rest_err=rest_err,
                 full_bytes=B * L * vocab * 2, shards=shards, vocab=vocab)
 
@@ -378,11 +384,14 @@ def main() -> None:
               "(goal: < 10 us; gathered bytes < 1% of the logits')")
         print("| variant | us | bytes moved between GPUs |")
         print("|---|---|---|")
-        print(f"| kdtree merge of the shards' summaries (CUDA graph) | {r['merge']:.1f} | "
+        print(f"| kdtree merge of the shards' summaries, one warp a row (CUDA graph) | {r['merge']:.1f} | "
               f"{r['shard_bytes'] / 1e6:.2f} MB ({100 * r['shard_bytes'] / r['full_bytes']:.2f}%) |")
-        print(f"| the same, one warp a row (kdt_testing_set_topk_merge(2)) | {r['merge_warp']:.1f} | same |")
-        print(f"| one rank's shard_summary of its bf16 slice, torch float64 rest (CUDA graph) | {r['summary']:.1f} | - |")
-        print(f"| the same, rest from kdt_topk_shard_stats_cuda | {r['summary_fused']:.1f} | - |")
+        print(f"| the same, one block a row (kdt_testing_set_topk_merge(1)) | {r['merge_block']:.1f} | same |")
+        print(f"| one rank's shard_summary of its bf16 slice, rest from kdt_topk_shard_stats_cuda (CUDA graph) | "
+              f"{r['summary_fused']:.1f} | - |")
+        print(f"| of which the slice's top-k alone; kdt_topk_shard_stats_cuda alone | {r['topk_only']:.1f}; "
+              f"{r['stats_only']:.1f} | - |")
+        print(f"| the same summary, torch float64 rest | {r['summary']:.1f} | - |")
         print(f"| top-k of the gathered bf16 logits on one GPU | {r['gathered']:.1f} | "
               f"{r['full_bytes'] / 1e6:.1f} MB (100%) |")
         print(f"ids equal to the CPU merge's: {r['same']}; the warp kernel's outputs bit-equal to the block "

@@ -254,11 +254,29 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
     int32_t* si = reinterpret_cast<int32_t*>(sv + n);
     float* dv = reinterpret_cast<float*>(si + n);
     int32_t* di = reinterpret_cast<int32_t*>(dv + n);
-    for (int t = 0; t < T; t++) {
-        const size_t at = (size_t)t * per_shard + row_at;
-        for (int c = lane; c < k; c += 32) {
-            sv[t * k + c] = p.logits[at + c];
-            si[t * k + c] = p.ids[at + c];
+    // The copy: kCopyDepth loads of each array in flight a lane (a loop of one load at a
+    // time waited a memory latency per entry: 16 of them at T = 8, k = 64).
+    constexpr int kCopyDepth = 8;
+    for (int e0 = 0; e0 < n; e0 += 32 * kCopyDepth) {
+        float v[kCopyDepth];
+        int32_t id[kCopyDepth];
+#pragma unroll
+        for (int u = 0; u < kCopyDepth; u++) {
+            const int e = e0 + u * 32 + lane;
+            if (e < n) {
+                const int t = e / k, c = e - t * k;
+                const size_t at = (size_t)t * per_shard + row_at + (size_t)c;
+                v[u] = __ldg(p.logits + at);
+                id[u] = __ldg(p.ids + at);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyDepth; u++) {
+            const int e = e0 + u * 32 + lane;
+            if (e < n) {
+                sv[e] = v[u];
+                si[e] = id[u];
+            }
         }
     }
     __syncwarp();
@@ -385,6 +403,7 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
 // holds a NaN or a +inf; the second sums exp(x - max) in float64 over every other column,
 // each thread in column order, then the warps' sums in warp order.
 constexpr int kStatsThreads = 256;
+constexpr int kStatsDepth = 8;  // loads in flight a thread
 
 struct StatsParams {
     const char* data;
@@ -410,12 +429,23 @@ __global__ void __launch_bounds__(kStatsThreads) shard_stats_kernel(StatsParams 
         float m = -INFINITY;
         int32_t at = INT32_MAX;
         bool bad = false;
-        for (int j = (int)threadIdx.x; j < V; j += kStatsThreads) {
-            const float x = kdt::load_logit<D>(row, j);
-            bad |= isnan(x) || x == INFINITY;
-            if (x > m || (x == m && at == INT32_MAX)) {  // (a row's first -inf counts as its max's column)
-                m = x;
-                at = j;
+        // kStatsDepth loads in flight a thread; columns in increasing order within a thread
+        for (int j0 = (int)threadIdx.x; j0 < V; j0 += kStatsThreads * kStatsDepth) {
+            float x[kStatsDepth];
+#pragma unroll
+            for (int u = 0; u < kStatsDepth; u++) {
+                const int j = j0 + u * kStatsThreads;
+                x[u] = j < V ? kdt::load_logit<D>(row, j) : -INFINITY;
+            }
+#pragma unroll
+            for (int u = 0; u < kStatsDepth; u++) {
+                const int j = j0 + u * kStatsThreads;
+                if (j >= V) break;
+                bad |= isnan(x[u]) || x[u] == INFINITY;
+                if (x[u] > m || (x[u] == m && at == INT32_MAX)) {  // (a row's first -inf counts as its max's column)
+                    m = x[u];
+                    at = j;
+                }
             }
         }
 #pragma unroll
@@ -447,8 +477,18 @@ __global__ void __launch_bounds__(kStatsThreads) shard_stats_kernel(StatsParams 
         double sum = 0.0;
         if (!bad && m != -INFINITY) {
             const double md = (double)m;
-            for (int j = (int)threadIdx.x; j < V; j += kStatsThreads) {
-                if (j != at) sum += exp((double)kdt::load_logit<D>(row, j) - md);
+            for (int j0 = (int)threadIdx.x; j0 < V; j0 += kStatsThreads * kStatsDepth) {
+                float x[kStatsDepth];
+#pragma unroll
+                for (int u = 0; u < kStatsDepth; u++) {
+                    const int j = j0 + u * kStatsThreads;
+                    x[u] = j < V ? kdt::load_logit<D>(row, j) : -INFINITY;
+                }
+#pragma unroll
+                for (int u = 0; u < kStatsDepth; u++) {
+                    const int j = j0 + u * kStatsThreads;
+                    if (j < V && j != at) sum += exp((double)x[u] - md);
+                }
             }
         }
 #pragma unroll
@@ -561,7 +601,7 @@ extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32
     p.staged = list_bytes <= kStageBytes;
     const int variant = kdt::testing_topk_merge();
     const int64_t warp_rows = list_bytes > 0 ? kWarpStageBytes / (2 * list_bytes) : kWarpRows;
-    if (variant == 2 && warp_rows >= 1) {
+    if (variant != 1 && warp_rows >= 1) {
         const int per_block = (int)(warp_rows < kWarpRows ? warp_rows : kWarpRows);
         const int64_t blocks = (rows + per_block - 1) / per_block;
         merge_warp_kernel<<<(unsigned)blocks, 32 * per_block, (size_t)(per_block * 2 * list_bytes),
