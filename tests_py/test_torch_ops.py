@@ -2,10 +2,14 @@
 the function it wraps on the same inputs; torch.library.opcheck checks the schemas and the
 fake (shape) implementations; and a round (top-k, build, greedy verify, KV compaction)
 compiled with fullgraph=True, which fails on any graph break, gives the eager round's
-values. CPU tensors here; the same ops take CUDA tensors.
+values. CPU tensors, then CUDA tensors (where a GPU is present) through the C++ CUDA
+kernels of libkdtree_torch when it is built (CI builds it and checks that it loads), else
+the Python ones.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -148,3 +152,116 @@ def test_build_op_on_one_request_without_a_batch_axis():
     fields = torch.ops.kdtree.build_trees(lp, ids, budget)
     assert fields[0].shape == (1,) and fields[1].shape == (1, budget + 1)
     torch.library.opcheck(torch.ops.kdtree.build_trees.default, (lp, ids, budget))
+
+
+FOUR = ("topk_logprobs", "build_trees", "verify_greedy_from_logits", "compact_kv")
+
+
+def test_the_cpp_cuda_kernels_load_where_they_are_built():
+    """libkdtree_torch beside libkdtree (CI builds it) registers the four operators' CUDA
+    kernels with the dispatcher; CPU tensors and ragged_trees keep the Python kernels."""
+    if os.environ.get("KDTREE_EXPECT_TORCH_OPS") == "1":
+        assert ops.NATIVE is not None, "libkdtree_torch was expected beside libkdtree (nox -s test builds it)"
+    if ops.NATIVE is None:
+        pytest.skip("libkdtree_torch is not built beside libkdtree (CMake -DKDTREE_TORCH_OPS=ON)")
+    for name in FOUR:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CUDA"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CPU"), name
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::ragged_trees", "CUDA")
+
+
+def test_cpp_kernels_built_for_another_torch_are_not_loaded(monkeypatch):
+    if ops.NATIVE is None:
+        pytest.skip("libkdtree_torch is not built beside libkdtree (CMake -DKDTREE_TORCH_OPS=ON)")
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    with pytest.warns(UserWarning, match="built for torch .* this is torch 0.0.0"):
+        assert ops._load_native() is None
+    monkeypatch.setenv("KDTREE_TORCH_OPS", "0")
+    assert ops._load_native() is None
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device (these tests need a GPU)")
+
+
+def _cuda(*tensors):
+    return [t.cuda() for t in tensors]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_ops_equal_the_gpu_functions(dtype):
+    """On CUDA tensors each operator gives the bits of the function it names (the same
+    libkdtree calls), whichever kernels are registered."""
+    drafter, roots, positions, target, width, budget = round_inputs(5)
+    drafter, roots, positions, target = _cuda(drafter.to(dtype), roots, positions, target.to(dtype))
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    want = kdtree.topk_logprobs(drafter, width)
+    assert torch.equal(lp, want.logprobs) and torch.equal(ids, want.ids)
+    lp4, ids4 = torch.ops.kdtree.topk_logprobs(drafter[None], width)  # four axes: rows of one view
+    assert lp4.shape == (1, *lp.shape) and torch.equal(lp4[0], lp) and torch.equal(ids4[0], ids)
+
+    fields = torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1)
+    trees = kdtree.build_trees(lp, ids, budget, root_tokens=roots, root_positions=positions)
+    for name, got in zip(kdtree.core.types.TREE_FIELDS, fields, strict=True):
+        assert torch.equal(got, getattr(trees, name)), name
+    budgets = torch.tensor([9, 0, 4], dtype=torch.int32, device="cuda")
+    depths = torch.tensor([4, 4, 2], dtype=torch.int32, device="cuda")
+    limited = torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1, budgets, depths)
+    want_limited = kdtree.build_trees(lp, ids, budget, root_tokens=roots, root_positions=positions,
+                                      request_budgets=budgets, request_depths=depths)
+    for name, got in zip(kdtree.core.types.TREE_FIELDS, limited, strict=True):
+        assert torch.equal(got, getattr(want_limited, name)), name
+
+    for caps in (None, torch.tensor([1, 5, 0], device="cuda"), torch.tensor(2, device="cuda")):
+        nodes, length, bonus = torch.ops.kdtree.verify_greedy_from_logits(list(fields), budget, trees.depth,
+                                                                          target, [7, 3], caps)
+        host_caps = None if caps is None else caps.cpu().numpy()
+        acc = kdtree.verify_greedy_from_logits(trees, target, stop_tokens=[7, 3], max_commit=host_caps)
+        assert torch.equal(nodes, acc.accepted_nodes) and torch.equal(length, acc.accept_length)
+        assert torch.equal(bonus, acc.bonus_token)
+
+    acc = kdtree.verify_greedy_from_logits(trees, target)
+    assert int(acc.accept_length.sum()) > 0  # (rows do move)
+    for cache_dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+        src = torch.randn(3, 2, 40, 8, device="cuda")
+        k, v = src.to(cache_dtype), (2 * src).to(cache_dtype)
+        k_want, v_want = k.clone(), v.clone()
+        kdtree.compact_kv([k_want], [v_want], positions, acc)
+        torch.ops.kdtree.compact_kv([k], [v], positions, acc.accepted_nodes, acc.accept_length, acc.bonus_token)
+        same = torch.uint8 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+        assert torch.equal(k.view(same), k_want.view(same)) and torch.equal(v.view(same), v_want.view(same))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_op_errors_name_the_argument_or_the_request():
+    drafter, roots, positions, target, width, budget = _cuda(*round_inputs(6)[:4]) + [4, 9]
+    with pytest.raises(ValueError, match="k must be in"):
+        torch.ops.kdtree.topk_logprobs(drafter, 51)
+    bad = drafter.clone()
+    bad[1, 2, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"request 1, position 2 \(logits\[1, 2\], row 6\)"):
+        torch.ops.kdtree.topk_logprobs(bad, width)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    with pytest.raises(TypeError):
+        torch.ops.kdtree.build_trees(lp.double(), ids, budget)
+    bad_lp = lp.clone()
+    bad_lp[2, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="request 2"):
+        torch.ops.kdtree.build_trees(bad_lp, ids, budget, roots, positions, -1)
+    with pytest.raises(ValueError, match="request 2"):
+        torch.ops.kdtree.build_trees(lp, ids, budget, None, None, -1,
+                                     torch.tensor([1, 1, budget + 1], dtype=torch.int32, device="cuda"))
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    with pytest.raises(ValueError):
+        torch.ops.kdtree.verify_greedy_from_logits(fields[:9], budget, 4, target, [], None)
+    with pytest.raises(ValueError, match="must have shape"):
+        torch.ops.kdtree.verify_greedy_from_logits(fields, budget + 1, 4, target, [], None)
+    k = torch.zeros(3, 2, 40, 8, device="cuda", dtype=torch.bfloat16)
+    nodes, length, bonus = torch.ops.kdtree.verify_greedy_from_logits(fields, budget, 4, target, [], None)
+    with pytest.raises(ValueError, match="distinct"):
+        torch.ops.kdtree.compact_kv([k], [k], positions, nodes, length, bonus)
+    with pytest.raises(ValueError, match="request 1"):
+        torch.ops.kdtree.compact_kv([k], [k.clone()], torch.tensor([0, -1, 0], device="cuda"), nodes, length, bonus)

@@ -20,18 +20,21 @@ say() { echo "[$(($(date +%s) - START)) s] $*"; }
 export PYTHONPATH=$ROOT/python KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so
 GPU_TESTS=(tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py
            tests_py/test_stop_sequences.py tests_py/test_compact_bytes.py tests_py/test_compact_paged.py
-           tests_py/test_gpu.py)
+           tests_py/test_gpu.py tests_py/test_torch_ops.py)
 for step in "${steps[@]}"; do
   case $step in
   build)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKDTREE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
-      -DKDTREE_WERROR=ON > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+      -DKDTREE_WERROR=ON -DKDTREE_TORCH_OPS=ON -DPython3_EXECUTABLE="$(command -v python3)" \
+      > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
     cmake --build build-gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -B2 -A8 -m5 "error" "$OUT/build.log"; exit 1; }
     say "build ok" ;;
   bench)
     python3 tools/bench_gpu.py --skip topk build round attention --repeats 100 2>&1 | tee "$OUT/bench.txt"
     python3 tools/bench_torch_ops.py --device cuda --json "$OUT/torch-ops-cuda.json" 2>&1 | tee "$OUT/torch-ops.txt"
+    # the same with the operators' Python CUDA kernels (libkdtree_torch not loaded)
+    KDTREE_TORCH_OPS=0 python3 tools/bench_torch_ops.py --device cuda --no-compile 2>&1 | tee -a "$OUT/torch-ops.txt"
     python3 tools/bench_torch_ops.py --device cpu --no-compile 2>&1 | tee -a "$OUT/torch-ops.txt"
     say "bench done" ;;
   ctest)
@@ -39,6 +42,8 @@ for step in "${steps[@]}"; do
     say "ctest: $(grep -E 'tests passed|tests failed' "$OUT/ctest.txt" | tail -1)" ;;
   pytest)
     python3 -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs > "$OUT/pytest.txt" 2>&1
+    # the torch operators' Python CUDA kernels too
+    KDTREE_TORCH_OPS=0 python3 -m pytest tests_py/test_torch_ops.py -q -p no:cacheprovider -rs >> "$OUT/pytest.txt" 2>&1
     # the engines' GPU tests alone (their CPU tests are CI's)
     python3 -m pytest tests_py/test_engine_batched.py tests_py/test_engine_batched_tp.py \
       tests_py/test_distributed_verify.py -k gpu -q \

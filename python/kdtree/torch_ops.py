@@ -15,12 +15,26 @@ Each takes and returns torch tensors on the CPU or on a CUDA device and runs the
 library call as the function it names (so results are identical); a TreeBatch travels as
 its ten arrays in ``kdtree.torch_ops.TREE_FIELDS`` order (:func:`tree_fields`,
 :func:`tree_batch`), with the budget and depth as ints. Errors raise as in those functions
-(``errors="raise"``). Tensor arguments take tensors only (``max_commit`` a tensor, not an
-int or a list). Tested on the CPU eagerly, with ``torch.library.opcheck``, and compiled
-with ``fullgraph=True``; CUDA tensors take the same path but did not run here.
+(``errors="raise"``): a ValueError (:class:`kdtree.KdtreeError` from the Python kernels)
+naming the argument, or the first failed request or row. Tensor arguments take tensors
+only (``max_commit`` a tensor, not an int or a list). Tested on the CPU eagerly, with
+``torch.library.opcheck``, and compiled with ``fullgraph=True``.
+
+**C++ kernels for CUDA tensors.** Where libkdtree's folder holds ``libkdtree_torch.so``
+(CMake ``-DKDTREE_TORCH_OPS=ON``; ``nox -s test`` builds it) built for the torch that is
+imported, the first four operators' CUDA kernels are its C++ ones (``NATIVE`` is then its
+path): the same libkdtree calls without Python's dispatch and argument handling, a few
+microseconds of host work a call instead of ~50-300 (``tools/bench_torch_ops.py``). They
+raise ValueError (TypeError for a dtype) and, like the Python kernels, read the statuses
+back to raise on a failed request, which synchronises the stream. ``KDTREE_TORCH_OPS=0``
+keeps the Python kernels. ``ragged_trees`` and CPU tensors always take the Python ones.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -158,3 +172,28 @@ def _(fields, budget, depth):
     cap, new = batch * rows, fields[0].new_empty
     return (new((batch + 1,), dtype=torch.int32), *(new((cap,), dtype=torch.int32) for _ in range(5)),
             new((cap,), dtype=torch.int64), new((cap, (rows + 31) // 32), dtype=torch.uint32))
+
+
+def _load_native() -> str | None:
+    """Loads libkdtree_torch (the C++ CUDA kernels) from the loaded libkdtree's folder when it
+    was built for this torch; returns its path, or None (the Python kernels stay)."""
+    if os.environ.get("KDTREE_TORCH_OPS", "1") == "0":
+        return None
+    from . import _native
+
+    folder = Path(_native.load()._kdtree_path).resolve().parent
+    path = folder / "libkdtree_torch.so"
+    if not path.is_file():
+        return None
+    stamp = folder / "libkdtree_torch.torch-version"
+    built_for = stamp.read_text().strip() if stamp.is_file() else "an unknown torch"
+    if built_for != torch.__version__:
+        warnings.warn(f"{path} was built for torch {built_for}, this is torch {torch.__version__}: the torch "
+                      "operators keep their Python kernels (rebuild with -DKDTREE_TORCH_OPS=ON)", stacklevel=2)
+        return None
+    torch.ops.load_library(str(path))
+    return str(path)
+
+
+NATIVE: str | None = _load_native()
+"""The path of the loaded libkdtree_torch (the C++ CUDA kernels), or None."""
