@@ -155,16 +155,71 @@ def test_build_op_on_one_request_without_a_batch_axis():
 
 
 FOUR = ("topk_logprobs", "build_trees", "verify_greedy_from_logits", "compact_kv")
+EIGHT = FOUR + tuple(f"{name}_status" for name in FOUR)
+
+
+def status_round(drafter, roots, positions, target, k_cache, v_cache, width: int, budget: int):
+    """One round through the *_status operators (no read-back: capturable)."""
+    lp, ids, top_status = torch.ops.kdtree.topk_logprobs_status(drafter, width)
+    *fields, build_status = torch.ops.kdtree.build_trees_status(lp, ids, budget, roots, positions, -1)
+    nodes, length, bonus, verify_status = torch.ops.kdtree.verify_greedy_from_logits_status(
+        fields, budget, drafter.shape[1], target, [], None)
+    compact_status = torch.ops.kdtree.compact_kv_status([k_cache], [v_cache], positions, nodes, length, bonus)
+    return fields[1], nodes, length, bonus, top_status, build_status, verify_status, compact_status
+
+
+def test_status_ops_return_the_functions_statuses_instead_of_raising():
+    drafter, roots, positions, target, width, budget = round_inputs(7)
+    bad = drafter.clone()
+    bad[1, 2, 4] = float("nan")
+    lp, ids, st = torch.ops.kdtree.topk_logprobs_status(bad, width)
+    want = kdtree.topk_logprobs(bad.numpy(), width, errors="status")
+    assert st.shape == (3, 4) and st.tolist() == want.row_status.tolist() and int(st[1, 2]) == 4  # KDT_ERR_VALUE
+    assert np.array_equal(lp.numpy(), want.logprobs, equal_nan=True) and np.array_equal(ids.numpy(), want.ids)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    bad_lp = lp.clone()
+    bad_lp[2, 0, 0] = float("nan")
+    *fields, st = torch.ops.kdtree.build_trees_status(bad_lp, ids, budget, roots, positions, -1)
+    trees = kdtree.build_trees(bad_lp.numpy(), ids.numpy(), budget, root_tokens=roots.numpy(),
+                               root_positions=positions.numpy(), errors="status")
+    assert st.tolist() == trees.request_status.tolist() == [0, 0, 4]
+    for name, got in zip(kdtree.core.types.TREE_FIELDS, fields, strict=True):
+        assert np.array_equal(got.numpy(), getattr(trees, name)), name
+    nodes, length, bonus, st = torch.ops.kdtree.verify_greedy_from_logits_status(fields, budget, drafter.shape[1],
+                                                                                 target, [], None)
+    acc = kdtree.verify_greedy_from_logits(trees, target.numpy(), errors="status")
+    assert st.tolist() == acc.request_status.tolist()
+    assert np.array_equal(nodes.numpy(), acc.accepted_nodes) and np.array_equal(length.numpy(), acc.accept_length)
+    k, v = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
+    st = torch.ops.kdtree.compact_kv_status([k], [v], torch.tensor([0, -1, 0]), nodes, length, bonus)
+    assert st.tolist()[1] == 5 and st.tolist()[0] == 0  # KDT_ERR_OUT_OF_RANGE: a negative prefix
+    for op, args in [(torch.ops.kdtree.topk_logprobs_status.default, (drafter, width)),
+                     (torch.ops.kdtree.build_trees_status.default, (lp, ids, budget, roots, positions, -1)),
+                     (torch.ops.kdtree.verify_greedy_from_logits_status.default,
+                      (fields, budget, drafter.shape[1], target, [7], torch.tensor([1, 5, 0])))]:
+        torch.library.opcheck(op, args)
+
+
+def test_a_compiled_status_round_has_no_graph_break_and_matches_eager():
+    drafter, roots, positions, target, width, budget = round_inputs(2)
+    k0, v0 = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
+    k1, v1 = k0.clone(), v0.clone()
+    want = status_round(drafter, roots, positions, target, k0, v0, width, budget)
+    got = torch.compile(status_round, fullgraph=True, backend="aot_eager")(drafter, roots, positions, target, k1, v1,
+                                                                          width, budget)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
 
 
 def test_the_cpp_cuda_kernels_load_where_they_are_built():
-    """libkdtree_torch beside libkdtree (CI builds it) registers the four operators' CUDA
+    """libkdtree_torch beside libkdtree (CI builds it) registers the eight operators' CUDA
     kernels with the dispatcher; CPU tensors and ragged_trees keep the Python kernels."""
     if os.environ.get("KDTREE_EXPECT_TORCH_OPS") == "1":
         assert ops.NATIVE is not None, "libkdtree_torch was expected beside libkdtree (nox -s test builds it)"
     if ops.NATIVE is None:
         pytest.skip("libkdtree_torch is not built beside libkdtree (CMake -DKDTREE_TORCH_OPS=ON)")
-    for name in FOUR:
+    for name in EIGHT:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CUDA"), name
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CPU"), name
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::ragged_trees", "CUDA")
@@ -265,3 +320,37 @@ def test_gpu_op_errors_name_the_argument_or_the_request():
         torch.ops.kdtree.compact_kv([k], [k], positions, nodes, length, bonus)
     with pytest.raises(ValueError, match="request 1"):
         torch.ops.kdtree.compact_kv([k], [k.clone()], torch.tensor([0, -1, 0], device="cuda"), nodes, length, bonus)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_status_round_in_a_cuda_graph_equals_eager():
+    """The *_status operators on CUDA give the functions' statuses and, captured in a CUDA
+    graph, replay the eager round's values (no host read-back inside)."""
+    drafter, roots, positions, target, width, budget = round_inputs(8)
+    drafter, roots, positions, target = _cuda(drafter, roots, positions, target)
+    bad = drafter.clone()
+    bad[0, 1, 3] = float("inf")
+    lp, ids, st = torch.ops.kdtree.topk_logprobs_status(bad, width)
+    want = kdtree.topk_logprobs(bad, width, errors="status")
+    assert torch.equal(st, want.row_status) and int(st[0, 1]) == 4
+    k0, v0 = torch.randn(3, 2, 40, 8, device="cuda"), torch.randn(3, 2, 40, 8, device="cuda")
+    k_eager, v_eager = k0.clone(), v0.clone()
+    want = status_round(drafter, roots, positions, target, k_eager, v_eager, width, budget)
+    assert int(want[2].sum()) > 0 and all(int(t.abs().sum()) == 0 for t in want[4:])
+    k, v = k0.clone(), v0.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on these caches (their pointer tables are made then)
+        status_round(drafter, roots, positions, target, k, v, width, budget)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = status_round(drafter, roots, positions, target, k, v, width, budget)
+    k.copy_(k0)
+    v.copy_(v0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(k, k_eager) and torch.equal(v, v_eager)

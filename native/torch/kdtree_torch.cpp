@@ -9,8 +9,9 @@
 // Errors raise as the Python functions' (errors="raise"): a bad argument is a ValueError
 // (TypeError for a dtype) naming it; a request or row whose status is not KDT_OK after the
 // call raises a ValueError naming the first one, which reads the statuses back to the host
-// (the stream is synchronised, so the call cannot be captured in a CUDA graph; the Python
-// functions with errors="status" can be).
+// (the stream is synchronised, so the call cannot be captured in a CUDA graph). The
+// *_status operators return the statuses instead (errors="status"): no read-back, so they
+// can be captured.
 //
 // Needs only torch's CPU headers (c10::Stream::native_handle gives the cudaStream_t), so it
 // builds where torch has no CUDA; libkdtree built without CUDA answers KDT_ERR_UNSUPPORTED.
@@ -168,8 +169,10 @@ kdt_logits logits_struct(const Tensor& t, const char* what, const char* name, bo
 
 // ---- topk_logprobs ---------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor> topk_logprobs(const Tensor& logits_in, int64_t k) {
-    constexpr const char* what = "topk_logprobs";
+// `raise`: read the statuses back and raise on a failed row (the operator), or return them
+// (the _status operator: no synchronisation).
+std::tuple<Tensor, Tensor, Tensor> topk_impl(const Tensor& logits_in, int64_t k, bool raise) {
+    const char* what = raise ? "topk_logprobs" : "topk_logprobs_status";
     if (logits_in.dim() < 1) fail(what, "logits must have at least one dimension [..., V]");
     const int64_t vocab = logits_in.size(-1);
     if (k < 0 || k > std::min<int64_t>(vocab, 1024)) {
@@ -186,15 +189,24 @@ std::tuple<Tensor, Tensor> topk_logprobs(const Tensor& logits_in, int64_t k) {
     out_shape.push_back(k);
     Tensor lp = device_empty(logits, out_shape, at::kFloat);
     Tensor ids = device_empty(logits, out_shape, at::kInt);
-    Tensor status = device_empty(logits, {std::max<int64_t>(rows, 1)}, at::kInt);
+    Tensor status = device_empty(logits, lead.empty() ? std::vector<int64_t>{1} : lead, at::kInt);
     size_t need = 0;
     check(kdt_topk_logprobs_cuda_workspace_bytes(rows, vocab, k, &need), what);
     Tensor ws = workspace(logits, need);
     check(kdt_topk_logprobs_cuda(&s, k, lp.data_ptr<float>(), ids.data_ptr<int32_t>(), status.data_ptr<int32_t>(),
                                  ws.data_ptr(), need, stream_of(logits)),
           what);
-    if (rows > 0) raise_on_status(status.narrow(0, 0, rows), what, "row", lead);
+    if (raise && rows > 0) raise_on_status(status, what, "row", lead);
+    return {lp, ids, status};
+}
+
+std::tuple<Tensor, Tensor> topk_logprobs(const Tensor& logits, int64_t k) {
+    auto [lp, ids, status] = topk_impl(logits, k, true);
     return {lp, ids};
+}
+
+std::tuple<Tensor, Tensor, Tensor> topk_logprobs_status(const Tensor& logits, int64_t k) {
+    return topk_impl(logits, k, false);
 }
 
 // ---- the trees' fields -------------------------------------------------------------------
@@ -275,12 +287,14 @@ std::optional<Tensor> small_input(const std::optional<Tensor>& t, const Tensor& 
 // ---- build_trees ---------------------------------------------------------------------------
 
 using TenTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using ElevenTensors =
+    std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-TenTensors build_trees(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
-                       const std::optional<Tensor>& root_tokens, const std::optional<Tensor>& root_positions,
-                       int64_t pad_token, const std::optional<Tensor>& request_budgets,
-                       const std::optional<Tensor>& request_depths) {
-    constexpr const char* what = "build_trees";
+ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
+                         const std::optional<Tensor>& root_tokens, const std::optional<Tensor>& root_positions,
+                         int64_t pad_token, const std::optional<Tensor>& request_budgets,
+                         const std::optional<Tensor>& request_depths, bool raise) {
+    const char* what = raise ? "build_trees" : "build_trees_status";
     c10::DeviceGuard guard(logprobs.device());
     require_dtype(logprobs, at::kFloat, what, "logprobs");
     require_dtype(token_ids, at::kInt, what, "token_ids");
@@ -330,13 +344,32 @@ TenTensors build_trees(const Tensor& logprobs, const Tensor& token_ids, int64_t 
     d.pad_token = static_cast<int32_t>(pad_token);
     d.request_budgets = budgets ? budgets->data_ptr<int32_t>() : nullptr;
     d.request_depths = depths ? depths->data_ptr<int32_t>() : nullptr;
-    Tensor status = device_empty(logprobs, {std::max<int64_t>(batch, 1)}, at::kInt);
+    Tensor status = device_empty(logprobs, {batch}, at::kInt);
     size_t need = 0;
     check(kdt_trees_build_cuda_workspace_bytes(batch, budget, depth, width, &need), what);
     Tensor ws = workspace(logprobs, need);
     check(kdt_trees_build_cuda(&d, &t, status.data_ptr<int32_t>(), ws.data_ptr(), need, stream_of(logprobs)), what);
-    if (batch > 0) raise_on_status(status.narrow(0, 0, batch), what, "request");
-    return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
+    if (raise && batch > 0) raise_on_status(status, what, "request");
+    return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], status};
+}
+
+TenTensors build_trees(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
+                       const std::optional<Tensor>& root_tokens, const std::optional<Tensor>& root_positions,
+                       int64_t pad_token, const std::optional<Tensor>& request_budgets,
+                       const std::optional<Tensor>& request_depths) {
+    auto r = build_impl(logprobs, token_ids, budget, root_tokens, root_positions, pad_token, request_budgets,
+                        request_depths, true);
+    return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
+            std::get<5>(r), std::get<6>(r), std::get<7>(r), std::get<8>(r), std::get<9>(r)};
+}
+
+ElevenTensors build_trees_status(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
+                                 const std::optional<Tensor>& root_tokens,
+                                 const std::optional<Tensor>& root_positions, int64_t pad_token,
+                                 const std::optional<Tensor>& request_budgets,
+                                 const std::optional<Tensor>& request_depths) {
+    return build_impl(logprobs, token_ids, budget, root_tokens, root_positions, pad_token, request_budgets,
+                      request_depths, false);
 }
 
 // ---- verify_greedy_from_logits ---------------------------------------------------------------
@@ -363,10 +396,10 @@ Tensor stop_tokens_on(const Tensor& like, at::IntArrayRef stops, const char* wha
     return d;
 }
 
-std::tuple<Tensor, Tensor, Tensor> verify_greedy_from_logits(at::TensorList fields, int64_t budget, int64_t depth,
-                                                             const Tensor& target_logits, at::IntArrayRef stop_tokens,
-                                                             const std::optional<Tensor>& max_commit) {
-    constexpr const char* what = "verify_greedy_from_logits";
+std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, int64_t budget, int64_t depth,
+                                                       const Tensor& target_logits, at::IntArrayRef stop_tokens,
+                                                       const std::optional<Tensor>& max_commit, bool raise) {
+    const char* what = raise ? "verify_greedy_from_logits" : "verify_greedy_from_logits_status";
     if (fields.empty()) fail(what, "fields is empty");
     c10::DeviceGuard guard(fields[0].device());
     kdt_trees t = trees_struct(fields, budget, what);
@@ -380,7 +413,7 @@ std::tuple<Tensor, Tensor, Tensor> verify_greedy_from_logits(at::TensorList fiel
     Tensor accepted = device_empty(fields[0], {batch, width}, at::kInt);
     Tensor length = device_empty(fields[0], {batch}, at::kInt);
     Tensor bonus = device_empty(fields[0], {batch}, at::kInt);
-    Tensor status = device_empty(fields[0], {std::max<int64_t>(batch, 1)}, at::kInt);
+    Tensor status = device_empty(fields[0], {batch}, at::kInt);
     check(kdt_verify_greedy_from_logits_cuda(&t, &lg, stops.defined() ? stops.data_ptr<int32_t>() : nullptr,
                                              static_cast<int64_t>(stop_tokens.size()), nullptr,
                                              caps ? caps->data_ptr<int64_t>() : nullptr, width,
@@ -388,8 +421,22 @@ std::tuple<Tensor, Tensor, Tensor> verify_greedy_from_logits(at::TensorList fiel
                                              bonus.data_ptr<int32_t>(), nullptr, status.data_ptr<int32_t>(),
                                              stream_of(fields[0])),
           what);
-    if (batch > 0) raise_on_status(status.narrow(0, 0, batch), what, "request");
+    if (raise && batch > 0) raise_on_status(status, what, "request");
+    return {accepted, length, bonus, status};
+}
+
+std::tuple<Tensor, Tensor, Tensor> verify_greedy_from_logits(at::TensorList fields, int64_t budget, int64_t depth,
+                                                             const Tensor& target_logits, at::IntArrayRef stop_tokens,
+                                                             const std::optional<Tensor>& max_commit) {
+    auto [accepted, length, bonus, status] =
+        verify_impl(fields, budget, depth, target_logits, stop_tokens, max_commit, true);
     return {accepted, length, bonus};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> verify_greedy_from_logits_status(
+    at::TensorList fields, int64_t budget, int64_t depth, const Tensor& target_logits, at::IntArrayRef stop_tokens,
+    const std::optional<Tensor>& max_commit) {
+    return verify_impl(fields, budget, depth, target_logits, stop_tokens, max_commit, false);
 }
 
 // ---- compact_kv ---------------------------------------------------------------------------
@@ -426,9 +473,9 @@ Tensor pointer_table(const Tensor& like, const std::vector<int64_t>& ptrs) {
     return d;
 }
 
-void compact_kv(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
-                const Tensor& accepted_nodes, const Tensor& accept_length, const Tensor& /*bonus_token*/) {
-    constexpr const char* what = "compact_kv";
+Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
+                    const Tensor& accepted_nodes, const Tensor& accept_length, bool raise) {
+    const char* what = raise ? "compact_kv" : "compact_kv_status";
     if (k_layers.empty()) fail(what, "k_layers is empty");
     if (v_layers.size() != k_layers.size()) {
         fail(what, std::to_string(k_layers.size()) + " K layers but " + std::to_string(v_layers.size()) + " V layers");
@@ -489,12 +536,23 @@ void compact_kv(at::TensorList k_layers, at::TensorList v_layers, const Tensor& 
     c.batch_stride = first.stride(0);
     c.head_stride = first.stride(1);
     c.seq_stride = first.stride(2);
-    Tensor status = device_empty(first, {std::max<int64_t>(batch, 1)}, at::kInt);
+    Tensor status = device_empty(first, {batch}, at::kInt);
     check(kdt_compact_kv_cuda(&c, prefix->data_ptr<int64_t>(), accepted_nodes.data_ptr<int32_t>(),
                               accept_length.data_ptr<int32_t>(), accepted_nodes.size(1), status.data_ptr<int32_t>(),
                               stream_of(first)),
           what);
-    if (batch > 0) raise_on_status(status.narrow(0, 0, batch), what, "request");
+    if (raise && batch > 0) raise_on_status(status, what, "request");
+    return status;
+}
+
+void compact_kv(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
+                const Tensor& accepted_nodes, const Tensor& accept_length, const Tensor& /*bonus_token*/) {
+    compact_impl(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, true);
+}
+
+Tensor compact_kv_status(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
+                         const Tensor& accepted_nodes, const Tensor& accept_length, const Tensor& /*bonus_token*/) {
+    return compact_impl(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, false);
 }
 
 }  // namespace
@@ -504,4 +562,8 @@ TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
     m.impl("build_trees", &build_trees);
     m.impl("verify_greedy_from_logits", &verify_greedy_from_logits);
     m.impl("compact_kv", &compact_kv);
+    m.impl("topk_logprobs_status", &topk_logprobs_status);
+    m.impl("build_trees_status", &build_trees_status);
+    m.impl("verify_greedy_from_logits_status", &verify_greedy_from_logits_status);
+    m.impl("compact_kv_status", &compact_kv_status);
 }

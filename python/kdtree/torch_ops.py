@@ -11,6 +11,14 @@ Importing this module registers, under the ``kdtree`` namespace:
 ``torch.ops.kdtree.ragged_trees``           :func:`kdtree.ragged_trees` (the packed rows)
 ==========================================  ===============================================
 
+and ``topk_logprobs_status``, ``build_trees_status``,
+``verify_greedy_from_logits_status`` and ``compact_kv_status``: the same calls with
+``errors="status"``, the per-row (top-k: the logits' leading shape) or per-request int32
+statuses (0 = KDT_OK) appended to the outputs (``compact_kv_status`` returns them), and no
+exception for a failed row or request (its outputs are the function's documented
+fallbacks). They read nothing back to the host, so a round of them can be captured in a
+CUDA graph (``torch.compile(mode="reduce-overhead")``, ``torch.cuda.graph``).
+
 Each takes and returns torch tensors on the CPU or on a CUDA device and runs the same
 library call as the function it names (so results are identical); a TreeBatch travels as
 its ten arrays in ``kdtree.torch_ops.TREE_FIELDS`` order (:func:`tree_fields`,
@@ -104,6 +112,10 @@ def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: T
 @build_trees.register_fake
 def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_token=-1, request_budgets=None,
       request_depths=None):
+    return _build_fake(logprobs, budget)
+
+
+def _build_fake(logprobs, budget):
     batch, rows = (logprobs.shape[0] if logprobs.dim() == 3 else 1), budget + 1  # [L, K]: one request
     words = (rows + 31) // 32
     shapes = {1: (batch,), 2: (batch, rows), 3: (batch, rows, rows)}
@@ -154,6 +166,80 @@ def compact_kv(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: T
 @compact_kv.register_fake
 def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_token):
     return None
+
+
+@torch.library.custom_op("kdtree::topk_logprobs_status", mutates_args=())
+def topk_logprobs_status(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, ids, row_status int32 [...]) of :func:`kdtree.topk_logprobs` with
+    ``errors="status"``."""
+    top = api.topk_logprobs(_arg(logits), k, errors="status")
+    return _tensor(top.logprobs), _tensor(top.ids), _tensor(top.row_status)
+
+
+@topk_logprobs_status.register_fake
+def _(logits, k):
+    shape = tuple(logits.shape[:-1]) + (k,)
+    lead = tuple(logits.shape[:-1]) or (1,)
+    return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32),
+            logits.new_empty(lead, dtype=torch.int32))
+
+
+@torch.library.custom_op("kdtree::build_trees_status", mutates_args=())
+def build_trees_status(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None = None,
+                       root_positions: Tensor | None = None, pad_token: int = -1,
+                       request_budgets: Tensor | None = None, request_depths: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                  Tensor]:
+    """:func:`build_trees`'s ten fields and the int32 ``[B]`` request statuses
+    (``errors="status"``: a failed request gets a root-only tree)."""
+    trees = api.build_trees(_arg(logprobs), _arg(token_ids), budget, root_tokens=_arg(root_tokens),
+                            root_positions=_arg(root_positions), pad_token=pad_token,
+                            request_budgets=_arg(request_budgets), request_depths=_arg(request_depths),
+                            errors="status")
+    return (*(_tensor(getattr(trees, name)) for name in TREE_FIELDS), _tensor(trees.request_status))
+
+
+@build_trees_status.register_fake
+def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_token=-1, request_budgets=None,
+      request_depths=None):
+    fields = _build_fake(logprobs, budget)
+    return (*fields, logprobs.new_empty(fields[0].shape, dtype=torch.int32))
+
+
+@torch.library.custom_op("kdtree::verify_greedy_from_logits_status", mutates_args=())
+def verify_greedy_from_logits_status(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
+                                     stop_tokens: list[int], max_commit: Tensor | None
+                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`verify_greedy_from_logits`'s three outputs and the int32 ``[B]`` request
+    statuses (``errors="status"``)."""
+    acc = api.verify_greedy_from_logits(tree_batch(fields, budget, depth), _arg(target_logits),
+                                        stop_tokens=stop_tokens, max_commit=_arg(max_commit), errors="status")
+    return (_tensor(acc.accepted_nodes), _tensor(acc.accept_length), _tensor(acc.bonus_token),
+            _tensor(acc.request_status))
+
+
+@verify_greedy_from_logits_status.register_fake
+def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
+    batch = fields[0].shape[0]
+    new = target_logits.new_empty
+    return (new((batch, min(depth, budget) + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
+            new((batch,), dtype=torch.int32), new((batch,), dtype=torch.int32))
+
+
+@torch.library.custom_op("kdtree::compact_kv_status", mutates_args=("k_layers", "v_layers"))
+def compact_kv_status(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: Tensor,
+                      accepted_nodes: Tensor, accept_length: Tensor, bonus_token: Tensor) -> Tensor:
+    """:func:`compact_kv` with ``errors="status"``: the int32 ``[B]`` request statuses (a
+    failed request's cache is not touched)."""
+    acc = Acceptance(_arg(accepted_nodes), _arg(accept_length), _arg(bonus_token))
+    if all(t.is_cuda for t in k_layers):
+        return _tensor(api.compact_kv(list(k_layers), list(v_layers), prefix_lengths, acc, errors="status"))
+    return _tensor(api.compact_kv(list(k_layers), list(v_layers), _arg(prefix_lengths), acc, errors="status"))
+
+
+@compact_kv_status.register_fake
+def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_token):
+    return accepted_nodes.new_empty((accepted_nodes.shape[0],), dtype=torch.int32)
 
 
 @torch.library.custom_op("kdtree::ragged_trees", mutates_args=())
