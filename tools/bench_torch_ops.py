@@ -8,11 +8,16 @@ shows): per call, the median over many calls of the wall time of
   compiled the operator inside a torch.compile(fullgraph=True) function that does only
            that call (what a compiled round pays a call);
 
-and the difference op - api: what registering the call as an operator adds. On CUDA the
-times are host times (no synchronisation inside the loop; the GPU work queues behind),
-and a column ``status`` times the function with ``errors="status"`` (no status read-back,
-so no synchronisation: the host work alone); ``--profile`` then prints where one call's
-host time goes (cProfile over the function form, the 12 largest cumulative entries).
+and the difference op - api: what registering the call as an operator adds; and
+``status op``, the operator's ``*_status`` form (errors="status": no status read-back).
+On CUDA the operators and functions that raise read their statuses back (a
+synchronisation each call), a column ``api status`` times the function with
+``errors="status"``, and the ``status`` columns are host times while the host stays ahead
+of the GPU (the work queues behind; past the launch queue's depth a call waits for the
+GPU, so they are at least the GPU time a call); the header says whether the operators'
+CUDA kernels are the C++ ones (libkdtree_torch) or the Python ones. ``--profile`` then
+prints where one call's host time goes (cProfile over the function form, the 12 largest
+cumulative entries).
 
     python tools/bench_torch_ops.py [--device cpu|cuda] [--no-compile] [--json out.json]
 """
@@ -105,9 +110,17 @@ def main(argv=None) -> int:
                                                                            max_commit=host(caps), errors="status"),
         "compact_kv": lambda: api.compact_kv(key_arrays, value_arrays, host(pos), acc_obj, errors="status"),
     }
+    status_ops = {
+        "topk_logprobs": lambda: torch.ops.kdtree.topk_logprobs_status(logits, K),
+        "build_trees": lambda: torch.ops.kdtree.build_trees_status(lp, ids, N, roots, pos, 0),
+        "verify_greedy_from_logits": lambda: torch.ops.kdtree.verify_greedy_from_logits_status(
+            list(fields), N, L, target, [], caps),
+        "compact_kv": lambda: torch.ops.kdtree.compact_kv_status(keys, values, pos, *acc),
+    }
     rows = []
     for name, (direct, op) in calls.items():
-        row = {"op": name, "api_us": timed(direct, args.reps), "op_us": timed(op, args.reps)}
+        row = {"op": name, "api_us": timed(direct, args.reps), "op_us": timed(op, args.reps),
+               "status_op_us": timed(status_ops[name], args.reps)}
         if cuda:
             row["status_us"] = timed(status_calls[name], args.reps)
         if args.profile:
@@ -131,10 +144,11 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.synchronize()
     total = {k: sum(r[k] for r in rows) for k in rows[0] if k != "op"}
+    kernels = "C++ (libkdtree_torch)" if cuda and torch_ops.NATIVE else "Python"
     print(f"kdtree torch ops, host cost a call ({dev}, B={B}, L={L}, N={N}, V={V}, kdtree {kdtree.__version__}, "
-          f"torch {torch.__version__}), median of 5 x {args.reps} calls, us")
+          f"torch {torch.__version__}, {kernels} operator kernels), median of 5 x {args.reps} calls, us")
     head = ["op", "api", "op", "op - api"] + ([] if args.no_compile else ["compiled", "compiled - api"]) + \
-        (["api status"] if cuda else [])
+        (["api status"] if cuda else []) + ["status op"]
     print(" | ".join(f"{h:>26}" if i == 0 else f"{h:>14}" for i, h in enumerate(head)))
     for r in rows + [dict(op="the round's four calls", **total)]:
         cells = [r["api_us"], r["op_us"], r["op_us"] - r["api_us"]]
@@ -142,6 +156,7 @@ def main(argv=None) -> int:
             cells += [r["compiled_us"], r["compiled_us"] - r["api_us"]]
         if cuda:
             cells += [r["status_us"]]
+        cells += [r["status_op_us"]]
         print(f"{r['op']:>26} | " + " | ".join(f"{c:14.1f}" for c in cells))
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(dev), "rows": rows, "total": total}, indent=1) + "\n")
