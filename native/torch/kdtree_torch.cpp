@@ -374,26 +374,36 @@ ElevenTensors build_trees_status(const Tensor& logprobs, const Tensor& token_ids
 
 // ---- verify_greedy_from_logits ---------------------------------------------------------------
 
-// A device copy of the stop tokens, cached per list (a serving loop passes the same few).
+// Small device arrays made from host values once and kept for the life of the process (a
+// serving loop passes the same stop tokens and the same caches every round; a CUDA graph
+// that captured a call reads its array at every replay, so none is ever freed), keyed by
+// the device, the dtype and the values.
+struct DeviceValues {
+    std::mutex mu;
+    std::unordered_map<std::string, Tensor> cache;
+
+    Tensor get(const Tensor& like, const std::vector<int64_t>& values, at::ScalarType dtype) {
+        std::string key(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(int64_t));
+        key += static_cast<char>(like.device().index());
+        key += static_cast<char>(dtype);
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = cache.find(key);
+        if (it != cache.end()) return it->second;
+        Tensor h = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong));
+        std::copy(values.begin(), values.end(), h.data_ptr<int64_t>());
+        Tensor d = h.to(dtype).to(like.device());
+        cache.emplace(std::move(key), d);
+        return d;
+    }
+};
+
+// A device copy of the stop tokens (int32).
 Tensor stop_tokens_on(const Tensor& like, at::IntArrayRef stops, const char* what) {
-    static std::mutex mu;
-    static std::unordered_map<std::string, Tensor> cache;
-    std::ostringstream key;
-    key << like.device() << ':';
+    static DeviceValues tables;
     for (int64_t x : stops) {
         if (x < 0 || x > INT32_MAX) fail(what, "stop token " + std::to_string(x) + " outside [0, 2^31)");
-        key << x << ',';
     }
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key.str());
-    if (it != cache.end()) return it->second;
-    std::vector<int32_t> host(stops.begin(), stops.end());
-    Tensor h = at::empty({static_cast<int64_t>(host.size())}, at::TensorOptions().dtype(at::kInt));
-    std::copy(host.begin(), host.end(), h.data_ptr<int32_t>());
-    Tensor d = h.to(like.device());
-    if (cache.size() > 64) cache.clear();
-    cache.emplace(key.str(), d);
-    return d;
+    return tables.get(like, std::vector<int64_t>(stops.begin(), stops.end()), at::kInt);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, int64_t budget, int64_t depth,
@@ -454,23 +464,10 @@ int32_t kv_code(at::ScalarType t) {
     }
 }
 
-// A device table of the layers' base pointers, cached per set of pointers (the engine passes
-// the same caches every round).
+// A device table of the layers' base pointers.
 Tensor pointer_table(const Tensor& like, const std::vector<int64_t>& ptrs) {
-    static std::mutex mu;
-    static std::unordered_map<std::string, Tensor> cache;
-    std::ostringstream key;
-    key << like.device() << ':';
-    for (int64_t p : ptrs) key << p << ',';
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key.str());
-    if (it != cache.end()) return it->second;
-    Tensor h = at::empty({static_cast<int64_t>(ptrs.size())}, at::TensorOptions().dtype(at::kLong));
-    std::copy(ptrs.begin(), ptrs.end(), h.data_ptr<int64_t>());
-    Tensor d = h.to(like.device());
-    if (cache.size() > 64) cache.clear();
-    cache.emplace(key.str(), d);
-    return d;
+    static DeviceValues tables;
+    return tables.get(like, ptrs, at::kLong);
 }
 
 Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,

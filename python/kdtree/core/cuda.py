@@ -676,6 +676,9 @@ def choices_shard(logits, vocab_offset: int, settings: dict, *, nodes=None, stre
     return out
 
 
+# Device tables of KV layers' base pointers, made once per set of layers and kept for the
+# life of the process: a CUDA graph that captured a compaction reads its table at every
+# replay, so none is freed (a few bytes a layer each).
 _POINTER_TABLES: dict[tuple, object] = {}
 
 
@@ -688,8 +691,6 @@ def _pointer_table(like, views: list[dev.DeviceArray]):
             raise checks.invalid("compact_kv builds a device table of the layers' pointers on first use, which "
                                  "cannot happen inside CUDA graph capture; call compact_kv once on these tensors "
                                  "(a warm-up) before capturing")
-        if len(_POINTER_TABLES) > 64:
-            _POINTER_TABLES.clear()
         table = dev.from_host(like, np.asarray([v.ptr for v in views], np.uint64).view(np.int64))
         _POINTER_TABLES[key] = table
     return table
