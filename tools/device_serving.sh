@@ -17,7 +17,7 @@ START=$(date +%s)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build bench ctest pytest sanitize)
 say() { echo "[$(($(date +%s) - START)) s] $*"; }
-export PYTHONPATH=$ROOT/python KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so
+export PYTHONPATH=$ROOT/python KDTREE_LIBRARY=$ROOT/build-gpu/libkdtree.so KDTREE_TORCH_OPS=1
 GPU_TESTS=(tests_py/test_request_limits.py tests_py/test_ragged.py tests_py/test_topk_sharded.py
            tests_py/test_stop_sequences.py tests_py/test_compact_bytes.py tests_py/test_compact_paged.py
            tests_py/test_gpu.py tests_py/test_torch_ops.py)

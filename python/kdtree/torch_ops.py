@@ -28,14 +28,15 @@ naming the argument, or the first failed request or row. Tensor arguments take t
 only (``max_commit`` a tensor, not an int or a list). Tested on the CPU eagerly, with
 ``torch.library.opcheck``, and compiled with ``fullgraph=True``.
 
-**C++ kernels for CUDA tensors.** Where libkdtree's folder holds ``libkdtree_torch.so``
-(CMake ``-DKDTREE_TORCH_OPS=ON``; ``nox -s test`` builds it) built for the torch that is
-imported, the first four operators' CUDA kernels are its C++ ones (``NATIVE`` is then its
-path): the same libkdtree calls without Python's dispatch and argument handling, a few
+**C++ kernels for CUDA tensors.** With ``KDTREE_TORCH_OPS=1``, where libkdtree's folder
+holds ``libkdtree_torch.so`` (CMake ``-DKDTREE_TORCH_OPS=ON``; ``nox -s test`` builds it)
+built for the torch that is imported, the four operators' and their ``*_status`` forms'
+CUDA kernels are its C++ ones (``NATIVE`` is then its path; off by default until they
+have run on a GPU): the same libkdtree calls without Python's dispatch and argument handling, a few
 microseconds of host work a call instead of ~50-300 (``tools/bench_torch_ops.py``). They
 raise ValueError (TypeError for a dtype) and, like the Python kernels, read the statuses
-back to raise on a failed request, which synchronises the stream. ``KDTREE_TORCH_OPS=0``
-keeps the Python kernels. ``ragged_trees`` and CPU tensors always take the Python ones.
+back to raise on a failed request, which synchronises the stream. ``ragged_trees`` and
+CPU tensors always take the Python kernels.
 """
 
 from __future__ import annotations
@@ -262,8 +263,9 @@ def _(fields, budget, depth):
 
 def _load_native() -> str | None:
     """Loads libkdtree_torch (the C++ CUDA kernels) from the loaded libkdtree's folder when it
-    was built for this torch; returns its path, or None (the Python kernels stay)."""
-    if os.environ.get("KDTREE_TORCH_OPS", "1") == "0":
+    was built for this torch and ``KDTREE_TORCH_OPS=1``; returns its path, or None (the
+    Python kernels stay)."""
+    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT) != "1":
         return None
     from . import _native
 
@@ -281,5 +283,8 @@ def _load_native() -> str | None:
     return str(path)
 
 
+# Whether the C++ CUDA kernels load without KDTREE_TORCH_OPS set: not until they have run
+# against the tests on a GPU (they compile and register here; their GPU tests are written).
+_NATIVE_DEFAULT = "0"
 NATIVE: str | None = _load_native()
 """The path of the loaded libkdtree_torch (the C++ CUDA kernels), or None."""
