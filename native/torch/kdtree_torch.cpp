@@ -18,7 +18,6 @@
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -85,34 +84,6 @@ void require_contiguous(const Tensor& t, const char* what, const char* name) {
 
 Tensor device_empty(const Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
     return at::empty(shape, like.options().dtype(dtype));
-}
-
-// Several outputs from one allocation (one call into torch's caching allocator instead of
-// one a tensor): each its own tensor over its own 256-byte-aligned part, keeping the block
-// alive; no two share a storage, so torch sees no aliasing between them.
-struct OutSpec {
-    std::vector<int64_t> shape;
-    at::ScalarType dtype;
-};
-
-std::vector<Tensor> device_outputs(const Tensor& like, const std::vector<OutSpec>& specs) {
-    std::vector<size_t> offsets;
-    size_t total = 0;
-    for (const OutSpec& o : specs) {
-        size_t n = c10::elementSize(o.dtype);
-        for (int64_t d : o.shape) n *= static_cast<size_t>(d);
-        offsets.push_back(total);
-        total += (n + 255) / 256 * 256;
-    }
-    Tensor block = at::empty({static_cast<int64_t>(std::max<size_t>(total, 1))}, like.options().dtype(at::kByte));
-    char* base = static_cast<char*>(block.data_ptr());
-    std::vector<Tensor> out;
-    out.reserve(specs.size());
-    for (size_t i = 0; i < specs.size(); i++) {
-        out.push_back(at::from_blob(base + offsets[i], specs[i].shape, [block](void*) {},
-                                    like.options().dtype(specs[i].dtype), like.device()));
-    }
-    return out;
 }
 
 Tensor workspace(const Tensor& like, size_t bytes) {
@@ -216,9 +187,9 @@ std::tuple<Tensor, Tensor, Tensor> topk_impl(const Tensor& logits_in, int64_t k,
     const int64_t rows = s.batch * s.length;
     std::vector<int64_t> out_shape = lead;
     out_shape.push_back(k);
-    const auto outs = device_outputs(
-        logits, {{out_shape, at::kFloat}, {out_shape, at::kInt}, {lead.empty() ? std::vector<int64_t>{1} : lead, at::kInt}});
-    const Tensor &lp = outs[0], &ids = outs[1], &status = outs[2];
+    Tensor lp = device_empty(logits, out_shape, at::kFloat);
+    Tensor ids = device_empty(logits, out_shape, at::kInt);
+    Tensor status = device_empty(logits, lead.empty() ? std::vector<int64_t>{1} : lead, at::kInt);
     size_t need = 0;
     check(kdt_topk_logprobs_cuda_workspace_bytes(rows, vocab, k, &need), what);
     Tensor ws = workspace(logits, need);
@@ -346,10 +317,8 @@ ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_
     const auto budgets = small_input(request_budgets, logprobs, at::kInt, batch, what, "request_budgets");
     const auto depths = small_input(request_depths, logprobs, at::kInt, batch, what, "request_depths");
     const auto shapes = field_shapes(batch, budget);
-    std::vector<OutSpec> specs;
-    for (int i = 0; i < kFields; i++) specs.push_back({shapes[i], kFieldTypes[i]});
-    specs.push_back({{batch}, at::kInt});  // the request statuses
-    const std::vector<Tensor> f = device_outputs(logprobs, specs);
+    std::array<Tensor, kFields> f;
+    for (int i = 0; i < kFields; i++) f[i] = device_empty(logprobs, shapes[i], kFieldTypes[i]);
     kdt_trees t{};
     t.batch = batch;
     t.budget = budget;
@@ -375,7 +344,7 @@ ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_
     d.pad_token = static_cast<int32_t>(pad_token);
     d.request_budgets = budgets ? budgets->data_ptr<int32_t>() : nullptr;
     d.request_depths = depths ? depths->data_ptr<int32_t>() : nullptr;
-    const Tensor& status = f[kFields];
+    Tensor status = device_empty(logprobs, {batch}, at::kInt);
     size_t need = 0;
     check(kdt_trees_build_cuda_workspace_bytes(batch, budget, depth, width, &need), what);
     Tensor ws = workspace(logprobs, need);
@@ -451,9 +420,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, in
     Tensor stops;
     if (!stop_tokens.empty()) stops = stop_tokens_on(fields[0], stop_tokens, what);
     const auto caps = small_input(max_commit, fields[0], at::kLong, batch, what, "max_commit");
-    const auto outs = device_outputs(fields[0], {{{batch, width}, at::kInt}, {{batch}, at::kInt}, {{batch}, at::kInt},
-                                                 {{batch}, at::kInt}});
-    const Tensor &accepted = outs[0], &length = outs[1], &bonus = outs[2], &status = outs[3];
+    Tensor accepted = device_empty(fields[0], {batch, width}, at::kInt);
+    Tensor length = device_empty(fields[0], {batch}, at::kInt);
+    Tensor bonus = device_empty(fields[0], {batch}, at::kInt);
+    Tensor status = device_empty(fields[0], {batch}, at::kInt);
     check(kdt_verify_greedy_from_logits_cuda(&t, &lg, stops.defined() ? stops.data_ptr<int32_t>() : nullptr,
                                              static_cast<int64_t>(stop_tokens.size()), nullptr,
                                              caps ? caps->data_ptr<int64_t>() : nullptr, width,
