@@ -390,3 +390,30 @@ def test_no_module_defines_a_top_level_name_twice():
                     twice.append(f"{path.relative_to(ROOT)}: {node.name} at lines {seen[node.name]} and {node.lineno}")
                 seen.setdefault(node.name, node.lineno)
     assert twice == []
+
+
+def test_status_build_of_an_empty_draft_reports_the_failed_request():
+    """K = 0 (or L = 0) drafts hold no entries; a request failing on its root or its limits
+    still gets its status and a root-only tree, the others their (root-only) trees."""
+    lp, ids = np.zeros((2, 3, 0), np.float32), np.zeros((2, 3, 0), np.int32)
+    trees = kdtree.build_trees(lp, ids, 4, root_tokens=np.array([-1, 5], np.int32), errors="status")
+    assert trees.request_status.tolist() == [STATUS["KDT_ERR_OUT_OF_RANGE"], 0]
+    assert trees.num_nodes.tolist() == [0, 0] and trees.tokens[:, 0].tolist() == [-1, 5]
+    trees = kdtree.build_trees(np.zeros((2, 0, 3), np.float32), np.zeros((2, 0, 3), np.int32), 4,
+                               request_budgets=[0, 99], errors="status")
+    assert trees.request_status.tolist() == [0, STATUS["KDT_ERR_OUT_OF_RANGE"]]
+
+
+def test_compaction_refuses_a_layer_that_overlaps_itself_or_another():
+    acc = kdtree.Acceptance(np.array([[0, 2], [0, -1]], np.int32), np.array([1, 0], np.int32),
+                            np.array([3, 3], np.int32))
+    cache = np.zeros((2, 2, 30, 8), np.float32)
+    shared = np.broadcast_to(np.zeros((1, 2, 30, 8), np.float32), (2, 2, 30, 8))
+    with pytest.raises(kdtree.KdtreeError, match="read-only|overlaps itself"):
+        kdtree.compact_kv([shared], [cache], np.array([0, 1]), acc)
+    with pytest.raises(kdtree.KdtreeError, match="distinct"):  # two views of one array
+        kdtree.compact_kv([cache], [cache[:]], np.array([0, 1]), acc)
+    torch = pytest.importorskip("torch")
+    expanded = torch.zeros(1, 2, 30, 8).expand(2, 2, 30, 8)  # writable, zero batch stride
+    with pytest.raises(kdtree.KdtreeError, match=r"k_layers\[0\] overlaps itself"):
+        kdtree.compact_kv([expanded], [torch.zeros(2, 2, 30, 8)], np.array([0, 1]), acc)

@@ -146,6 +146,19 @@ def test_request_limits_and_ragged_ops():
     torch.library.opcheck(torch.ops.kdtree.ragged_trees.default, (list(fields), budget, drafter.shape[1]))
 
 
+def test_malformed_tree_fields_are_named():
+    drafter, roots, positions, target, width, budget = round_inputs(9)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    for bad in (fields[:9], []):
+        with pytest.raises(kdtree.KdtreeError, match="the 10 tree fields"):
+            torch.ops.kdtree.verify_greedy_from_logits(bad, budget, 4, target, [], None)
+        with pytest.raises(kdtree.KdtreeError, match="the 10 tree fields"):
+            torch.ops.kdtree.ragged_trees(bad, budget, 4)
+    with pytest.raises(kdtree.KdtreeError, match=r"num_nodes\) must be \[B\]"):
+        torch.ops.kdtree.verify_greedy_from_logits([fields[0][0]] + fields[1:], budget, 4, target, [], None)
+
+
 def test_build_op_on_one_request_without_a_batch_axis():
     drafter, roots, positions, target, width, budget = round_inputs(4)
     lp, ids = torch.ops.kdtree.topk_logprobs(drafter[0], width)  # [L, K]
@@ -311,6 +324,9 @@ def test_gpu_op_errors_name_the_argument_or_the_request():
     with pytest.raises(ValueError, match="request 2"):
         torch.ops.kdtree.build_trees(lp, ids, budget, None, None, -1,
                                      torch.tensor([1, 1, budget + 1], dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError):  # int64 budgets: 2^32 must not wrap to 0
+        torch.ops.kdtree.build_trees(lp, ids, budget, None, None, -1,
+                                     torch.tensor([1, 1, 2**32], device="cuda"))
     fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
     with pytest.raises(ValueError):
         torch.ops.kdtree.verify_greedy_from_logits(fields[:9], budget, 4, target, [], None)

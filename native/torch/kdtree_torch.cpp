@@ -62,10 +62,21 @@ std::string shape_str(const Tensor& t) {
     return s.str();
 }
 
+// `t` on the CUDA device of `like` (the call's first tensor, itself checked by
+// require_primary): the dispatcher picks these kernels when any argument is a CUDA tensor.
 void require_cuda(const Tensor& t, const Tensor& like, const char* what, const char* name) {
     if (!t.is_cuda() || t.device() != like.device()) {
         std::ostringstream s;
         s << name << " is on " << t.device() << ", the call's other tensors on " << like.device();
+        fail(what, s.str());
+    }
+}
+
+void require_primary(const Tensor& t, const char* what, const char* name) {
+    if (!t.is_cuda()) {
+        std::ostringstream s;
+        s << name << " is on " << t.device() << " while another argument is a CUDA tensor; pass them all on one "
+          << "device";
         fail(what, s.str());
     }
 }
@@ -179,9 +190,11 @@ std::tuple<Tensor, Tensor, Tensor> topk_impl(const Tensor& logits_in, int64_t k,
         fail(what, "k must be in [0, min(V=" + std::to_string(vocab) + ", 1024)] on the GPU, got " +
                        std::to_string(k));
     }
+    require_primary(logits_in, what, "logits");
     c10::DeviceGuard guard(logits_in.device());
     std::vector<int64_t> lead(logits_in.sizes().begin(), logits_in.sizes().end() - 1);
     // more than two leading axes: rows of one [R, V] view (a copy where the strides do not merge)
+    if (logits_in.dim() > 3 && vocab == 0) fail(what, "logits has an empty vocabulary axis");
     const Tensor logits = logits_in.dim() > 3 ? logits_in.reshape({-1, vocab}) : logits_in;
     kdt_logits s = logits_struct(logits, what, "logits", true);
     const int64_t rows = s.batch * s.length;
@@ -272,8 +285,14 @@ std::optional<Tensor> small_input(const std::optional<Tensor>& t, const Tensor& 
     if (!t.has_value()) return std::nullopt;
     const Tensor& x = *t;
     require_cuda(x, like, what, name);
-    if (at::isFloatingType(x.scalar_type()) || x.scalar_type() == at::kBool || at::isComplexType(x.scalar_type())) {
-        fail_type(what, std::string(name) + " must be an integer tensor, got " + c10::toString(x.scalar_type()));
+    // integer dtypes whose every value the target holds (no wrap: an int64 budget of 2^32
+    // must not become 0); others raise
+    const at::ScalarType st = x.scalar_type();
+    const bool narrow = st == at::kByte || st == at::kChar || st == at::kShort || st == at::kInt;
+    const bool fits = dtype == at::kInt ? narrow : (narrow || st == at::kLong || st == at::kUInt16 || st == at::kUInt32);
+    if (!fits) {
+        fail_type(what, std::string(name) + " must be an integer tensor of dtype " + c10::toString(dtype) +
+                            " or a narrower one, got " + c10::toString(st));
     }
     if (!(x.dim() == 0 || (x.dim() == 1 && x.size(0) == n))) {
         fail(what, std::string(name) + " must have shape [" + std::to_string(n) + "] (or be 0-d), got " +
@@ -295,6 +314,7 @@ ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_
                          int64_t pad_token, const std::optional<Tensor>& request_budgets,
                          const std::optional<Tensor>& request_depths, bool raise) {
     const char* what = raise ? "build_trees" : "build_trees_status";
+    require_primary(logprobs, what, "logprobs");
     c10::DeviceGuard guard(logprobs.device());
     require_dtype(logprobs, at::kFloat, what, "logprobs");
     require_dtype(token_ids, at::kInt, what, "token_ids");
@@ -399,11 +419,11 @@ struct DeviceValues {
 
 // A device copy of the stop tokens (int32).
 Tensor stop_tokens_on(const Tensor& like, at::IntArrayRef stops, const char* what) {
-    static DeviceValues tables;
+    static DeviceValues* tables = new DeviceValues;  // never destroyed: no frees after CUDA shuts down
     for (int64_t x : stops) {
         if (x < 0 || x > INT32_MAX) fail(what, "stop token " + std::to_string(x) + " outside [0, 2^31)");
     }
-    return tables.get(like, std::vector<int64_t>(stops.begin(), stops.end()), at::kInt);
+    return tables->get(like, std::vector<int64_t>(stops.begin(), stops.end()), at::kInt);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, int64_t budget, int64_t depth,
@@ -411,6 +431,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, in
                                                        const std::optional<Tensor>& max_commit, bool raise) {
     const char* what = raise ? "verify_greedy_from_logits" : "verify_greedy_from_logits_status";
     if (fields.empty()) fail(what, "fields is empty");
+    require_primary(fields[0], what, "trees.num_nodes");
     c10::DeviceGuard guard(fields[0].device());
     kdt_trees t = trees_struct(fields, budget, what);
     if (depth < 0 || depth > INT32_MAX - 1) fail(what, "depth " + std::to_string(depth) + " out of range");
@@ -466,8 +487,8 @@ int32_t kv_code(at::ScalarType t) {
 
 // A device table of the layers' base pointers.
 Tensor pointer_table(const Tensor& like, const std::vector<int64_t>& ptrs) {
-    static DeviceValues tables;
-    return tables.get(like, ptrs, at::kLong);
+    static DeviceValues* tables = new DeviceValues;  // never destroyed: no frees after CUDA shuts down
+    return tables->get(like, ptrs, at::kLong);
 }
 
 Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
@@ -478,6 +499,7 @@ Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tens
         fail(what, std::to_string(k_layers.size()) + " K layers but " + std::to_string(v_layers.size()) + " V layers");
     }
     const Tensor& first = k_layers[0];
+    require_primary(first, what, "k_layers[0]");
     c10::DeviceGuard guard(first.device());
     const int32_t code = kv_code(first.scalar_type());
     if (code < 0) {
@@ -487,12 +509,17 @@ Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tens
     if (first.dim() != 4) fail(what, "the caches must be [B, H, S, D], got shape " + shape_str(first));
     std::vector<int64_t> kp, vp;
     for (size_t i = 0; i < 2 * k_layers.size(); i++) {
-        const Tensor& x = i < k_layers.size() ? k_layers[i] : v_layers[i - k_layers.size()];
-        require_cuda(x, first, what, "a cache layer");
+        const bool is_k = i < k_layers.size();
+        const Tensor& x = is_k ? k_layers[i] : v_layers[i - k_layers.size()];
+        const std::string name =
+            std::string(is_k ? "k_layers[" : "v_layers[") + std::to_string(is_k ? i : i - k_layers.size()) + "]";
+        require_cuda(x, first, what, name.c_str());
         if (x.scalar_type() != first.scalar_type() || x.sizes() != first.sizes() || x.strides() != first.strides()) {
-            fail(what, "every K and V layer must share shape, strides and dtype; layer tensor " + std::to_string(i) +
-                           " has " + shape_str(x) + " " + c10::toString(x.scalar_type()));
+            fail(what, "every K and V layer must share shape, strides and dtype; " + name + " has " + shape_str(x) +
+                           " " + c10::toString(x.scalar_type()) + ", k_layers[0] " + shape_str(first) + " " +
+                           c10::toString(first.scalar_type()));
         }
+        if (x.requires_grad()) fail(what, name + " requires grad; compaction writes the caches in place");
         (i < k_layers.size() ? kp : vp).push_back(reinterpret_cast<int64_t>(x.data_ptr()));
     }
     std::vector<int64_t> all(kp);

@@ -61,9 +61,21 @@ def tree_fields(trees: TreeBatch) -> tuple[Tensor, ...]:
     return tuple(_tensor(getattr(trees, name)) for name in TREE_FIELDS)
 
 
+def _check_fields(fields) -> None:
+    """The ten tree fields, num_nodes a [B] tensor (KdtreeError otherwise)."""
+    from .core import checks
+
+    if len(fields) != len(TREE_FIELDS):
+        raise checks.invalid(f"fields must be the {len(TREE_FIELDS)} tree fields in kdtree.torch_ops.TREE_FIELDS "
+                             f"order, got {len(fields)} tensors")
+    if fields[0].dim() != 1:
+        raise checks.shape_error(f"fields[0] (num_nodes) must be [B], got shape {tuple(fields[0].shape)}")
+
+
 def tree_batch(fields, budget: int, depth: int) -> TreeBatch:
     """A TreeBatch over tree fields (TREE_FIELDS order): numpy views for CPU tensors (what
     kdtree's host path takes), the tensors themselves on a GPU."""
+    _check_fields(fields)
     fields = [f if f.is_cuda else f.numpy() for f in fields]
     return TreeBatch(**dict(zip(TREE_FIELDS, fields, strict=True)), budget=int(budget), depth=int(depth))
 
@@ -81,6 +93,23 @@ def _host(x: Tensor):
 
 def _arg(x: Tensor | None):
     return None if x is None else (x if x.is_cuda else _host(x))
+
+
+_TO_INT64 = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32)
+
+
+def _caps(max_commit: Tensor | None, batch: int):
+    """max_commit as the functions take it: a CUDA tensor as int64 [B] (a 0-d one repeated;
+    integer dtypes int64 holds exactly), a CPU one as its numpy values."""
+    if max_commit is None or not max_commit.is_cuda:
+        return _arg(max_commit)
+    from .core import checks
+
+    if max_commit.dtype not in _TO_INT64:
+        raise checks.type_error(f"max_commit must be an integer tensor that int64 holds, got {max_commit.dtype}")
+    if max_commit.dim() == 0:
+        max_commit = max_commit.expand(batch)
+    return max_commit.to(torch.int64).contiguous()
 
 
 @torch.library.custom_op("kdtree::topk_logprobs", mutates_args=())
@@ -135,13 +164,15 @@ def verify_greedy_from_logits(fields: list[Tensor], budget: int, depth: int, tar
     their fields, budget N and depth (the L they were built with: the drafter's positions,
     ``logprobs.shape[1]`` of :func:`build_trees`). ``max_commit``: None or an integer
     tensor ``[B]`` (or 0-d)."""
-    acc = api.verify_greedy_from_logits(tree_batch(fields, budget, depth), _arg(target_logits),
-                                        stop_tokens=stop_tokens, max_commit=_arg(max_commit))
+    trees = tree_batch(fields, budget, depth)
+    acc = api.verify_greedy_from_logits(trees, _arg(target_logits), stop_tokens=stop_tokens,
+                                        max_commit=_caps(max_commit, trees.batch))
     return _tensor(acc.accepted_nodes), _tensor(acc.accept_length), _tensor(acc.bonus_token)
 
 
 @verify_greedy_from_logits.register_fake
 def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
+    _check_fields(fields)
     batch = fields[0].shape[0]
     new = target_logits.new_empty
     return (new((batch, min(depth, budget) + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
@@ -213,14 +244,16 @@ def verify_greedy_from_logits_status(fields: list[Tensor], budget: int, depth: i
                                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`verify_greedy_from_logits`'s three outputs and the int32 ``[B]`` request
     statuses (``errors="status"``)."""
-    acc = api.verify_greedy_from_logits(tree_batch(fields, budget, depth), _arg(target_logits),
-                                        stop_tokens=stop_tokens, max_commit=_arg(max_commit), errors="status")
+    trees = tree_batch(fields, budget, depth)
+    acc = api.verify_greedy_from_logits(trees, _arg(target_logits), stop_tokens=stop_tokens,
+                                        max_commit=_caps(max_commit, trees.batch), errors="status")
     return (_tensor(acc.accepted_nodes), _tensor(acc.accept_length), _tensor(acc.bonus_token),
             _tensor(acc.request_status))
 
 
 @verify_greedy_from_logits_status.register_fake
 def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
+    _check_fields(fields)
     batch = fields[0].shape[0]
     new = target_logits.new_empty
     return (new((batch, min(depth, budget) + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
@@ -255,6 +288,7 @@ def ragged_trees(fields: list[Tensor], budget: int, depth: int
 
 @ragged_trees.register_fake
 def _(fields, budget, depth):
+    _check_fields(fields)
     batch, rows = fields[0].shape[0], budget + 1
     cap, new = batch * rows, fields[0].new_empty
     return (new((batch + 1,), dtype=torch.int32), *(new((cap,), dtype=torch.int32) for _ in range(5)),

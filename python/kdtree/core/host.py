@@ -246,10 +246,17 @@ def build_trees(logprobs, token_ids, budget, *, root_tokens, root_positions, voc
         if errors == "raise" or checks.failed_request(exc) is None:
             raise
         out.budget = budget
-        _build_each(lib, lp, ids, roots, pos, limits, vocab, pad, out, status)
+        _build_each(lib, lp, ids, roots, pos, limits, vocab, pad, out, status, (batch, depth, width))
     out.budget, out.depth = budget, depth  # only once the arrays hold this tree
     out.request_status = status
     return out
+
+
+def _base_address(t) -> int:
+    """The address of a cache layer's first element (a torch tensor's or an array's)."""
+    if hasattr(t, "data_ptr") and callable(t.data_ptr):
+        return int(t.data_ptr())
+    return int(np.asarray(t).__array_interface__["data"][0])
 
 
 def request_limit(values, name: str, batch: int, origin: str, errors: str) -> np.ndarray:
@@ -269,11 +276,13 @@ def request_limit(values, name: str, batch: int, origin: str, errors: str) -> np
     return wide.astype(np.int32)
 
 
-def _build_each(lib, lp, ids, roots, pos, limits, vocab: int, pad: int, out: TreeBatch, status: np.ndarray) -> None:
+def _build_each(lib, lp, ids, roots, pos, limits, vocab: int, pad: int, out: TreeBatch, status: np.ndarray,
+                shape: tuple[int, int, int]) -> None:
     """errors="status" after a failed batch: each request alone, as the GPU builder does:
     a failed request gets its status and a root-only tree (its root token, or the pad
-    token when that is out of range; its root position, or 0 when out of range)."""
-    batch, depth, width = lp.shape
+    token when that is out of range; its root position, or 0 when out of range). `shape`:
+    the draft's (B, L, K) (lp and ids are None when it has no entries)."""
+    batch, depth, width = shape
     item = lambda a, b: None if a is None else checks.ptr(a) + b * a.strides[0]  # noqa: E731
     for b in range(batch):
         one = request_struct(out, b)
@@ -642,8 +651,15 @@ def compact_kv(k_layers, v_layers, prefix_lengths, acceptance, *, layout, errors
     if len(shape) != 4 or any(tuple(np.shape(t)) != shape for t in layers):
         raise checks.shape_error(f"every K and V layer must have the same 4-D shape, got "
                          f"{sorted({tuple(np.shape(t)) for t in layers})}")
-    if len({id(t) for t in layers}) != len(layers):
-        raise checks.invalid("k_layers and v_layers must be distinct tensors")
+    if len({id(t) for t in layers}) != len(layers) or len({_base_address(t) for t in layers}) != len(layers):
+        raise checks.invalid("k_layers and v_layers must be distinct tensors (a tensor shared by two layers, or by K "
+                             "and V, would be moved twice)")
+    for i, t in enumerate(layers):
+        steps = t.stride() if hasattr(t, "stride") and callable(t.stride) else np.asarray(t).strides
+        if any(n > 1 and st == 0 for n, st in zip(shape, steps, strict=True)):
+            which = f"k_layers[{i}]" if i < len(k_layers) else f"v_layers[{i - len(k_layers)}]"
+            raise checks.invalid(f"{which} overlaps itself (zero strides {tuple(steps)}, e.g. an expanded tensor): "
+                                 "one row's move would write every row sharing it")
     accepted = checks.int_array(acceptance.accepted_nodes, "accepted_nodes")
     length = checks.int_array(acceptance.accept_length, "accept_length").reshape(-1)
     if paged:
