@@ -421,7 +421,7 @@ struct DeviceValues {
 Tensor stop_tokens_on(const Tensor& like, at::IntArrayRef stops, const char* what) {
     static DeviceValues* tables = new DeviceValues;  // never destroyed: no frees after CUDA shuts down
     for (int64_t x : stops) {
-        if (x < 0 || x > INT32_MAX) fail(what, "stop token " + std::to_string(x) + " outside [0, 2^31)");
+        if (x < INT32_MIN || x > INT32_MAX) fail(what, "stop token " + std::to_string(x) + " outside int32");
     }
     return tables->get(like, std::vector<int64_t>(stops.begin(), stops.end()), at::kInt);
 }
