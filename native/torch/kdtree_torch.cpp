@@ -225,6 +225,7 @@ std::tuple<Tensor, Tensor, Tensor> topk_logprobs_status(const Tensor& logits, in
 // ---- the trees' fields -------------------------------------------------------------------
 
 constexpr int kFields = 10;
+constexpr int64_t kMaxBudget = (int64_t{1} << 31) - 3;  // node indices are int32 (kdtree.checks.MAX_BUDGET)
 const std::array<const char*, kFields> kFieldNames = {"num_nodes", "tokens",          "depths",     "parents",
                                                       "logw",      "positions",       "visibility", "visibility_bits",
                                                       "first_child", "next_sibling"};
@@ -247,7 +248,7 @@ kdt_trees trees_struct(at::TensorList fields, int64_t budget, const char* what) 
         fail(what, "fields must be the ten tree fields (kdtree.torch_ops.TREE_FIELDS order), got " +
                        std::to_string(fields.size()) + " tensors");
     }
-    if (budget < 0 || budget > (int64_t{1} << 24)) fail(what, "budget " + std::to_string(budget) + " out of range");
+    if (budget < 0 || budget > kMaxBudget) fail(what, "budget " + std::to_string(budget) + " outside [0, 2^31 - 3]");
     const Tensor& first = fields[0];
     if (first.dim() != 1) fail(what, "trees.num_nodes must be [B], got shape " + shape_str(first));
     const int64_t batch = first.size(0);
@@ -327,7 +328,9 @@ ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_
     }
     require_contiguous(logprobs, what, "logprobs");
     require_contiguous(token_ids, what, "token_ids");
-    if (budget < 0 || budget > (int64_t{1} << 24)) fail(what, "budget must be in [0, 2^24], got " + std::to_string(budget));
+    if (budget < 0 || budget > kMaxBudget) {
+        fail(what, "budget must be in [0, 2^31 - 3], got " + std::to_string(budget));
+    }
     if (pad_token < INT32_MIN || pad_token > INT32_MAX) fail(what, "pad_token must fit int32");
     const bool one = logprobs.dim() == 2;
     const int64_t batch = one ? 1 : logprobs.size(0);
