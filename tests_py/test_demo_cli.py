@@ -203,3 +203,15 @@ def test_run_markers_fall_back_to_ascii():
     assert demo._marks(io.TextIOWrapper(io.BytesIO(), encoding="utf-8")) == ("\u27e8", "\u27e9")
     assert demo.run_share(b"a" * 20 + b"bc") == (20, 20 / 22)
     assert demo.run_share(b"") == (0, 0.0)
+
+
+def test_the_console_script_names_itself(tmp_path):
+    """Run as the `kdtree` console script (pyproject's kdtree.__main__:main), usage errors
+    say `kdtree`, not `python -m kdtree`."""
+    script = tmp_path / "kdtree"
+    script.write_text("import sys\nfrom kdtree.__main__ import main\nsys.exit(main())\n")
+    env = dict(os.environ, PYTHONPATH=str(PYTHON_DIR) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(script), "--no-such-flag", "demo"], capture_output=True, text=True,
+                       env=env, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "kdtree: error: unrecognized arguments: --no-such-flag" in r.stderr
+    assert "python -m kdtree" not in r.stderr

@@ -84,3 +84,25 @@ def test_wheel_installs_and_loads_its_own_library(tmp_path):
     assert probe[2] == repr([str(package / "libkdtree.so")])
     script = _run([str(env_dir / "bin" / "kdtree"), "--version"], cwd=outside, env=env)
     assert script.stdout.strip() == f"kdtree {version}"
+
+
+def test_the_model_dependencies_agree_everywhere_they_are_named():
+    """pyproject's models extra, the nox sessions' packages and the CLI's install hint name
+    the same pins (kdtree is not on PyPI, so the hint never says pip install kdtree[...])."""
+    import ast
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["models"]
+    nox_source = (ROOT / "noxfile.py").read_text()
+    tree = ast.parse(nox_source)
+    nox_deps = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", "") == "MODEL_DEPS")
+    default_torch = nox_deps.elts[0].args[1].value  # os.environ.get("KDTREE_TORCH", <default>)
+    nox_pins = [default_torch] + [e.value for e in nox_deps.elts[1:]]
+    assert sorted(nox_pins) == sorted(extra)
+    from kdtree.apps.generate import MODELS_HINT
+
+    for pin in extra:
+        if "==" in pin:
+            assert f'"{pin}"' in MODELS_HINT, pin
+    assert not re.search(r"install\s+\"?kdtree\[", MODELS_HINT)

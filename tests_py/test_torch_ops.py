@@ -231,8 +231,8 @@ def test_the_cpp_cuda_kernels_load_where_they_are_built():
     if os.environ.get("KDTREE_EXPECT_TORCH_OPS") == "1":
         assert ops.NATIVE is not None, "libkdtree_torch was expected beside libkdtree (nox -s test builds it)"
     if ops.NATIVE is None:
-        pytest.skip("libkdtree_torch is not loaded (KDTREE_TORCH_OPS=1 with it built beside libkdtree: "
-                    "CMake -DKDTREE_TORCH_OPS=ON)")
+        pytest.skip("libkdtree_torch is not loaded: set KDTREE_TORCH_OPS=1 (nox -s test builds it beside "
+                    "libkdtree; elsewhere CMake -DKDTREE_TORCH_OPS=ON)")
     for name in EIGHT:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CUDA"), name
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CPU"), name
@@ -241,8 +241,8 @@ def test_the_cpp_cuda_kernels_load_where_they_are_built():
 
 def test_cpp_kernels_built_for_another_torch_are_not_loaded(monkeypatch):
     if ops.NATIVE is None:
-        pytest.skip("libkdtree_torch is not loaded (KDTREE_TORCH_OPS=1 with it built beside libkdtree: "
-                    "CMake -DKDTREE_TORCH_OPS=ON)")
+        pytest.skip("libkdtree_torch is not loaded: set KDTREE_TORCH_OPS=1 (nox -s test builds it beside "
+                    "libkdtree; elsewhere CMake -DKDTREE_TORCH_OPS=ON)")
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     with pytest.warns(UserWarning, match="built for torch .* this is torch 0.0.0"):
         assert ops._load_native() is None

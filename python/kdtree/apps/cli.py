@@ -16,6 +16,7 @@ import importlib
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -187,7 +188,7 @@ def plural(n: int, word: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kdtree",
+        prog="kdtree" if Path(sys.argv[0]).name == "kdtree" else "python -m kdtree",  # the console script or -m
         description="kdtree: native core for DDTree speculative decoding "
                     "(Ringel & Romano, arXiv 2604.12989).")
     from .. import __version__  # (the package's; the native library's is kdtree.library_version())

@@ -41,6 +41,11 @@ from .cli import plural as _plural
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "").replace("\n", " ")
 SHIPPED_PAIR = Path("fixtures") / "models" / "stdlib-qwen3"
+# How to install the transformer engine's packages. kdtree is not on PyPI (another project
+# holds the name there), so the hint never says "pip install kdtree[...]".
+MODELS_HINT = ('pip install torch "transformers==5.24.0" "tokenizers==0.23.3" "safetensors==0.8.0" '
+               '"accelerate==1.16.0" (add --extra-index-url https://download.pytorch.org/whl/cpu for the small CPU '
+               'build of torch); in a kdtree checkout, pip install ".[models]" or `nox -s demo`')
 
 
 def _default_models() -> Path:
@@ -194,8 +199,8 @@ def _check_plot_path(path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib (kdtree[models] and `nox -s demo` "
-                         "install it)") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (in a kdtree checkout, pip install "
+                         "\".[models]\" and `nox -s demo` install it)") from None
 
 
 def pair_source(args: argparse.Namespace) -> str:
@@ -267,7 +272,7 @@ def load_target_and_drafter(target_dir: Path, drafter_dir: Path, device: str, dt
         from transformers import AutoConfig
     except ImportError as exc:
         raise UsageError(f"the transformer engine needs torch, transformers and tokenizers ({exc}): "
-                         f"pip install \"kdtree[models]\"") from None
+                         f"{MODELS_HINT}") from None
     from ..engine import dflash
     from ..engine.drafter import CONFIG_NAME, BlockDrafterConfig, load_drafter
     from ..engine.hf import load_causal_lm
@@ -336,6 +341,9 @@ def load_pair(models: Path, device: str, dtype: str | None, *, tp: bool = False)
         has_tokenizer = is_dir and (models / "tokenizer.json").is_file()
     except OSError as exc:  # e.g. a folder this user cannot read
         raise UsageError(f"--models {models}: {exc.strerror or exc}") from None
+    if not is_dir and models == DEFAULT_MODELS:
+        raise UsageError(f"the shipped pair {models} is not here: it comes with a kdtree checkout (run from the "
+                         "checkout's root), or pass --models FOLDER (a folder written by tools/train_models.py)")
     if not is_dir:
         raise UsageError(f"--models {models}: {'not a folder' if exists else 'no such folder'} "
                          f"(expected a folder written by tools/train_models.py; the shipped pair is "
@@ -347,7 +355,7 @@ def load_pair(models: Path, device: str, dtype: str | None, *, tp: bool = False)
         from tokenizers import Tokenizer
     except ImportError as exc:
         raise UsageError(f"the transformer pair needs torch, transformers and tokenizers ({exc}): "
-                         f"pip install \"kdtree[models]\" (in a kdtree checkout `nox -s demo` installs them)") from None
+                         f"{MODELS_HINT}") from None
     from ..engine import dflash
     from ..engine.drafter import load_drafter
     from ..engine.hf import load_causal_lm
@@ -560,8 +568,7 @@ def run(args: argparse.Namespace, *, header: str = "kdtree generate") -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise UsageError("the transformer pair needs torch, transformers and tokenizers: pip install "
-                         "\"kdtree[models]\" (in a kdtree checkout `nox -s demo` installs them)") from None
+        raise UsageError(f"the transformer pair needs torch, transformers and tokenizers: {MODELS_HINT}") from None
     _check_device(args.device)
     if getattr(args, "tp", False):
         start_tp(args)
