@@ -226,17 +226,34 @@ def test_a_compiled_status_round_has_no_graph_break_and_matches_eager():
 
 
 def test_the_cpp_cuda_kernels_load_where_they_are_built():
-    """libkdtree_torch beside libkdtree (CI builds it) registers the eight operators' CUDA
-    kernels with the dispatcher; CPU tensors and ragged_trees keep the Python kernels."""
+    """libkdtree_torch beside libkdtree (CI builds it) defines the eight operators and their
+    CUDA kernels; their CPU kernels, and ragged_trees, are the Python ones."""
     if os.environ.get("KDTREE_EXPECT_TORCH_OPS") == "1":
         assert ops.NATIVE is not None, "libkdtree_torch was expected beside libkdtree (nox -s test builds it)"
     if ops.NATIVE is None:
         pytest.skip("libkdtree_torch is not loaded: set KDTREE_TORCH_OPS=1 (nox -s test builds it beside "
                     "libkdtree; elsewhere CMake -DKDTREE_TORCH_OPS=ON)")
-    for name in EIGHT:
+    for name in EIGHT:  # C++ schemas and CUDA kernels, Python CPU kernels on them
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CUDA"), name
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CPU"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{name}", "CPU"), name
+        assert isinstance(getattr(ops, name), ops._NativeOp), name
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::ragged_trees", "CUDA")
+    assert not isinstance(ops.ragged_trees, ops._NativeOp)
+
+
+def test_the_python_definitions_pass_these_tests_too(tmp_path):
+    """With libkdtree_torch loaded here, this file's tests again in a process without it
+    (the operators then defined by torch.library.custom_op), so CI runs both definitions."""
+    if ops.NATIVE is None:
+        pytest.skip("libkdtree_torch is not loaded here: this process already runs the Python definitions")
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KDTREE_TORCH_OPS="0", KDTREE_EXPECT_TORCH_OPS="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                        "-k", "not the_python_definitions"], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def test_cpp_kernels_built_for_another_torch_are_not_loaded(monkeypatch):

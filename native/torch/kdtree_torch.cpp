@@ -1,7 +1,8 @@
-// CUDA kernels of kdtree's torch operators (kdtree.torch_ops), in C++: the operators are
-// defined in Python (torch.library.custom_op: schemas, fake kernels, the CPU path); this
-// library registers their CUDA implementations with the dispatcher (TORCH_LIBRARY_IMPL),
-// which takes them over the Python ones for CUDA tensors. A call then costs torch's C++
+// CUDA kernels of kdtree's torch operators (kdtree.torch_ops), in C++: this library defines
+// the operators' schemas (TORCH_LIBRARY_FRAGMENT) and their CUDA kernels
+// (TORCH_LIBRARY_IMPL); kdtree.torch_ops registers the CPU kernels (the Python functions)
+// and the fake kernels on them. Without this library kdtree.torch_ops defines the same
+// operators in Python (torch.library.custom_op). A call then costs torch's C++
 // dispatch and the library's host-side checks instead of Python: the same libkdtree calls
 // as kdtree.topk_logprobs, build_trees, verify_greedy_from_logits and compact_kv on the
 // same tensors, so the results are the same bits.
@@ -583,6 +584,30 @@ Tensor compact_kv_status(at::TensorList k_layers, at::TensorList v_layers, const
 }
 
 }  // namespace
+
+// The schemas (the same as kdtree.torch_ops's Python definitions without this library), so
+// that a call runs no Python between torch.ops and the kernel on CUDA tensors; the CPU and
+// fake kernels are registered on them from Python.
+TORCH_LIBRARY_FRAGMENT(kdtree, m) {
+    m.def("topk_logprobs(Tensor logits, SymInt k) -> (Tensor, Tensor)");
+    m.def("build_trees(Tensor logprobs, Tensor token_ids, SymInt budget, Tensor? root_tokens=None, "
+          "Tensor? root_positions=None, SymInt pad_token=-1, Tensor? request_budgets=None, "
+          "Tensor? request_depths=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+          "Tensor)");
+    m.def("verify_greedy_from_logits(Tensor[] fields, SymInt budget, SymInt depth, Tensor target_logits, "
+          "SymInt[] stop_tokens, Tensor? max_commit) -> (Tensor, Tensor, Tensor)");
+    m.def("compact_kv(Tensor(a0!)[] k_layers, Tensor(a1!)[] v_layers, Tensor prefix_lengths, Tensor accepted_nodes, "
+          "Tensor accept_length, Tensor bonus_token) -> ()");
+    m.def("topk_logprobs_status(Tensor logits, SymInt k) -> (Tensor, Tensor, Tensor)");
+    m.def("build_trees_status(Tensor logprobs, Tensor token_ids, SymInt budget, Tensor? root_tokens=None, "
+          "Tensor? root_positions=None, SymInt pad_token=-1, Tensor? request_budgets=None, "
+          "Tensor? request_depths=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+          "Tensor, Tensor)");
+    m.def("verify_greedy_from_logits_status(Tensor[] fields, SymInt budget, SymInt depth, Tensor target_logits, "
+          "SymInt[] stop_tokens, Tensor? max_commit) -> (Tensor, Tensor, Tensor, Tensor)");
+    m.def("compact_kv_status(Tensor(a0!)[] k_layers, Tensor(a1!)[] v_layers, Tensor prefix_lengths, "
+          "Tensor accepted_nodes, Tensor accept_length, Tensor bonus_token) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
     m.impl("topk_logprobs", &topk_logprobs);

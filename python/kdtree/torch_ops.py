@@ -32,7 +32,8 @@ only (``max_commit`` a tensor, not an int or a list). Tested on the CPU eagerly,
 holds ``libkdtree_torch.so`` (CMake ``-DKDTREE_TORCH_OPS=ON``; ``nox -s test`` builds it)
 built for the torch that is imported, the four operators' and their ``*_status`` forms'
 CUDA kernels are its C++ ones (``NATIVE`` is then its path; off by default until they
-have run on a GPU): the same libkdtree calls without Python's dispatch and argument handling, a few
+have run on a GPU; the library then defines those eight operators' schemas, the same as
+the Python definitions, and the CPU and fake kernels below are registered on them): the same libkdtree calls without Python's dispatch and argument handling, a few
 microseconds of host work a call instead of ~50-300 (``tools/bench_torch_ops.py``). They
 raise ValueError (TypeError for a dtype) and, like the Python kernels, read the statuses
 back to raise on a failed request, which synchronises the stream. ``ragged_trees`` and
@@ -112,7 +113,70 @@ def _caps(max_commit: Tensor | None, batch: int):
     return max_commit.to(torch.int64).contiguous()
 
 
-@torch.library.custom_op("kdtree::topk_logprobs", mutates_args=())
+def _load_native() -> str | None:
+    """Loads libkdtree_torch (the C++ CUDA kernels) from the loaded libkdtree's folder when it
+    was built for this torch and ``KDTREE_TORCH_OPS=1``; returns its path, or None (the
+    Python kernels stay)."""
+    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT) != "1":
+        return None
+    from . import _native
+
+    folder = Path(_native.load()._kdtree_path).resolve().parent
+    path = folder / "libkdtree_torch.so"
+    if not path.is_file():
+        return None
+    stamp = folder / "libkdtree_torch.torch-version"
+    built_for = stamp.read_text().strip() if stamp.is_file() else "an unknown torch"
+    if built_for != torch.__version__:
+        warnings.warn(f"{path} was built for torch {built_for}, this is torch {torch.__version__}: the torch "
+                      "operators keep their Python kernels (rebuild with -DKDTREE_TORCH_OPS=ON)", stacklevel=2)
+        return None
+    torch.ops.load_library(str(path))
+    return str(path)
+
+
+# Whether the C++ CUDA kernels load without KDTREE_TORCH_OPS set: not until they have run
+# against the tests on a GPU (they compile and register here; their GPU tests are written).
+_NATIVE_DEFAULT = "0"
+NATIVE: str | None = _load_native()
+"""The path of the loaded libkdtree_torch (the C++ CUDA kernels), or None."""
+
+# The operators libkdtree_torch defines (schemas in C++, so that a call on CUDA tensors runs
+# no Python between torch.ops and the kernel); their CPU kernels and fake kernels are the
+# Python functions below either way.
+_NATIVE_OPS = ("topk_logprobs", "build_trees", "verify_greedy_from_logits", "compact_kv", "topk_logprobs_status",
+               "build_trees_status", "verify_greedy_from_logits_status", "compact_kv_status")
+
+
+class _NativeOp:
+    """An operator defined by libkdtree_torch: `fn` becomes its CPU kernel; register_fake
+    registers its fake kernel; calling it calls the operator."""
+
+    def __init__(self, name: str, fn):
+        self._name = f"kdtree::{name}"
+        torch.library.impl(self._name, "CPU")(fn)
+        self.__doc__, self.__wrapped__ = fn.__doc__, fn
+        self._op = getattr(torch.ops.kdtree, name)
+
+    def register_fake(self, fake):
+        torch.library.register_fake(self._name)(fake)
+        return fake
+
+    def __call__(self, *args, **kwargs):
+        return self._op(*args, **kwargs)
+
+
+def _op(name: str, mutates_args=()):
+    """torch.library.custom_op for `name`, or, when libkdtree_torch defines it, its CPU
+    kernel (the same Python function) on the C++ definition."""
+    def register(fn):
+        if NATIVE is not None and name in _NATIVE_OPS:
+            return _NativeOp(name, fn)
+        return torch.library.custom_op(f"kdtree::{name}", mutates_args=mutates_args)(fn)
+    return register
+
+
+@_op("topk_logprobs", ())
 def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(logprobs float32 [..., k], ids int32 [..., k]) of :func:`kdtree.topk_logprobs`."""
     lp, ids = api.topk_logprobs(_arg(logits), k)
@@ -125,7 +189,7 @@ def _(logits, k):
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
 
 
-@torch.library.custom_op("kdtree::build_trees", mutates_args=())
+@_op("build_trees", ())
 def build_trees(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None = None,
                 root_positions: Tensor | None = None, pad_token: int = -1, request_budgets: Tensor | None = None,
                 request_depths: Tensor | None = None
@@ -156,7 +220,7 @@ def _build_fake(logprobs, budget):
     return tuple(out)
 
 
-@torch.library.custom_op("kdtree::verify_greedy_from_logits", mutates_args=())
+@_op("verify_greedy_from_logits", ())
 def verify_greedy_from_logits(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
                               stop_tokens: list[int], max_commit: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(accepted_nodes int32 [B, min(depth, budget) + 1], accept_length int32 [B],
@@ -179,7 +243,7 @@ def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
             new((batch,), dtype=torch.int32))
 
 
-@torch.library.custom_op("kdtree::compact_kv", mutates_args=("k_layers", "v_layers"))
+@_op("compact_kv", ("k_layers", "v_layers"))
 def compact_kv(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: Tensor, accepted_nodes: Tensor,
                accept_length: Tensor, bonus_token: Tensor) -> None:
     """:func:`kdtree.compact_kv` on ``[B, H, S, D]`` caches, in place (CPU tensors through
@@ -200,7 +264,7 @@ def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_t
     return None
 
 
-@torch.library.custom_op("kdtree::topk_logprobs_status", mutates_args=())
+@_op("topk_logprobs_status", ())
 def topk_logprobs_status(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """(logprobs, ids, row_status int32 [...]) of :func:`kdtree.topk_logprobs` with
     ``errors="status"``."""
@@ -216,7 +280,7 @@ def _(logits, k):
             logits.new_empty(lead, dtype=torch.int32))
 
 
-@torch.library.custom_op("kdtree::build_trees_status", mutates_args=())
+@_op("build_trees_status", ())
 def build_trees_status(logprobs: Tensor, token_ids: Tensor, budget: int, root_tokens: Tensor | None = None,
                        root_positions: Tensor | None = None, pad_token: int = -1,
                        request_budgets: Tensor | None = None, request_depths: Tensor | None = None
@@ -238,7 +302,7 @@ def _(logprobs, token_ids, budget, root_tokens=None, root_positions=None, pad_to
     return (*fields, logprobs.new_empty(fields[0].shape, dtype=torch.int32))
 
 
-@torch.library.custom_op("kdtree::verify_greedy_from_logits_status", mutates_args=())
+@_op("verify_greedy_from_logits_status", ())
 def verify_greedy_from_logits_status(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
                                      stop_tokens: list[int], max_commit: Tensor | None
                                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -260,7 +324,7 @@ def _(fields, budget, depth, target_logits, stop_tokens, max_commit):
             new((batch,), dtype=torch.int32), new((batch,), dtype=torch.int32))
 
 
-@torch.library.custom_op("kdtree::compact_kv_status", mutates_args=("k_layers", "v_layers"))
+@_op("compact_kv_status", ("k_layers", "v_layers"))
 def compact_kv_status(k_layers: list[Tensor], v_layers: list[Tensor], prefix_lengths: Tensor,
                       accepted_nodes: Tensor, accept_length: Tensor, bonus_token: Tensor) -> Tensor:
     """:func:`compact_kv` with ``errors="status"``: the int32 ``[B]`` request statuses (a
@@ -276,7 +340,7 @@ def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_t
     return accepted_nodes.new_empty((accepted_nodes.shape[0],), dtype=torch.int32)
 
 
-@torch.library.custom_op("kdtree::ragged_trees", mutates_args=())
+@_op("ragged_trees", ())
 def ragged_trees(fields: list[Tensor], budget: int, depth: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(cu_rows, row_request, row_node, tokens, depths, parents, positions, visibility_bits)
@@ -293,32 +357,3 @@ def _(fields, budget, depth):
     cap, new = batch * rows, fields[0].new_empty
     return (new((batch + 1,), dtype=torch.int32), *(new((cap,), dtype=torch.int32) for _ in range(5)),
             new((cap,), dtype=torch.int64), new((cap, (rows + 31) // 32), dtype=torch.uint32))
-
-
-def _load_native() -> str | None:
-    """Loads libkdtree_torch (the C++ CUDA kernels) from the loaded libkdtree's folder when it
-    was built for this torch and ``KDTREE_TORCH_OPS=1``; returns its path, or None (the
-    Python kernels stay)."""
-    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT) != "1":
-        return None
-    from . import _native
-
-    folder = Path(_native.load()._kdtree_path).resolve().parent
-    path = folder / "libkdtree_torch.so"
-    if not path.is_file():
-        return None
-    stamp = folder / "libkdtree_torch.torch-version"
-    built_for = stamp.read_text().strip() if stamp.is_file() else "an unknown torch"
-    if built_for != torch.__version__:
-        warnings.warn(f"{path} was built for torch {built_for}, this is torch {torch.__version__}: the torch "
-                      "operators keep their Python kernels (rebuild with -DKDTREE_TORCH_OPS=ON)", stacklevel=2)
-        return None
-    torch.ops.load_library(str(path))
-    return str(path)
-
-
-# Whether the C++ CUDA kernels load without KDTREE_TORCH_OPS set: not until they have run
-# against the tests on a GPU (they compile and register here; their GPU tests are written).
-_NATIVE_DEFAULT = "0"
-NATIVE: str | None = _load_native()
-"""The path of the loaded libkdtree_torch (the C++ CUDA kernels), or None."""
