@@ -278,8 +278,8 @@ def shard_summary(local_logits, k: int, vocab_offset: int):
         int32 ``[rows, summary_width(k, dtype)]`` (rows = the leading axes' product; 4 bytes
         a word), :func:`kdtree.topk_shard`'s four fields (the first three bit for bit, the
         rest within float64 rounding: on the GPU kdt_topk_shard_stats_cuda sums it in
-        another order than the CPU): the slice's k largest logits best first (ties: lower id; the selection of :func:`kdtree.topk_logprobs`)
-        in ``ceil(k / 2)`` words for float16 and bfloat16 logits (their own 16-bit values,
+        another order than the CPU): the slice's k largest logits best first (ties: lower
+        id; the selection of :func:`kdtree.topk_logprobs`) in ``ceil(k / 2)`` words for float16 and bfloat16 logits (their own 16-bit values,
         two a word, the first in the low half, a zero half after an odd k; exact, since they
         are the inputs) or k words for float32 (the float32 bits), their global ids (k
         int32), the slice's max (float32 bits) and the rest of its sum of exponentials
