@@ -5,7 +5,8 @@
 # torch operators' host cost); the
 # CUDA C tests; the GPU pytest files; compute-sanitizer memcheck and racecheck over the
 # Python GPU tests of the new kernels.
-# Usage: tools/device_serving.sh [build] [bench] [ctest] [pytest] [sanitize]   (default: all)
+# Usage: tools/device_serving.sh [build] [bench] [ctest] [pytest] [sanitize] [cpp-ops]
+#   (default: all but cpp-ops)
 # Logs go to $OUT (default /tmp/kdt-out). Needs torch with CUDA and the pinned transformers
 # (carry the wheels: pip install --no-deps .whl/*.whl).
 set -uo pipefail
@@ -57,6 +58,17 @@ for step in "${steps[@]}"; do
         tests_py/test_request_limits.py -q -p no:cacheprovider -k "gpu" > "$OUT/sanitize-$tool.txt" 2>&1
       say "$tool: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitize-$tool.txt" | tail -1))"
     done ;;
+  cpp-ops)
+    # the C++ torch-operator kernels' error paths, alone and under gdb where it is installed (a
+    # segmentation fault in the raising topk_logprobs on a NaN row was seen on an H200 on
+    # 2026-12-05, c3ab3b8): the backtrace goes to $OUT/cpp-ops.txt
+    python3 -X faulthandler -m pytest tests_py/test_torch_ops.py -q -p no:cacheprovider -rs > "$OUT/cpp-ops.txt" 2>&1
+    say "C++ operator tests: exit $? ($(grep -E '[0-9]+ (passed|failed)' "$OUT/cpp-ops.txt" | tail -1))"
+    if command -v gdb > /dev/null; then
+      gdb -batch -ex run -ex bt --args python3 -m pytest tests_py/test_torch_ops.py -q -p no:cacheprovider \
+        -k errors >> "$OUT/cpp-ops.txt" 2>&1
+      grep -E "^#[0-9]+ " "$OUT/cpp-ops.txt" | head -30
+    fi ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done
