@@ -5,8 +5,8 @@
 # torch operators' host cost); the
 # CUDA C tests; the GPU pytest files; compute-sanitizer memcheck and racecheck over the
 # Python GPU tests of the new kernels.
-# Usage: tools/device_serving.sh [build] [bench] [ctest] [pytest] [sanitize] [cpp-ops]
-#   (default: all but cpp-ops)
+# Usage: tools/device_serving.sh [build] [bench] [ctest] [pytest] [sanitize] [profile] [cpp-ops]
+#   (default: all but profile and cpp-ops)
 # Logs go to $OUT (default /tmp/kdt-out). Needs torch with CUDA and the pinned transformers
 # (carry the wheels: pip install --no-deps .whl/*.whl).
 set -uo pipefail
@@ -57,6 +57,17 @@ for step in "${steps[@]}"; do
         python3 -m pytest tests_py/test_ragged.py tests_py/test_topk_sharded.py tests_py/test_stop_sequences.py \
         tests_py/test_request_limits.py -q -p no:cacheprovider -k "gpu" > "$OUT/sanitize-$tool.txt" 2>&1
       say "$tool: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitize-$tool.txt" | tail -1))"
+    done ;;
+  profile)
+    # where the sharded merge's warp kernel and the shard statistics kernel spend their time
+    # (the merge's goal is < 10 us; 18.9 us on an H200, c3ab3b8): ncu's summary and stall
+    # reasons for one launch of each, from bench_gpu's merge section
+    for kernel in merge_warp_kernel shard_stats_kernel; do
+      ncu --clock-control none --kernel-name "regex:$kernel" --launch-count 1 --set full \
+        python3 tools/bench_gpu.py --skip topk build round attention limits --repeats 3 \
+        > "$OUT/ncu-$kernel.txt" 2>&1
+      grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy|Stall [A-Z]" \
+        "$OUT/ncu-$kernel.txt" | head -16
     done ;;
   cpp-ops)
     # the C++ torch-operator kernels' error paths, alone and under gdb where it is installed (a
