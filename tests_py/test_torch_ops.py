@@ -159,6 +159,72 @@ def test_malformed_tree_fields_are_named():
         torch.ops.kdtree.verify_greedy_from_logits([fields[0][0]] + fields[1:], budget, 4, target, [], None)
 
 
+def _sampling_settings(batch, device="cpu"):
+    return dict(temperature=torch.tensor([0.8, 0.0, 1.3][:batch], device=device),
+                seed=torch.tensor([5, 6, 7][:batch], device=device),
+                offset=torch.tensor([0, 1, 2][:batch], device=device),
+                top_p=torch.tensor([0.9, 1.0, 0.5][:batch], device=device),
+                top_k=torch.tensor([0, 3, 5][:batch], dtype=torch.int32, device=device))
+
+
+def test_sampled_verify_and_mask_ops_equal_the_functions():
+    """The sampled verify (per-request temperature, seed, offset, top-p, top-k as tensors)
+    and the dense tree attention masks as operators: the functions' values, opcheck's
+    schema and fake checks, and a compiled round of them without a graph break."""
+    drafter, roots, positions, target, width, budget = round_inputs(10)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    trees = ops.tree_batch(fields, budget, drafter.shape[1])
+    st = _sampling_settings(3)
+    got = torch.ops.kdtree.verify_sample_from_logits(fields, budget, 4, target, st["temperature"], st["seed"],
+                                                     st["offset"], st["top_p"], st["top_k"], [7], None)
+    want = kdtree.verify_sample_from_logits(trees, target.numpy(), st["temperature"].float().numpy(),
+                                            seed=st["seed"].numpy(), offset=st["offset"].numpy(),
+                                            top_p=st["top_p"].numpy(), top_k=st["top_k"].numpy(), stop_tokens=[7])
+    for a, b in zip(got, (want.accepted_nodes, want.accept_length, want.bonus_token), strict=True):
+        assert np.array_equal(a.numpy(), b)
+    *same, status = torch.ops.kdtree.verify_sample_from_logits_status(fields, budget, 4, target, st["temperature"],
+                                                                      st["seed"], st["offset"], None, None, [], None)
+    plain = kdtree.verify_sample_from_logits(trees, target.numpy(), st["temperature"].numpy(), seed=st["seed"].numpy(),
+                                             offset=st["offset"].numpy())
+    assert np.array_equal(same[0].numpy(), plain.accepted_nodes) and status.tolist() == [0, 0, 0]
+    prefix = torch.tensor([5, 0, 11])
+    columns = 11 + budget + 1 + 3
+    for kind, dtype in (("bool", None), ("bits", None), ("additive", torch.float32), ("additive", torch.bfloat16)):
+        mask, pos = torch.ops.kdtree.tree_attention_mask(fields, budget, 4, prefix, kind, columns, dtype)
+        ref = kdtree.tree_attention_mask(trees, prefix.numpy(), kind=kind, dtype=dtype or "float32", columns=columns)
+        want_mask = ops._tensor(ref.mask)
+        assert mask.dtype == want_mask.dtype and torch.equal(mask, want_mask), kind
+        assert np.array_equal(pos.numpy(), ref.positions)
+        torch.library.opcheck(torch.ops.kdtree.tree_attention_mask.default,
+                              (fields, budget, 4, prefix, kind, columns, dtype))
+    with pytest.raises(kdtree.KdtreeError, match="flashinfer"):
+        torch.ops.kdtree.tree_attention_mask(fields, budget, 4, prefix, "flashinfer", columns)
+    with pytest.raises(kdtree.KdtreeError):  # the columns cannot hold requests 0 and 2's prefixes and trees
+        torch.ops.kdtree.tree_attention_mask(fields, budget, 4, prefix, "bool", 12)
+    mask, pos, status = torch.ops.kdtree.tree_attention_mask_status(fields, budget, 4, prefix, "bool", 12)
+    # requests 0 and 2 (5 + 10 and 11 + 10 columns) do not fit 12: hidden whole, status KDT_ERR_OUT_OF_RANGE
+    assert status.tolist() == [5, 0, 5] and not bool(mask[0].any()) and not bool(mask[2].any())
+    assert bool(mask[1].any())
+    torch.library.opcheck(torch.ops.kdtree.verify_sample_from_logits_status.default,
+                          (fields, budget, 4, target, st["temperature"], st["seed"], st["offset"], st["top_p"],
+                           st["top_k"], [7], torch.tensor([2, 9, 1])))
+
+    def sampled_round(drafter, target, prefix, temperature, seed, offset):
+        lp, ids, _ = torch.ops.kdtree.topk_logprobs_status(drafter, width)
+        *fields, _ = torch.ops.kdtree.build_trees_status(lp, ids, budget, roots, positions, -1)
+        mask, pos, _ = torch.ops.kdtree.tree_attention_mask_status(fields, budget, 4, prefix, "bits", columns)
+        out = torch.ops.kdtree.verify_sample_from_logits_status(fields, budget, 4, target, temperature, seed, offset,
+                                                                None, None, [], None)
+        return (mask, pos, *out)
+
+    args = (drafter, target, prefix, st["temperature"], st["seed"], st["offset"])
+    eager = sampled_round(*args)
+    compiled = torch.compile(sampled_round, fullgraph=True, backend="aot_eager")(*args)
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_build_op_on_one_request_without_a_batch_axis():
     drafter, roots, positions, target, width, budget = round_inputs(4)
     lp, ids = torch.ops.kdtree.topk_logprobs(drafter[0], width)  # [L, K]
@@ -416,3 +482,26 @@ def test_gpu_status_round_in_a_cuda_graph_equals_eager():
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_sampled_verify_and_mask_ops_equal_the_gpu_functions():
+    drafter, roots, positions, target, width, budget = round_inputs(11)
+    drafter, roots, positions, target = _cuda(drafter, roots, positions, target)
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    trees = ops.tree_batch(fields, budget, 4)
+    st = _sampling_settings(3, "cuda")
+    st["temperature"] = st["temperature"].float()
+    got = torch.ops.kdtree.verify_sample_from_logits(fields, budget, 4, target, st["temperature"], st["seed"],
+                                                     st["offset"], st["top_p"].float(), st["top_k"], [7], None)
+    want = kdtree.verify_sample_from_logits(trees, target, st["temperature"], seed=st["seed"], offset=st["offset"],
+                                            top_p=st["top_p"].float(), top_k=st["top_k"], stop_tokens=[7])
+    for a, b in zip(got, (want.accepted_nodes, want.accept_length, want.bonus_token), strict=True):
+        assert torch.equal(a, b)
+    prefix = torch.tensor([5, 0, 11], device="cuda")
+    for kind, dtype in (("bool", None), ("bits", None), ("additive", torch.bfloat16)):
+        mask, pos = torch.ops.kdtree.tree_attention_mask(fields, budget, 4, prefix, kind, 40, dtype)
+        ref = kdtree.tree_attention_mask(trees, prefix, kind=kind, dtype=dtype or "float32", columns=40)
+        assert torch.equal(mask, ref.mask) and torch.equal(pos, ref.positions), kind

@@ -9,10 +9,13 @@ Importing this module registers, under the ``kdtree`` namespace:
 ``torch.ops.kdtree.verify_greedy_from_logits``  :func:`kdtree.verify_greedy_from_logits`
 ``torch.ops.kdtree.compact_kv``             :func:`kdtree.compact_kv` (mutates the caches)
 ``torch.ops.kdtree.ragged_trees``           :func:`kdtree.ragged_trees` (the packed rows)
+``torch.ops.kdtree.verify_sample_from_logits``  :func:`kdtree.verify_sample_from_logits`
+``torch.ops.kdtree.tree_attention_mask``    :func:`kdtree.tree_attention_mask` (dense kinds)
 ==========================================  ===============================================
 
 and ``topk_logprobs_status``, ``build_trees_status``,
-``verify_greedy_from_logits_status`` and ``compact_kv_status``: the same calls with
+``verify_greedy_from_logits_status``, ``compact_kv_status``,
+``verify_sample_from_logits_status`` and ``tree_attention_mask_status``: the same calls with
 ``errors="status"``, the per-row (top-k: the logits' leading shape) or per-request int32
 statuses (0 = KDT_OK) appended to the outputs (``compact_kv_status`` returns them), and no
 exception for a failed row or request (its outputs are the function's documented
@@ -82,7 +85,12 @@ def tree_batch(fields, budget: int, depth: int) -> TreeBatch:
 
 
 def _tensor(a) -> Tensor:
-    return a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+    if isinstance(a, Tensor):
+        return a
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":  # ml_dtypes' (no torch.from_numpy): the same bits
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _host(x: Tensor):
@@ -338,6 +346,120 @@ def compact_kv_status(k_layers: list[Tensor], v_layers: list[Tensor], prefix_len
 @compact_kv_status.register_fake
 def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_token):
     return accepted_nodes.new_empty((accepted_nodes.shape[0],), dtype=torch.int32)
+
+
+def _settings(x: Tensor | None):
+    """A per-request sampling setting as the function takes it: a CUDA tensor as it is
+    (float32 / int64 / int32 ``[B]``, checked there), a CPU one as its numpy values."""
+    return None if x is None else (x if x.is_cuda else x.detach().numpy())
+
+
+def _verify_sample(fields, budget, depth, target_logits, temperature, seed, offset, top_p, top_k, stop_tokens,
+                   max_commit, errors):
+    trees = tree_batch(fields, budget, depth)
+    return api.verify_sample_from_logits(
+        trees, _arg(target_logits), _settings(temperature), seed=_settings(seed), offset=_settings(offset),
+        top_p=_settings(top_p), top_k=_settings(top_k), stop_tokens=stop_tokens,
+        max_commit=_caps(max_commit, trees.batch), errors=errors)
+
+
+@_op("verify_sample_from_logits", ())
+def verify_sample_from_logits(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
+                              temperature: Tensor, seed: Tensor, offset: Tensor, top_p: Tensor | None,
+                              top_k: Tensor | None, stop_tokens: list[int], max_commit: Tensor | None
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(accepted_nodes, accept_length, bonus_token) of :func:`kdtree.verify_sample_from_logits`:
+    the per-request settings as tensors, ``temperature`` (float32; 0: greedy for that
+    request), ``seed`` and ``offset`` (int64; advance the offset every round), ``top_p``
+    (float32) and ``top_k`` (int32) or None: ``[B]`` on CUDA (read by the kernel, so a
+    captured round replays with the values they hold then), ``[B]`` or 0-d on the CPU."""
+    acc = _verify_sample(fields, budget, depth, target_logits, temperature, seed, offset, top_p, top_k, stop_tokens,
+                         max_commit, "raise")
+    return _tensor(acc.accepted_nodes), _tensor(acc.accept_length), _tensor(acc.bonus_token)
+
+
+@verify_sample_from_logits.register_fake
+def _(fields, budget, depth, target_logits, temperature, seed, offset, top_p, top_k, stop_tokens, max_commit):
+    _check_fields(fields)
+    batch, new = fields[0].shape[0], target_logits.new_empty
+    return (new((batch, min(depth, budget) + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
+            new((batch,), dtype=torch.int32))
+
+
+@_op("verify_sample_from_logits_status", ())
+def verify_sample_from_logits_status(fields: list[Tensor], budget: int, depth: int, target_logits: Tensor,
+                                     temperature: Tensor, seed: Tensor, offset: Tensor, top_p: Tensor | None,
+                                     top_k: Tensor | None, stop_tokens: list[int], max_commit: Tensor | None
+                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`verify_sample_from_logits` (the operator) with ``errors="status"``: its three
+    outputs and the int32 ``[B]`` request statuses."""
+    acc = _verify_sample(fields, budget, depth, target_logits, temperature, seed, offset, top_p, top_k, stop_tokens,
+                         max_commit, "status")
+    return (_tensor(acc.accepted_nodes), _tensor(acc.accept_length), _tensor(acc.bonus_token),
+            _tensor(acc.request_status))
+
+
+@verify_sample_from_logits_status.register_fake
+def _(fields, budget, depth, target_logits, temperature, seed, offset, top_p, top_k, stop_tokens, max_commit):
+    _check_fields(fields)
+    batch, new = fields[0].shape[0], target_logits.new_empty
+    return (new((batch, min(depth, budget) + 1), dtype=torch.int32), new((batch,), dtype=torch.int32),
+            new((batch,), dtype=torch.int32), new((batch,), dtype=torch.int32))
+
+
+_MASK_KINDS = ("bool", "bits", "additive")
+
+
+def _mask(fields, budget, depth, prefix_lengths, kind, columns, dtype, errors):
+    from .core import checks
+
+    if kind not in _MASK_KINDS:
+        raise checks.invalid(f"kind must be one of {_MASK_KINDS} for the operator (FlashInfer's packed layout has "
+                             f"a data-dependent size: call kdtree.tree_attention_mask), got {kind!r}")
+    return api.tree_attention_mask(tree_batch(fields, budget, depth), _arg(prefix_lengths), kind=kind,
+                                   dtype=dtype if dtype is not None else "float32", columns=columns, errors=errors)
+
+
+def _mask_fake(fields, budget, prefix_lengths, kind, columns, dtype):
+    _check_fields(fields)
+    batch, rows, new = fields[0].shape[0], budget + 1, fields[0].new_empty
+    if kind == "bits":
+        mask = new((batch, rows, (columns + 31) // 32), dtype=torch.uint32)
+    else:
+        mask = new((batch, rows, columns), dtype=torch.bool if kind == "bool" else (dtype or torch.float32))
+    return mask, new((batch, rows), dtype=torch.int64)
+
+
+@_op("tree_attention_mask", ())
+def tree_attention_mask(fields: list[Tensor], budget: int, depth: int, prefix_lengths: Tensor, kind: str,
+                        columns: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """(mask, positions int64 ``[B, N+1]``) of :func:`kdtree.tree_attention_mask` with
+    ``kind`` ``"bool"`` (bool ``[B, N+1, C]``), ``"bits"`` (uint32 ``[B, N+1, ceil(C/32)]``)
+    or ``"additive"`` (``dtype``: float32, float16 or bfloat16, ``[B, N+1, C]``) and C =
+    ``columns`` (required: the output's shape must not depend on the values of
+    ``prefix_lengths``; at least ``max(p) + N + 1``)."""
+    m = _mask(fields, budget, depth, prefix_lengths, kind, columns, dtype, "raise")
+    return _tensor(m.mask), _tensor(m.positions)
+
+
+@tree_attention_mask.register_fake
+def _(fields, budget, depth, prefix_lengths, kind, columns, dtype=None):
+    return _mask_fake(fields, budget, prefix_lengths, kind, columns, dtype)
+
+
+@_op("tree_attention_mask_status", ())
+def tree_attention_mask_status(fields: list[Tensor], budget: int, depth: int, prefix_lengths: Tensor, kind: str,
+                               columns: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`tree_attention_mask` (the operator) with ``errors="status"``: mask, positions
+    and the int32 ``[B]`` request statuses (a failed request's rows all hidden)."""
+    m = _mask(fields, budget, depth, prefix_lengths, kind, columns, dtype, "status")
+    return _tensor(m.mask), _tensor(m.positions), _tensor(m.request_status)
+
+
+@tree_attention_mask_status.register_fake
+def _(fields, budget, depth, prefix_lengths, kind, columns, dtype=None):
+    mask, positions = _mask_fake(fields, budget, prefix_lengths, kind, columns, dtype)
+    return mask, positions, fields[0].new_empty((fields[0].shape[0],), dtype=torch.int32)
 
 
 @_op("ragged_trees", ())
