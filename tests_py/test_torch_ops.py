@@ -225,6 +225,25 @@ def test_sampled_verify_and_mask_ops_equal_the_functions():
         assert torch.equal(a, b)
 
 
+def test_tree_attention_op_shapes_and_its_cpu_error():
+    """The verify forward's attention as an operator: its fake kernel's shapes (meta
+    tensors: what torch.compile propagates) and, on CPU tensors, kdtree's error."""
+    meta = dict(device="meta")
+    q = torch.empty(2, 5, 8, 64, dtype=torch.bfloat16, **meta)
+    kv = torch.empty(2, 2, 40, 64, dtype=torch.bfloat16, **meta)
+    fields = [torch.empty(2, dtype=torch.int32, **meta)] + [torch.empty(2, 5, **meta)] * 9
+    prefix = torch.empty(2, dtype=torch.int64, **meta)
+    assert torch.ops.kdtree.tree_attention(q, kv, kv, fields, 4, 3, prefix).shape == (2, 5, 8, 64)
+    out, lse, status = torch.ops.kdtree.tree_attention_status(q, kv, kv, fields, 4, 3, prefix)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype, status.shape) == ((2, 5, 8, 64), torch.bfloat16, (2, 5, 8),
+                                                                          torch.float32, (2,))
+    drafter, roots, positions, target, width, budget = round_inputs(12)
+    fields = list(torch.ops.kdtree.build_trees(*torch.ops.kdtree.topk_logprobs(drafter, width), budget))
+    with pytest.raises(kdtree.KdtreeError, match="runs on the GPU"):
+        torch.ops.kdtree.tree_attention(torch.zeros(3, 10, 4, 64), torch.zeros(3, 2, 40, 64), torch.zeros(3, 2, 40, 64),
+                                        fields, budget, 4, positions)
+
+
 def test_build_op_on_one_request_without_a_batch_axis():
     drafter, roots, positions, target, width, budget = round_inputs(4)
     lp, ids = torch.ops.kdtree.topk_logprobs(drafter[0], width)  # [L, K]
@@ -505,3 +524,24 @@ def test_gpu_sampled_verify_and_mask_ops_equal_the_gpu_functions():
         mask, pos = torch.ops.kdtree.tree_attention_mask(fields, budget, 4, prefix, kind, 40, dtype)
         ref = kdtree.tree_attention_mask(trees, prefix, kind=kind, dtype=dtype or "float32", columns=40)
         assert torch.equal(mask, ref.mask) and torch.equal(pos, ref.positions), kind
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tree_attention_op_equals_the_function():
+    drafter, roots, positions, target, width, budget = round_inputs(13)
+    drafter, roots = _cuda(drafter, roots)
+    prefix = torch.tensor([5, 0, 11], device="cuda")
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter, width)
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, prefix, -1))
+    trees = ops.tree_batch(fields, budget, 4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(3, budget + 1, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(3, 2, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(3, 2, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    want, _, _ = kdtree.tree_attention(q, k, v, trees, prefix)
+    got = torch.ops.kdtree.tree_attention(q, k, v, fields, budget, 4, prefix)
+    assert torch.equal(got, want)
+    out, lse, status = torch.ops.kdtree.tree_attention_status(q, k, v, fields, budget, 4, prefix, None, None, 40)
+    want_out, want_lse, _ = kdtree.tree_attention(q, k, v, trees, prefix, max_prefix=40, return_lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and status.tolist() == [0, 0, 0]

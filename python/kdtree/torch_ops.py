@@ -11,11 +11,13 @@ Importing this module registers, under the ``kdtree`` namespace:
 ``torch.ops.kdtree.ragged_trees``           :func:`kdtree.ragged_trees` (the packed rows)
 ``torch.ops.kdtree.verify_sample_from_logits``  :func:`kdtree.verify_sample_from_logits`
 ``torch.ops.kdtree.tree_attention_mask``    :func:`kdtree.tree_attention_mask` (dense kinds)
+``torch.ops.kdtree.tree_attention``         :func:`kdtree.tree_attention` (CUDA only)
 ==========================================  ===============================================
 
 and ``topk_logprobs_status``, ``build_trees_status``,
 ``verify_greedy_from_logits_status``, ``compact_kv_status``,
-``verify_sample_from_logits_status`` and ``tree_attention_mask_status``: the same calls with
+``verify_sample_from_logits_status``, ``tree_attention_mask_status`` and
+``tree_attention_status`` (which also returns the log-sum-exp): the same calls with
 ``errors="status"``, the per-row (top-k: the logits' leading shape) or per-request int32
 statuses (0 = KDT_OK) appended to the outputs (``compact_kv_status`` returns them), and no
 exception for a failed row or request (its outputs are the function's documented
@@ -460,6 +462,59 @@ def tree_attention_mask_status(fields: list[Tensor], budget: int, depth: int, pr
 def _(fields, budget, depth, prefix_lengths, kind, columns, dtype=None):
     mask, positions = _mask_fake(fields, budget, prefix_lengths, kind, columns, dtype)
     return mask, positions, fields[0].new_empty((fields[0].shape[0],), dtype=torch.int32)
+
+
+def _attention(q, k_cache, v_cache, fields, budget, depth, prefix_lengths, layout, block_table, max_prefix,
+               softmax_scale, errors):
+    from .core import checks
+
+    if not q.is_cuda:
+        raise checks.invalid("tree_attention runs on the GPU: q, k_cache and v_cache must be CUDA tensors "
+                             f"(got {q.device})")
+    return api.tree_attention(q, k_cache, v_cache, tree_batch(fields, budget, depth), prefix_lengths, layout=layout,
+                              block_table=block_table, max_prefix=max_prefix, softmax_scale=softmax_scale,
+                              return_lse=errors == "status", errors=errors)
+
+
+@torch.library.custom_op("kdtree::tree_attention", mutates_args=())
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, fields: list[Tensor], budget: int, depth: int,
+                   prefix_lengths: Tensor, layout: str | None = None, block_table: Tensor | None = None,
+                   max_prefix: int | None = None, softmax_scale: float | None = None) -> Tensor:
+    """The verify forward's attention, :func:`kdtree.tree_attention` (CUDA tensors only): the
+    output like ``q`` ``[B, N+1, q_heads, head_dim]``; the trees given by their fields,
+    budget and depth."""
+    out, _, _ = _attention(q, k_cache, v_cache, fields, budget, depth, prefix_lengths, layout, block_table,
+                           max_prefix, softmax_scale, "raise")
+    return out
+
+
+@tree_attention.register_fake
+def _(q, k_cache, v_cache, fields, budget, depth, prefix_lengths, layout=None, block_table=None, max_prefix=None,
+      softmax_scale=None):
+    _check_fields(fields)
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kdtree::tree_attention_status", mutates_args=())
+def tree_attention_status(q: Tensor, k_cache: Tensor, v_cache: Tensor, fields: list[Tensor], budget: int,
+                          depth: int, prefix_lengths: Tensor, layout: str | None = None,
+                          block_table: Tensor | None = None, max_prefix: int | None = None,
+                          softmax_scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`tree_attention` (the operator) with ``errors="status"``: the output, the float32
+    ``[B, N+1, q_heads]`` log-sum-exp and the int32 ``[B]`` request statuses (a failed
+    request's rows zeros)."""
+    out, lse, status = _attention(q, k_cache, v_cache, fields, budget, depth, prefix_lengths, layout, block_table,
+                                  max_prefix, softmax_scale, "status")
+    return out, lse, status
+
+
+@tree_attention_status.register_fake
+def _(q, k_cache, v_cache, fields, budget, depth, prefix_lengths, layout=None, block_table=None, max_prefix=None,
+      softmax_scale=None):
+    _check_fields(fields)
+    batch, rows, heads = q.shape[0], q.shape[1], q.shape[2]
+    return (torch.empty_like(q), q.new_empty((batch, rows, heads), dtype=torch.float32),
+            q.new_empty((batch,), dtype=torch.int32))
 
 
 @_op("ragged_trees", ())
