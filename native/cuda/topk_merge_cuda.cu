@@ -413,6 +413,17 @@ struct StatsParams {
     double* out_rest;
 };
 
+// A thread's kStatsDepth columns j0, j0 + kStatsThreads, ... of a row, all loads issued
+// before any is used (-inf past the row's end).
+template <int D>
+__device__ __forceinline__ void load_columns(const void* row, int j0, int V, float (&x)[kStatsDepth]) {
+#pragma unroll
+    for (int u = 0; u < kStatsDepth; u++) {
+        const int j = j0 + u * kStatsThreads;
+        x[u] = j < V ? kdt::load_logit<D>(row, j) : -INFINITY;
+    }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kStatsThreads) shard_stats_kernel(StatsParams p) {
     constexpr int kW = kStatsThreads / 32;
@@ -432,11 +443,7 @@ __global__ void __launch_bounds__(kStatsThreads) shard_stats_kernel(StatsParams 
         // kStatsDepth loads in flight a thread; columns in increasing order within a thread
         for (int j0 = (int)threadIdx.x; j0 < V; j0 += kStatsThreads * kStatsDepth) {
             float x[kStatsDepth];
-#pragma unroll
-            for (int u = 0; u < kStatsDepth; u++) {
-                const int j = j0 + u * kStatsThreads;
-                x[u] = j < V ? kdt::load_logit<D>(row, j) : -INFINITY;
-            }
+            load_columns<D>(row, j0, V, x);
 #pragma unroll
             for (int u = 0; u < kStatsDepth; u++) {
                 const int j = j0 + u * kStatsThreads;
@@ -479,11 +486,7 @@ __global__ void __launch_bounds__(kStatsThreads) shard_stats_kernel(StatsParams 
             const double md = (double)m;
             for (int j0 = (int)threadIdx.x; j0 < V; j0 += kStatsThreads * kStatsDepth) {
                 float x[kStatsDepth];
-#pragma unroll
-                for (int u = 0; u < kStatsDepth; u++) {
-                    const int j = j0 + u * kStatsThreads;
-                    x[u] = j < V ? kdt::load_logit<D>(row, j) : -INFINITY;
-                }
+                load_columns<D>(row, j0, V, x);
 #pragma unroll
                 for (int u = 0; u < kStatsDepth; u++) {
                     const int j = j0 + u * kStatsThreads;
