@@ -42,8 +42,16 @@ B, L, V, K = 64, 16, 151_936, 64
 H200_PEAK_GBS = 4800.0  # HBM3e peak from the data sheet; the measured copy rate is printed too
 
 
+# GPU cycles of the wait queued before each timed launch (~25 us): the GPU reaches the start
+# event only after the host has queued the launch, so the host's launch latency of a graph
+# (several us) is not counted. Timings of tools/bench_gpu.py before 2026-12-05 (715944a)
+# counted it, which for a kernel of a few us was most of the number.
+_QUEUE_CYCLES = 50_000
+
+
 def cuda_median_us(fn, inputs, repeats: int) -> float:
-    """Median microseconds of fn(x) over `repeats` launches, x rotating over `inputs`."""
+    """Median microseconds of fn(x) over `repeats` launches, x rotating over `inputs`:
+    device time between two events, the launch queued behind a short GPU wait."""
     for x in inputs[:2]:
         fn(x)
     torch.cuda.synchronize()
@@ -51,6 +59,7 @@ def cuda_median_us(fn, inputs, repeats: int) -> float:
     for r in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         x = inputs[r % len(inputs)]
+        torch.cuda._sleep(_QUEUE_CYCLES)
         start.record()
         fn(x)
         end.record()
