@@ -97,11 +97,13 @@ KDT_API kdt_status kdt_testing_set_attention_mma_sync(int32_t on);
  * barrier every tile. Returns KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
 KDT_API kdt_status kdt_testing_set_attention_sm90(int32_t variant);
 
-/* Which kernel kdt_topk_merge_cuda takes: 0 (default) and 2: one warp a row (pairwise
- * merge paths, no block barrier) where two copies of the row's lists fit 48 KB of shared
- * memory, else one block a row; 1: one block a row (the row's candidates ranked by binary
- * searches in the other lists) always. The two give the same bits. Returns
- * KDT_ERR_INVALID_ARGUMENT for another value (nothing set). */
+/* Which kernel kdt_topk_merge_cuda takes: 0 (default): the merge-path kernel (one block of
+ * 1 to 8 warps a row, pairwise merge paths) where two copies of the row's lists fit 48 KB
+ * of shared memory, its warps chosen from T and k, else the ranking kernel; 1: the ranking
+ * kernel (one block of 256 threads a row, the row's candidates ranked by binary searches in
+ * the other lists) always; 2, 3, 4, 5: the merge-path kernel with 1, 2, 4, 8 warps a row
+ * (where it fits). All give the same bits. Returns KDT_ERR_INVALID_ARGUMENT for another
+ * value (nothing set). */
 KDT_API kdt_status kdt_testing_set_topk_merge(int32_t variant);
 
 #ifdef __cplusplus

@@ -322,12 +322,16 @@ def _to_device(torch, device, arrays):
     return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
 
 
-@pytest.fixture(params=["block", "warp"])
+_MERGE_VARIANTS = {"ranking": 1, "paths, 1 warp": 2, "paths, 2 warps": 3, "paths, 4 warps": 4, "paths, 8 warps": 5}
+
+
+@pytest.fixture(params=list(_MERGE_VARIANTS))
 def merge_kernel(request, cuda_device):
-    """The kdt_topk_merge_cuda kernel a test runs, forced through native/kdt_testing.h: one
-    block a row (the automatic choice) or one warp a row (where its shared memory fits)."""
+    """The kdt_topk_merge_cuda kernel a test runs, forced through native/kdt_testing.h: the
+    ranking kernel (one block of 256 threads a row) or the merge-path kernel with 1, 2, 4 or
+    8 warps a row (where its shared memory fits; the automatic choice)."""
     raw = _lib.load()
-    assert raw.kdt_testing_set_topk_merge(2 if request.param == "warp" else 1) == 0
+    assert raw.kdt_testing_set_topk_merge(_MERGE_VARIANTS[request.param]) == 0
     yield request.param
     raw.kdt_testing_set_topk_merge(0)
 
@@ -373,9 +377,9 @@ def test_gpu_merge_twins_as_the_cpu(cuda_device, merge_kernel):
 
 @pytest.mark.gpu
 def test_gpu_merge_kernels_give_the_same_bits(cuda_device):
-    """The warp-per-row kernel and the block-per-row kernel: the same log-probs bit for
-    bit, the same ids and statuses, over many rows, shard counts and k (ties, -inf
-    stretches and bad rows included)."""
+    """The ranking kernel and the merge-path kernel at 1, 2, 4 and 8 warps a row: the same
+    log-probs bit for bit, the same ids and statuses, over many rows, shard counts and k
+    (ties, -inf stretches and bad rows included)."""
     torch = pytest.importorskip("torch")
     raw = _lib.load()
     rng = np.random.default_rng(12)
@@ -392,14 +396,15 @@ def test_gpu_merge_kernels_give_the_same_bits(cuda_device):
             bad[7] = True
             dev = _to_device(torch, cuda_device, stack)
             outs = []
-            for variant in (1, 2):
+            for variant in _MERGE_VARIANTS.values():
                 assert raw.kdt_testing_set_topk_merge(variant) == 0
                 top = kdtree.topk_merge(*dev, vocab, errors="status")
                 outs.append([t.cpu().numpy() for t in (top.logprobs, top.ids, top.row_status)])
-            (lp1, id1, st1), (lp2, id2, st2) = outs
-            np.testing.assert_array_equal(lp1.view(np.int32), lp2.view(np.int32))
-            np.testing.assert_array_equal(id1, id2)
-            np.testing.assert_array_equal(st1, st2)
+            lp1, id1, st1 = outs[0]
+            for lp2, id2, st2 in outs[1:]:
+                np.testing.assert_array_equal(lp1.view(np.int32), lp2.view(np.int32))
+                np.testing.assert_array_equal(id1, id2)
+                np.testing.assert_array_equal(st1, st2)
             assert ((st1.reshape(-1) != 0) == bad).all()
     finally:
         raw.kdt_testing_set_topk_merge(0)

@@ -205,6 +205,11 @@ def bench_limits(gen, repeats: int, max_budget: int = 256) -> dict:
     return dict(gpu=gpu, cpu=cpu, exact=exact)
 
 
+# kdt_testing_set_topk_merge's kernels (native/kdt_testing.h)
+MERGE_VARIANTS = {"ranking kernel, one block of 256 threads a row": 1, "merge paths, 1 warp a row": 2,
+                  "merge paths, 2 warps a row": 3, "merge paths, 4 warps a row": 4, "merge paths, 8 warps a row": 5}
+
+
 def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dict:
     """The vocabulary-sharded top-k's merge (kdt_topk_merge_cuda) for B x L rows, K, T
     shards: the shards' summaries made on the host (kdtree.topk_shard), the merge timed on
@@ -215,26 +220,30 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     parts = [kdtree.topk_shard(logits[..., a:b], K, int(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     stack = [torch.from_numpy(np.ascontiguousarray(np.stack([p[i] for p in parts]))).cuda() for i in range(4)]
     graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
-    merge = cuda_median_us(lambda g: g.replay(), graphs, repeats)  # one warp a row (the automatic choice)
-    warp_out = kdtree.topk_merge(*stack, vocab)
-    # the block-per-row kernel, forced through the test-only switch (native/kdt_testing.h)
+    merge = cuda_median_us(lambda g: g.replay(), graphs, repeats)  # the automatic choice
+    auto_out = kdtree.topk_merge(*stack, vocab)
+    # each kernel forced through the test-only switch (native/kdt_testing.h)
     from kdtree import _native
 
     raw = _native.load()
-    raw.kdt_testing_set_topk_merge(1)
+    variants = {}
+    same_bits = True
     try:
-        block_graphs = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
-        merge_block = cuda_median_us(lambda g: g.replay(), block_graphs, repeats)
-        got = kdtree.topk_merge(*stack, vocab)
+        for name, variant in MERGE_VARIANTS.items():
+            raw.kdt_testing_set_topk_merge(variant)
+            forced = graphs_of(lambda x: kdtree.topk_merge(*x, vocab, errors="status"), [stack])
+            variants[name] = cuda_median_us(lambda g: g.replay(), forced, repeats)
+            out = kdtree.topk_merge(*stack, vocab)
+            same_bits &= bool(torch.equal(auto_out.ids, out.ids) and torch.equal(
+                auto_out.logprobs.view(torch.int32), out.logprobs.view(torch.int32)))
     finally:
         raw.kdt_testing_set_topk_merge(0)
+    got = auto_out
     full = torch.from_numpy(logits).cuda().to(torch.bfloat16)
     gathered = cuda_median_us(lambda g: g.replay(), graphs_of(lambda x: kdtree.topk_logprobs(x, K, errors="status"),
                                                               [full]), repeats)
     want = kdtree.topk_merge(*[t.cpu().numpy() for t in stack], vocab)
     same = bool(np.array_equal(got.ids.cpu().numpy(), want.ids))
-    same_warp = bool(torch.equal(warp_out.ids, got.ids) and torch.equal(warp_out.logprobs.view(torch.int32),
-                                                                        got.logprobs.view(torch.int32)))
     # what one rank makes of its bf16 slice and the all-gather moves (every rank's)
     from kdtree import distributed as kdist
     from kdtree.distributed import shard_summary
@@ -257,7 +266,7 @@ def bench_merge(gen, repeats: int, shards: int = 8, vocab: int = 163_840) -> dic
     rest_err = float(((fused_rest - torch_rest).abs() / torch_rest.abs().clamp_min(1e-300)).max())
     shard_bytes = sum(shard_summary(full[..., a:b], K, int(a)).numel() * 4
                       for a, b in zip(edges[:-1], edges[1:], strict=True))
-    return dict(merge=merge, merge_block=merge_block, same_warp=same_warp, gathered=gathered, same=same,
+    return dict(merge=merge, variants=variants, same_bits=same_bits, gathered=gathered, same=same,
                 shard_bytes=shard_bytes, summary=summary, summary_fused=summary_fused, stats_only=stats_only,
                 topk_only=topk_only,
                 rest_err=rest_err,
@@ -393,9 +402,10 @@ def main() -> None:
               "(goal: < 10 us; gathered bytes < 1% of the logits')")
         print("| variant | us | bytes moved between GPUs |")
         print("|---|---|---|")
-        print(f"| kdtree merge of the shards' summaries, one warp a row (CUDA graph) | {r['merge']:.1f} | "
+        print(f"| kdtree merge of the shards' summaries, the automatic choice (CUDA graph) | {r['merge']:.1f} | "
               f"{r['shard_bytes'] / 1e6:.2f} MB ({100 * r['shard_bytes'] / r['full_bytes']:.2f}%) |")
-        print(f"| the same, one block a row (kdt_testing_set_topk_merge(1)) | {r['merge_block']:.1f} | same |")
+        for name, us in r["variants"].items():
+            print(f"| the same, {name} | {us:.1f} | same |")
         print(f"| one rank's shard_summary of its bf16 slice, rest from kdt_topk_shard_stats_cuda (CUDA graph) | "
               f"{r['summary_fused']:.1f} | - |")
         print(f"| of which the slice's top-k alone; kdt_topk_shard_stats_cuda alone | {r['topk_only']:.1f}; "
@@ -403,8 +413,8 @@ def main() -> None:
         print(f"| the same summary, torch float64 rest | {r['summary']:.1f} | - |")
         print(f"| top-k of the gathered bf16 logits on one GPU | {r['gathered']:.1f} | "
               f"{r['full_bytes'] / 1e6:.1f} MB (100%) |")
-        print(f"ids equal to the CPU merge's: {r['same']}; the warp kernel's outputs bit-equal to the block "
-              f"kernel's: {r['same_warp']}; fused statistics: max relative rest difference {r['rest_err']:.1e} "
+        print(f"ids equal to the CPU merge's: {r['same']}; every kernel's outputs bit-equal to the automatic "
+              f"choice's: {r['same_bits']}; fused statistics: max relative rest difference {r['rest_err']:.1e} "
               f"from torch's\n")
     if "build" not in args.skip:
         print(f"## tree build: B={B}, L={L}, K=N, V=32,000 (drafter logits -> top-k on the GPU first)")

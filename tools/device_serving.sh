@@ -62,7 +62,7 @@ for step in "${steps[@]}"; do
     # where the sharded merge's warp kernel and the shard statistics kernel spend their time
     # (the merge's goal is < 10 us; 18.9 us on an H200, c3ab3b8): ncu's summary and stall
     # reasons for one launch of each, from bench_gpu's merge section
-    for kernel in merge_warp_kernel shard_stats_kernel; do
+    for kernel in merge_paths_kernel shard_stats_kernel; do
       ncu --clock-control none --kernel-name "regex:$kernel" --launch-count 1 --set full \
         python3 tools/bench_gpu.py --skip topk build round attention limits --repeats 3 \
         > "$OUT/ncu-$kernel.txt" 2>&1

@@ -1,5 +1,7 @@
 // The vocabulary-sharded top-k's merge on the GPU: kdt_topk_merge_cuda (kdtree.h), the
-// device twin of kdt_topk_merge_cpu (native/topk.c). One block per row:
+// device twin of kdt_topk_merge_cpu (native/topk.c). Two kernels give the same bits: the
+// merge-path kernel below (the default where a row's lists fit its shared memory) and the
+// ranking kernel, one block per row:
 //   1. checks every shard's list and statistics as the CPU does (a failed row: NaN
 //      log-probs, ids 0 .. k-1, KDT_ERR_VALUE);
 //   2. ranks every candidate (from a copy of the row's lists in shared memory where they fit
@@ -15,6 +17,8 @@
 // exp and log1p are CUDA's float64 functions (within 1-2 ulp of the C library's), so a
 // log-prob is within one float32 ulp of the CPU merge's; ids and order are the same.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <math.h>
 #include <stdint.h>
@@ -228,41 +232,44 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     }
 }
 
-// The warp-per-row merge: up to kWarpRows rows a block, one warp each, no block barrier.
-// The warp copies its row's T lists to shared memory, checks them as merge_kernel does,
-// then merges them pairwise (T lists, ceil(T / 2), ... 1), each merge cut at k entries:
-// output position pos of the merge of lists A and B is found by a binary search of the
-// merge path (how many of A's entries come among the first pos; A first on ties), one lane
-// a position. Two copies of one (logit, id) in different lists end adjacent; both within
-// the first k is the CPU's duplicate error. Lanes compute the shards' exp terms of the
-// log-sum-exp in parallel and every lane adds them in shard order with merge_kernel's
-// compensated sum, so the outputs are merge_kernel's bit for bit.
-constexpr int kWarpRows = 4;
-constexpr int64_t kWarpStageBytes = 48 * 1024;  // a block's shared memory: kWarpRows x 2 x T x k x 8
+// The merge-path kernel: one row a block of W = blockDim.x / 32 warps (1 to 8), every loop
+// strided over the block's threads. The block copies its row's T lists to shared memory,
+// checks them as merge_kernel does, then merges them pairwise (T lists, ceil(T / 2), ... 1),
+// each merge cut at k entries: output position pos of the merge of lists A and B is found by
+// a binary search of the merge path (how many of A's entries come among the first pos; A
+// first on ties), one thread a position of any merge of the level, a block barrier between
+// levels. Two copies of one (logit, id) in different lists end adjacent; both within the
+// first k is the CPU's duplicate error. Warp 0's lanes compute the shards' exp terms of the
+// log-sum-exp in parallel and add them in shard order with merge_kernel's compensated sum,
+// so the outputs are merge_kernel's bit for bit. With one warp a row (T = 8, k = 64) a lane
+// ran 14 binary searches one after another; with four, 4.
+constexpr int kPathMaxWarps = 8;
+constexpr int64_t kPathStageBytes = 48 * 1024;  // two copies of a row's lists: 2 x T x k x 8 bytes
 
-__global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams p, int rows_per_block) {
-    extern __shared__ __align__(8) unsigned char s_rows[];  // per warp: two buffers of [T x k] logits, ids
+__global__ void __launch_bounds__(32 * kPathMaxWarps) merge_paths_kernel(MergeParams p) {
+    extern __shared__ __align__(8) unsigned char s_row[];  // two buffers of [T x k] logits, ids
+    __shared__ float s_wmax[kPathMaxWarps];
+    __shared__ double s_log_sum;
     const unsigned full = 0xffffffffu;
-    const int lane = (int)(threadIdx.x & 31), w = (int)(threadIdx.x >> 5);
-    const int64_t r = (int64_t)blockIdx.x * rows_per_block + w;
-    if (w >= rows_per_block || r >= p.rows) return;  // a whole warp: no barrier below is block-wide
+    const int tid = (int)threadIdx.x, nth = (int)blockDim.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t r = blockIdx.x;
     const int T = (int)p.shards, k = (int)p.k, n = T * k;
     const int64_t R = p.rows;
     const size_t per_shard = (size_t)R * (size_t)k;
     const size_t row_at = (size_t)r * (size_t)k;
-    float* sv = reinterpret_cast<float*>(s_rows + (size_t)w * (size_t)n * 16u);
+    float* sv = reinterpret_cast<float*>(s_row);
     int32_t* si = reinterpret_cast<int32_t*>(sv + n);
     float* dv = reinterpret_cast<float*>(si + n);
     int32_t* di = reinterpret_cast<int32_t*>(dv + n);
-    // The copy: kCopyDepth loads of each array in flight a lane (a loop of one load at a
-    // time waited a memory latency per entry: 16 of them at T = 8, k = 64).
+    // The copy: kCopyDepth loads of each array in flight a thread (a loop of one load at a
+    // time waits a memory latency per entry).
     constexpr int kCopyDepth = 8;
-    for (int e0 = 0; e0 < n; e0 += 32 * kCopyDepth) {
+    for (int e0 = 0; e0 < n; e0 += nth * kCopyDepth) {
         float v[kCopyDepth];
         int32_t id[kCopyDepth];
 #pragma unroll
         for (int u = 0; u < kCopyDepth; u++) {
-            const int e = e0 + u * 32 + lane;
+            const int e = e0 + u * nth + tid;
             if (e < n) {
                 const int t = e / k, c = e - t * k;
                 const size_t at = (size_t)t * per_shard + row_at + (size_t)c;
@@ -272,18 +279,18 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
         }
 #pragma unroll
         for (int u = 0; u < kCopyDepth; u++) {
-            const int e = e0 + u * 32 + lane;
+            const int e = e0 + u * nth + tid;
             if (e < n) {
                 sv[e] = v[u];
                 si[e] = id[u];
             }
         }
     }
-    __syncwarp();
+    __syncthreads();
     // 1. The checks of merge_kernel (check_shard_row) and the row's max.
     bool bad = false;
     float mx = -INFINITY;
-    for (int t = lane; t < T; t += 32) {
+    for (int t = tid; t < T; t += nth) {
         const size_t cell = (size_t)t * (size_t)R + (size_t)r;
         const float mt = p.max[cell];
         const double rest = p.rest[cell];
@@ -291,52 +298,53 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
                (mt == -INFINITY && rest != 0.0) || (k > 0 && sv[t * k] != mt);
         mx = fmaxf(mx, mt);
     }
-    for (int t = 0; t < T; t++) {
-        const float* v = sv + t * k;
-        const int32_t* id = si + t * k;
-        for (int c = lane; c < k; c += 32) {
-            const float x = v[c];
-            const int32_t xi = id[c];
-            bad |= xi < 0 || (int64_t)xi >= p.vocab || isnan(x) || x == INFINITY;
-            if (c > 0) bad |= !worse(x, xi, v[c - 1], id[c - 1]);
-        }
+    for (int e = tid; e < n; e += nth) {
+        const int c = e % k;
+        const float x = sv[e];
+        const int32_t xi = si[e];
+        bad |= xi < 0 || (int64_t)xi >= p.vocab || isnan(x) || x == INFINITY;
+        if (c > 0) bad |= !worse(x, xi, sv[e - 1], si[e - 1]);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(full, mx, off));
-    bool row_bad = __any_sync(full, bad) || mx == -INFINITY;  // (every logit -inf: no distribution)
+    if (lane == 0) s_wmax[warp] = mx;
+    const bool any_bad = __syncthreads_or(bad) != 0;
+    mx = s_wmax[0];
+    for (int u = 1; u < nth / 32; u++) mx = fmaxf(mx, s_wmax[u]);
+    bool row_bad = any_bad || mx == -INFINITY;  // (every logit -inf: no distribution); the block's
+                                                 // one value, so the barriers below are uniform
     // 2. The pairwise merges, each cut at k.
     if (!row_bad) {
         int lists = T;
         while (lists > 1) {
             const int pairs = lists / 2;
-            for (int j = 0; j < pairs; j++) {
+            for (int task = tid; task < pairs * k; task += nth) {
+                const int j = task / k, pos = task - j * k;
                 const float* av = sv + 2 * j * k;
                 const int32_t* ai = si + 2 * j * k;
                 const float* bv = av + k;
                 const int32_t* bi = ai + k;
-                for (int pos = lane; pos < k; pos += 32) {
-                    int lo = 0, hi = pos;  // A's entries among the first pos outputs
-                    while (lo < hi) {
-                        const int mid = (lo + hi) >> 1;
-                        if (!worse(av[mid], ai[mid], bv[pos - 1 - mid], bi[pos - 1 - mid])) {
-                            lo = mid + 1;
-                        } else {
-                            hi = mid;
-                        }
+                int lo = 0, hi = pos;  // A's entries among the first pos outputs
+                while (lo < hi) {
+                    const int mid = (lo + hi) >> 1;
+                    if (!worse(av[mid], ai[mid], bv[pos - 1 - mid], bi[pos - 1 - mid])) {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
                     }
-                    const int jb = pos - lo;
-                    const bool take_a = !worse(av[lo], ai[lo], bv[jb], bi[jb]);
-                    dv[j * k + pos] = take_a ? av[lo] : bv[jb];
-                    di[j * k + pos] = take_a ? ai[lo] : bi[jb];
                 }
+                const int jb = pos - lo;
+                const bool take_a = !worse(av[lo], ai[lo], bv[jb], bi[jb]);
+                dv[task] = take_a ? av[lo] : bv[jb];
+                di[task] = take_a ? ai[lo] : bi[jb];
             }
             if (lists & 1) {
-                for (int c = lane; c < k; c += 32) {
+                for (int c = tid; c < k; c += nth) {
                     dv[pairs * k + c] = sv[(lists - 1) * k + c];
                     di[pairs * k + c] = si[(lists - 1) * k + c];
                 }
             }
-            __syncwarp();
+            __syncthreads();
             float* tv = sv;
             sv = dv;
             dv = tv;
@@ -347,12 +355,11 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
         }
         // two copies of one entry within the first k: the CPU's duplicate
         bool twin = false;
-        for (int c = 1 + lane; c < k; c += 32) twin |= sv[c] == sv[c - 1] && si[c] == si[c - 1];
-        row_bad = __any_sync(full, twin);
+        for (int c = 1 + tid; c < k; c += nth) twin |= sv[c] == sv[c - 1] && si[c] == si[c - 1];
+        row_bad = __syncthreads_or(twin) != 0;
     }
-    // 3. The log-sum-exp, as merge_kernel's thread 0 combines it.
-    double log_sum = 0.0;
-    if (!row_bad) {
+    // 3. The log-sum-exp, as merge_kernel's thread 0 combines it (warp 0).
+    if (!row_bad && warp == 0) {
         const float m = mx;
         CompSum s = {0.0, 0.0};
         bool top = false;
@@ -381,13 +388,14 @@ __global__ void __launch_bounds__(32 * kWarpRows) merge_warp_kernel(MergeParams 
                 comp_add(&s, rj * sj);
             }
         }
-        log_sum = log1p(s.sum + s.carry);
+        if (lane == 0) s_log_sum = log1p(s.sum + s.carry);
     }
-    if (lane == 0) p.status[r] = row_bad ? KDT_ERR_VALUE : KDT_OK;
+    __syncthreads();
+    if (tid == 0) p.status[r] = row_bad ? KDT_ERR_VALUE : KDT_OK;
     float* ov = p.out_lp + row_at;
     int32_t* oi = p.out_ids + row_at;
-    const double m = (double)mx;
-    for (int c = lane; c < k; c += 32) {
+    const double m = (double)mx, log_sum = row_bad ? 0.0 : s_log_sum;
+    for (int c = tid; c < k; c += nth) {
         if (row_bad) {
             ov[c] = NAN;
             oi[c] = (int32_t)c;
@@ -603,13 +611,13 @@ extern "C" kdt_status kdt_topk_merge_cuda(const float* shard_logits, const int32
     const int64_t list_bytes = shards * k * 8;
     p.staged = list_bytes <= kStageBytes;
     const int variant = kdt::testing_topk_merge();
-    const int64_t warp_rows = list_bytes > 0 ? kWarpStageBytes / (2 * list_bytes) : kWarpRows;
-    if (variant != 1 && warp_rows >= 1) {
-        const int per_block = (int)(warp_rows < kWarpRows ? warp_rows : kWarpRows);
-        const int64_t blocks = (rows + per_block - 1) / per_block;
-        merge_warp_kernel<<<(unsigned)blocks, 32 * per_block, (size_t)(per_block * 2 * list_bytes),
-                            kdt::as_stream(stream)>>>(p, per_block);
-        return kdt::launch_status("sharded top-k merge (warp per row)");
+    if (variant != 1 && 2 * list_bytes <= kPathStageBytes) {
+        // the merge path's warps: 64 positions of the first level a warp (T = 8, k = 64: 4),
+        // or as many as the test-only switch names (2, 3, 4, 5: 1, 2, 4, 8 warps)
+        int warps = (int)std::min<int64_t>(kPathMaxWarps, std::max<int64_t>(1, (shards / 2 * k + 63) / 64));
+        if (variant >= 2) warps = 1 << (variant - 2);
+        merge_paths_kernel<<<(unsigned)rows, 32 * warps, (size_t)(2 * list_bytes), kdt::as_stream(stream)>>>(p);
+        return kdt::launch_status("sharded top-k merge (merge paths)");
     }
     merge_kernel<<<(unsigned)rows, kThreads, p.staged ? (size_t)list_bytes : 0, kdt::as_stream(stream)>>>(p);
     return kdt::launch_status("sharded top-k merge");
