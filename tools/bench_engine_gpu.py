@@ -275,6 +275,9 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="also transformers' generate under torch.compile")
     ap.add_argument("--qwen3-8b", action="store_true", help="the Qwen3-8B-shaped round timings and projection")
     ap.add_argument("--big-batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--big-attention", nargs="+", choices=["auto", "kdtree", "sdpa"], default=["auto"],
+                    help="the Qwen3-8B-shaped target's verify attention (Engine(tree_attention=...)); several: "
+                         "each timed, the first keyed plainly in --out")
     ap.add_argument("--shipped-json", type=Path,
                     help="take the shipped pair's results (acceptance lengths) from this --out file of an earlier "
                          "run instead of measuring them (with --qwen3-8b)")
@@ -371,42 +374,51 @@ def main() -> int:
             # round times), and the projected time is its rounds at the 8B round time of their
             # budget (at bucket b: tail rounds with fewer slots are charged as full ones)
             reqs = prompts[: b * args.requests_per_slot]
-            costs, rounds_ms = {}, {}
-            for name, mode, n in configs(args.budgets, auto=False):
-                eng = Engine(big, bdraft, max_batch=b, budget=n, mode=mode, max_length=1024)
-                eng.capture_all([b])
-                st = eng.profile_round(b, iters=3, repeats=3)
-                del eng
-                torch.cuda.empty_cache()
-                rounds_ms[name] = st
-                if mode == "ddtree":
-                    costs[(b, n)] = st["round"]
-                print(f"  8B B={b} {name}: round {st['round']:.2f} ms", flush=True)
-            scaled = {(bb, n): costs[(b, n)] for n in args.budgets for bb in (1, 2, 4, 8, 16, 32, 64, 128) if bb <= b}
-            for name, mode, n in configs(args.budgets):
-                r = run_engine(target, drafter, mode, n, b, reqs, args.new_tokens, max_length, 1, args.budgets,
-                               costs=scaled if n == "auto" else None)
-                r.pop("outputs")
-                if n == "auto":
-                    t = sum(c * costs[(b, int(k.split(",")[1]))] for k, c in r["round_counts"].items()) / 1e3
-                    st, used = {}, "budgets used (rounds): " + ", ".join(
-                        f"{k.split(',')[1]}: {c}" for k, c in sorted(r["round_counts"].items(),
-                                                                     key=lambda kv: int(kv[0].split(',')[1])))
-                else:
-                    st = rounds_ms[name]
-                    t = r["rounds"] * st["round"] / 1e3
-                    used = " / ".join(f"{st[k]:.2f}" for k in ("draft", "build", "mask", "target", "verify", "commit"))
-                proj = r["tokens"] / t
-                results["qwen3_8b"][f"{name} B={b}"] = {"stages_ms": st, "tau_used": r["acceptance"],
-                                                        "rounds": r["rounds"], "tokens": r["tokens"],
-                                                        "round_counts": r["round_counts"],
-                                                        "projected_tokens_per_s": proj}
-                rows.append([b, name, f"{st['round']:.2f}" if st else "", used, f"{r['acceptance']:.2f}",
-                             f"{proj:.0f}"])
+            rounds_ms = {}
+            for att in args.big_attention:
+                for name, mode, n in configs(args.budgets, auto=False):
+                    eng = Engine(big, bdraft, max_batch=b, budget=n, mode=mode, max_length=1024, tree_attention=att)
+                    eng.capture_all([b])
+                    st = eng.profile_round(b, iters=3, repeats=3)
+                    del eng
+                    torch.cuda.empty_cache()
+                    rounds_ms[att, name] = st
+                    print(f"  8B B={b} {name}, attention {att}: round {st['round']:.2f} ms", flush=True)
+            shipped = {}  # the shipped pair's runs at fixed budgets: the same for every attention
+            for att in args.big_attention:
+                costs = {n: rounds_ms[att, f"DDTree N={n}"]["round"] for n in args.budgets}
+                scaled = {(bb, n): costs[n] for n in args.budgets for bb in (1, 2, 4, 8, 16, 32, 64, 128) if bb <= b}
+                for name, mode, n in configs(args.budgets):
+                    if n == "auto":
+                        r = run_engine(target, drafter, mode, n, b, reqs, args.new_tokens, max_length, 1,
+                                       args.budgets, costs=scaled)
+                        r.pop("outputs")
+                        t = sum(c * costs[int(k.split(",")[1])] for k, c in r["round_counts"].items()) / 1e3
+                        st, used = {}, "budgets used (rounds): " + ", ".join(
+                            f"{k.split(',')[1]}: {c}" for k, c in sorted(r["round_counts"].items(),
+                                                                         key=lambda kv: int(kv[0].split(',')[1])))
+                    else:
+                        if name not in shipped:
+                            shipped[name] = run_engine(target, drafter, mode, n, b, reqs, args.new_tokens,
+                                                       max_length, 1, args.budgets)
+                            shipped[name].pop("outputs")
+                        r = shipped[name]
+                        st = rounds_ms[att, name]
+                        t = r["rounds"] * st["round"] / 1e3
+                        used = " / ".join(f"{st[k]:.2f}" for k in ("draft", "build", "mask", "target", "verify",
+                                                                    "commit"))
+                    proj = r["tokens"] / t
+                    key = f"{name} B={b}" + ("" if att == args.big_attention[0] else f" attention={att}")
+                    results["qwen3_8b"][key] = {"stages_ms": st, "tau_used": r["acceptance"], "attention": att,
+                                                "rounds": r["rounds"], "tokens": r["tokens"],
+                                                "round_counts": r["round_counts"], "projected_tokens_per_s": proj}
+                    rows.append([b, name, att, f"{st['round']:.2f}" if st else "", used, f"{r['acceptance']:.2f}",
+                                 f"{proj:.0f}"])
         print("\n## Qwen3-8B-shaped target, random weights: round GPU time; tokens/s PROJECTED at the shipped pair's "
               "acceptance\n")
-        print(table(rows, ["B", "mode", "round ms", "draft / build / mask / target / verify / commit ms",
-                           "shipped accept. length", "projected tokens/s"]))
+        print(table(rows, ["B", "mode", "verify attention", "round ms",
+                           "draft / build / mask / target / verify / commit ms", "shipped accept. length",
+                           "projected tokens/s"]))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     if args.plot:
