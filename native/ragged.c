@@ -51,7 +51,8 @@ kdt_status kdt_trees_ragged_cpu(const kdt_trees* trees, kdt_trees_ragged* out) {
         return kdt_fail(KDT_ERR_OVERFLOW, "%lld real rows exceed INT32_MAX (cu_rows is int32)", (long long)total);
     }
     if (total > cap) {
-        return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL, "the trees' %lld real rows exceed out->capacity %lld",
+        return kdt_fail(KDT_ERR_BUFFER_TOO_SMALL,
+                        "the trees' %lld real rows exceed the capacity %lld (out->capacity; Python: capacity=)",
                         (long long)total, (long long)cap);
     }
     int64_t r = 0;
