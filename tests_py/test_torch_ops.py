@@ -327,26 +327,28 @@ def test_the_cpp_cuda_kernels_load_where_they_are_built():
 
 
 def test_cpp_kernels_check_their_arguments_before_any_device_work():
-    """The C++ CUDA kernels, called straight through the dispatcher on CPU tensors (no GPU
-    here): their host-side checks raise ValueError naming the argument, through the same
-    exception path as on a GPU."""
+    """The C++ CUDA kernels (the *_status operators'), called straight through the
+    dispatcher on CPU tensors (no GPU here): their host-side checks raise ValueError naming
+    the argument, through the same exception path as on a GPU."""
     if ops.NATIVE is None:
         pytest.skip("libkdtree_torch is not loaded: set KDTREE_TORCH_OPS=1 (nox -s test builds it beside "
                     "libkdtree; elsewhere CMake -DKDTREE_TORCH_OPS=ON)")
     cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
     kd = torch.ops.kdtree
     cases = [
-        (lambda: kd.topk_logprobs.default.redispatch(cuda, torch.zeros(2, 3), 1),
-         r"topk_logprobs: logits is on cpu while another argument is a CUDA tensor"),
+        (lambda: kd.topk_logprobs_status.default.redispatch(cuda, torch.zeros(2, 3), 1),
+         r"topk_logprobs_status: logits is on cpu while another argument is a CUDA tensor"),
         (lambda: kd.topk_logprobs_status.default.redispatch(cuda, torch.zeros(2, 3), 9),
          r"topk_logprobs_status: k must be in \[0, min\(V=3, 1024\)\]"),
-        (lambda: kd.build_trees.default.redispatch(cuda, torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.int32),
-                                                   4, None, None, -1, None, None),
-         r"build_trees: logprobs is on cpu"),
+        (lambda: kd.build_trees_status.default.redispatch(cuda, torch.zeros(2, 3, 4),
+                                                          torch.zeros(2, 3, 4, dtype=torch.int32), 4, None, None, -1,
+                                                          None, None),
+         r"build_trees_status: logprobs is on cpu"),
         (lambda: kd.verify_greedy_from_logits_status.default.redispatch(cuda, [], 4, 2, torch.zeros(1, 5, 3), [],
                                                                         None),
          r"verify_greedy_from_logits_status: fields is empty"),
-        (lambda: kd.compact_kv.default.redispatch(cuda, [], [], *[torch.zeros(1)] * 4), r"compact_kv: k_layers is empty"),
+        (lambda: kd.compact_kv_status.default.redispatch(cuda, [], [], *[torch.zeros(1)] * 4),
+         r"compact_kv_status: k_layers is empty"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):

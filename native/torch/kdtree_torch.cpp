@@ -7,12 +7,14 @@
 // as kdtree.topk_logprobs, build_trees, verify_greedy_from_logits and compact_kv on the
 // same tensors, so the results are the same bits.
 //
-// Errors raise as the Python functions' (errors="raise"): a bad argument is a ValueError
-// (TypeError for a dtype) naming it; a request or row whose status is not KDT_OK after the
-// call raises a ValueError naming the first one, which reads the statuses back to the host
-// (the stream is synchronised, so the call cannot be captured in a CUDA graph). The
-// *_status operators return the statuses instead (errors="status"): no read-back, so they
-// can be captured.
+// Only the *_status operators (errors="status") have C++ CUDA kernels: they return the
+// statuses and read nothing back, so a round of them can be captured in a CUDA graph; a
+// bad argument is a ValueError (TypeError for a dtype) naming it. The raising operators
+// read the statuses back (a synchronisation) and raise naming the first failed request or
+// row; on CUDA their kernels are the Python functions (kdtree.torch_ops). (A C++ raise after
+// the call's kernels, with the outputs and the device guard alive, crashed the process on
+// an H100 and an H200 on 2026-12-05, 9d4c2df, while the same raise before any kernel did
+// not; not diagnosed further.)
 //
 // Needs only torch's CPU headers (c10::Stream::native_handle gives the cudaStream_t), so it
 // builds where torch has no CUDA; libkdtree built without CUDA answers KDT_ERR_UNSUPPORTED.
@@ -102,48 +104,6 @@ Tensor workspace(const Tensor& like, size_t bytes) {
     return device_empty(like, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}, at::kByte);
 }
 
-// The first failed entry of a status tensor raised (the statuses read back to the host).
-// `lead`: the logits' leading axes, whose row r the message names as kdtree.topk_logprobs
-// does ("request 1, position 3 (logits[1, 3], row 7)").
-void raise_on_status(const Tensor& status, const char* what, const char* unit,
-                     const std::vector<int64_t>& lead = {}) {
-    const Tensor host = status.reshape({-1}).to(at::kCPU);
-    const int32_t* s = host.data_ptr<int32_t>();
-    const int64_t n = host.numel();
-    int64_t first = -1, count = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (s[i] != KDT_OK) {
-            if (first < 0) first = i;
-            count++;
-        }
-    }
-    if (first < 0) return;
-    std::ostringstream m;
-    if (lead.size() >= 2) {
-        std::vector<int64_t> idx(lead.size());
-        int64_t rest = first;
-        for (size_t a = lead.size(); a-- > 0;) {
-            idx[a] = rest % lead[a];
-            rest /= lead[a];
-        }
-        std::ostringstream at;
-        at << "logits[";
-        for (size_t a = 0; a < idx.size(); a++) at << (a ? ", " : "") << idx[a];
-        at << "], row " << first;
-        if (lead.size() == 2) {
-            m << "request " << idx[0] << ", position " << idx[1] << " (" << at.str() << ")";
-        } else {
-            m << at.str();
-        }
-    } else {
-        m << unit << " " << first;
-    }
-    m << ": " << kdt_status_string(s[first]);
-    if (count > 1) m << " (and " << count - 1 << " more)";
-    m << "; call kdtree." << what << "(..., errors='status') for the per-" << unit << " statuses";
-    fail(what, m.str());
-}
-
 int32_t logits_code(const Tensor& t, const char* what, const char* name) {
     switch (t.scalar_type()) {
         case at::kFloat: return KDT_DTYPE_FLOAT32;
@@ -181,10 +141,9 @@ kdt_logits logits_struct(const Tensor& t, const char* what, const char* name, bo
 
 // ---- topk_logprobs ---------------------------------------------------------------------
 
-// `raise`: read the statuses back and raise on a failed row (the operator), or return them
-// (the _status operator: no synchronisation).
-std::tuple<Tensor, Tensor, Tensor> topk_impl(const Tensor& logits_in, int64_t k, bool raise) {
-    const char* what = raise ? "topk_logprobs" : "topk_logprobs_status";
+// The statuses are returned, never read back (no synchronisation).
+std::tuple<Tensor, Tensor, Tensor> topk_logprobs_status(const Tensor& logits_in, int64_t k) {
+    const char* what = "topk_logprobs_status";
     if (logits_in.dim() < 1) fail(what, "logits must have at least one dimension [..., V]");
     const int64_t vocab = logits_in.size(-1);
     if (k < 0 || k > std::min<int64_t>(vocab, 1024)) {
@@ -210,17 +169,7 @@ std::tuple<Tensor, Tensor, Tensor> topk_impl(const Tensor& logits_in, int64_t k,
     check(kdt_topk_logprobs_cuda(&s, k, lp.data_ptr<float>(), ids.data_ptr<int32_t>(), status.data_ptr<int32_t>(),
                                  ws.data_ptr(), need, stream_of(logits)),
           what);
-    if (raise && rows > 0) raise_on_status(status, what, "row", lead);
     return {lp, ids, status};
-}
-
-std::tuple<Tensor, Tensor> topk_logprobs(const Tensor& logits, int64_t k) {
-    auto [lp, ids, status] = topk_impl(logits, k, true);
-    return {lp, ids};
-}
-
-std::tuple<Tensor, Tensor, Tensor> topk_logprobs_status(const Tensor& logits, int64_t k) {
-    return topk_impl(logits, k, false);
 }
 
 // ---- the trees' fields -------------------------------------------------------------------
@@ -307,15 +256,14 @@ std::optional<Tensor> small_input(const std::optional<Tensor>& t, const Tensor& 
 
 // ---- build_trees ---------------------------------------------------------------------------
 
-using TenTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 using ElevenTensors =
     std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
                          const std::optional<Tensor>& root_tokens, const std::optional<Tensor>& root_positions,
                          int64_t pad_token, const std::optional<Tensor>& request_budgets,
-                         const std::optional<Tensor>& request_depths, bool raise) {
-    const char* what = raise ? "build_trees" : "build_trees_status";
+                         const std::optional<Tensor>& request_depths) {
+    const char* what = "build_trees_status";
     require_primary(logprobs, what, "logprobs");
     c10::DeviceGuard guard(logprobs.device());
     require_dtype(logprobs, at::kFloat, what, "logprobs");
@@ -373,18 +321,7 @@ ElevenTensors build_impl(const Tensor& logprobs, const Tensor& token_ids, int64_
     check(kdt_trees_build_cuda_workspace_bytes(batch, budget, depth, width, &need), what);
     Tensor ws = workspace(logprobs, need);
     check(kdt_trees_build_cuda(&d, &t, status.data_ptr<int32_t>(), ws.data_ptr(), need, stream_of(logprobs)), what);
-    if (raise && batch > 0) raise_on_status(status, what, "request");
     return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], status};
-}
-
-TenTensors build_trees(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
-                       const std::optional<Tensor>& root_tokens, const std::optional<Tensor>& root_positions,
-                       int64_t pad_token, const std::optional<Tensor>& request_budgets,
-                       const std::optional<Tensor>& request_depths) {
-    auto r = build_impl(logprobs, token_ids, budget, root_tokens, root_positions, pad_token, request_budgets,
-                        request_depths, true);
-    return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
-            std::get<5>(r), std::get<6>(r), std::get<7>(r), std::get<8>(r), std::get<9>(r)};
 }
 
 ElevenTensors build_trees_status(const Tensor& logprobs, const Tensor& token_ids, int64_t budget,
@@ -393,7 +330,7 @@ ElevenTensors build_trees_status(const Tensor& logprobs, const Tensor& token_ids
                                  const std::optional<Tensor>& request_budgets,
                                  const std::optional<Tensor>& request_depths) {
     return build_impl(logprobs, token_ids, budget, root_tokens, root_positions, pad_token, request_budgets,
-                      request_depths, false);
+                      request_depths);
 }
 
 // ---- verify_greedy_from_logits ---------------------------------------------------------------
@@ -432,8 +369,8 @@ Tensor stop_tokens_on(const Tensor& like, at::IntArrayRef stops, const char* wha
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, int64_t budget, int64_t depth,
                                                        const Tensor& target_logits, at::IntArrayRef stop_tokens,
-                                                       const std::optional<Tensor>& max_commit, bool raise) {
-    const char* what = raise ? "verify_greedy_from_logits" : "verify_greedy_from_logits_status";
+                                                       const std::optional<Tensor>& max_commit) {
+    const char* what = "verify_greedy_from_logits_status";
     if (fields.empty()) fail(what, "fields is empty");
     require_primary(fields[0], what, "trees.num_nodes");
     c10::DeviceGuard guard(fields[0].device());
@@ -456,22 +393,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> verify_impl(at::TensorList fields, in
                                              bonus.data_ptr<int32_t>(), nullptr, status.data_ptr<int32_t>(),
                                              stream_of(fields[0])),
           what);
-    if (raise && batch > 0) raise_on_status(status, what, "request");
     return {accepted, length, bonus, status};
-}
-
-std::tuple<Tensor, Tensor, Tensor> verify_greedy_from_logits(at::TensorList fields, int64_t budget, int64_t depth,
-                                                             const Tensor& target_logits, at::IntArrayRef stop_tokens,
-                                                             const std::optional<Tensor>& max_commit) {
-    auto [accepted, length, bonus, status] =
-        verify_impl(fields, budget, depth, target_logits, stop_tokens, max_commit, true);
-    return {accepted, length, bonus};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> verify_greedy_from_logits_status(
     at::TensorList fields, int64_t budget, int64_t depth, const Tensor& target_logits, at::IntArrayRef stop_tokens,
     const std::optional<Tensor>& max_commit) {
-    return verify_impl(fields, budget, depth, target_logits, stop_tokens, max_commit, false);
+    return verify_impl(fields, budget, depth, target_logits, stop_tokens, max_commit);
 }
 
 // ---- compact_kv ---------------------------------------------------------------------------
@@ -496,8 +424,8 @@ Tensor pointer_table(const Tensor& like, const std::vector<int64_t>& ptrs) {
 }
 
 Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
-                    const Tensor& accepted_nodes, const Tensor& accept_length, bool raise) {
-    const char* what = raise ? "compact_kv" : "compact_kv_status";
+                    const Tensor& accepted_nodes, const Tensor& accept_length) {
+    const char* what = "compact_kv_status";
     if (k_layers.empty()) fail(what, "k_layers is empty");
     if (v_layers.size() != k_layers.size()) {
         fail(what, std::to_string(k_layers.size()) + " K layers but " + std::to_string(v_layers.size()) + " V layers");
@@ -569,18 +497,12 @@ Tensor compact_impl(at::TensorList k_layers, at::TensorList v_layers, const Tens
                               accept_length.data_ptr<int32_t>(), accepted_nodes.size(1), status.data_ptr<int32_t>(),
                               stream_of(first)),
           what);
-    if (raise && batch > 0) raise_on_status(status, what, "request");
     return status;
-}
-
-void compact_kv(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
-                const Tensor& accepted_nodes, const Tensor& accept_length, const Tensor& /*bonus_token*/) {
-    compact_impl(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, true);
 }
 
 Tensor compact_kv_status(at::TensorList k_layers, at::TensorList v_layers, const Tensor& prefix_lengths,
                          const Tensor& accepted_nodes, const Tensor& accept_length, const Tensor& /*bonus_token*/) {
-    return compact_impl(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, false);
+    return compact_impl(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length);
 }
 
 }  // namespace
@@ -610,10 +532,6 @@ TORCH_LIBRARY_FRAGMENT(kdtree, m) {
 }
 
 TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
-    m.impl("topk_logprobs", &topk_logprobs);
-    m.impl("build_trees", &build_trees);
-    m.impl("verify_greedy_from_logits", &verify_greedy_from_logits);
-    m.impl("compact_kv", &compact_kv);
     m.impl("topk_logprobs_status", &topk_logprobs_status);
     m.impl("build_trees_status", &build_trees_status);
     m.impl("verify_greedy_from_logits_status", &verify_greedy_from_logits_status);
