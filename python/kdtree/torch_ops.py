@@ -33,10 +33,10 @@ naming the argument, or the first failed request or row. Tensor arguments take t
 only (``max_commit`` a tensor, not an int or a list). Tested on the CPU eagerly, with
 ``torch.library.opcheck``, and compiled with ``fullgraph=True``.
 
-**C++ kernels for CUDA tensors.** With ``KDTREE_TORCH_OPS=1``, where libkdtree's folder
+**C++ kernels for CUDA tensors.** Where libkdtree's folder
 holds ``libkdtree_torch.so`` (CMake ``-DKDTREE_TORCH_OPS=ON``; ``nox -s test`` builds it)
 built for the torch that is imported, the four ``*_status`` operators' CUDA kernels are its
-C++ ones (``NATIVE`` is then its path; off by default until they have run on a GPU): the
+C++ ones (``NATIVE`` is then its path; ``KDTREE_TORCH_OPS=0`` keeps the Python ones): the
 library defines the eight operators' schemas (the same as the Python definitions) and the
 CPU kernels, the raising operators' CUDA kernels and the fake kernels below are registered
 on them. A ``*_status`` call then runs no Python between ``torch.ops`` and libkdtree:
@@ -127,9 +127,9 @@ def _caps(max_commit: Tensor | None, batch: int):
 
 def _load_native() -> str | None:
     """Loads libkdtree_torch (the C++ CUDA kernels) from the loaded libkdtree's folder when it
-    was built for this torch and ``KDTREE_TORCH_OPS=1``; returns its path, or None (the
+    was built for this torch and ``KDTREE_TORCH_OPS`` is not ``0``; returns its path, or None (the
     Python kernels stay)."""
-    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT) != "1":
+    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT) == "0":
         return None
     from . import _native
 
@@ -147,9 +147,9 @@ def _load_native() -> str | None:
     return str(path)
 
 
-# Whether the C++ CUDA kernels load without KDTREE_TORCH_OPS set: not until they have run
-# against the tests on a GPU (they compile and register here; their GPU tests are written).
-_NATIVE_DEFAULT = "0"
+# Whether the C++ CUDA kernels load without KDTREE_TORCH_OPS set (KDTREE_TORCH_OPS=0 keeps
+# the Python kernels): yes since their GPU tests passed on an H100 (2026-12-05, 756e857).
+_NATIVE_DEFAULT = "1"
 NATIVE: str | None = _load_native()
 """The path of the loaded libkdtree_torch (the C++ CUDA kernels), or None."""
 
