@@ -70,9 +70,9 @@ for step in "${steps[@]}"; do
         "$OUT/ncu-$kernel.txt" | head -16
     done ;;
   cpp-ops)
-    # the C++ torch-operator kernels' error paths, alone and under gdb where it is installed (a
-    # segmentation fault in the raising topk_logprobs on a NaN row was seen on an H200 on
-    # 2026-12-05, c3ab3b8): the backtrace goes to $OUT/cpp-ops.txt
+    # the torch operators' tests with the C++ kernels, under faulthandler and then under gdb
+    # where it is installed (a C++ raise after the kernels crashed the process on 2026-12-05,
+    # 9d4c2df; since 756e857 only the *_status operators have C++ kernels): $OUT/cpp-ops.txt
     python3 -X faulthandler -m pytest tests_py/test_torch_ops.py -q -p no:cacheprovider -rs > "$OUT/cpp-ops.txt" 2>&1
     say "C++ operator tests: exit $? ($(grep -E '[0-9]+ (passed|failed)' "$OUT/cpp-ops.txt" | tail -1))"
     if command -v gdb > /dev/null; then
