@@ -225,6 +225,28 @@ def test_sampled_verify_and_mask_ops_equal_the_functions():
         assert torch.equal(a, b)
 
 
+def test_ops_take_trees_built_from_logits_that_track_gradients_and_0d_settings():
+    """Drafter logits that require grad (an engine without no_grad) give trees the verify
+    operators read as the detached values; on the CPU the sampled verify's settings may be
+    0-d tensors (one value for every request), equal to the same values as [B] tensors."""
+    drafter, roots, positions, target, width, budget = round_inputs(12)
+    w = drafter.clone().requires_grad_()
+    lp, ids = torch.ops.kdtree.topk_logprobs(w * 1.0, width)
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    plain = [f.detach() for f in fields]
+    got = torch.ops.kdtree.verify_greedy_from_logits(fields, budget, 4, target, [], None)
+    want = torch.ops.kdtree.verify_greedy_from_logits(plain, budget, 4, target, [], None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    one = (torch.tensor(0.7), torch.tensor(11), torch.tensor(3), torch.tensor(0.9), torch.tensor(5, dtype=torch.int32))
+    per = [torch.full((3,), float(x), dtype=x.dtype) for x in one]
+    a = torch.ops.kdtree.verify_sample_from_logits(fields, budget, 4, target, *one, [], None)
+    b = torch.ops.kdtree.verify_sample_from_logits(plain, budget, 4, target, *per, [], None)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    direct = kdtree.verify_sample_from_logits(ops.tree_batch(plain, budget, 4), target.numpy(), 0.7, seed=11,
+                                              offset=3, top_p=0.9, top_k=5)
+    assert np.array_equal(a[0].numpy(), direct.accepted_nodes)
+
+
 def test_tree_attention_op_shapes_and_its_cpu_error():
     """The verify forward's attention as an operator: its fake kernel's shapes (meta
     tensors: what torch.compile propagates) and, on CPU tensors, kdtree's error."""
@@ -379,6 +401,28 @@ def test_cpp_kernels_built_for_another_torch_are_not_loaded(monkeypatch):
         assert ops._load_native() is None
     monkeypatch.setenv("KDTREE_TORCH_OPS", "0")
     assert ops._load_native() is None
+
+
+@pytest.mark.parametrize("value", ["0", "off", "OFF", "false", " no "])
+def test_kdtree_torch_ops_off_keeps_the_python_kernels(monkeypatch, value):
+    monkeypatch.setenv("KDTREE_TORCH_OPS", value)
+    assert ops._load_native() is None
+
+
+def test_a_libkdtree_torch_that_fails_to_load_keeps_the_python_kernels(monkeypatch, tmp_path):
+    """A libkdtree_torch.so beside libkdtree, stamped for this torch, that the loader
+    refuses (here: not a shared library): a warning naming it and KDTREE_TORCH_OPS=0, no
+    exception, the Python kernels kept."""
+    import types
+
+    from kdtree import _native
+
+    (tmp_path / "libkdtree_torch.so").write_bytes(b"not a shared library")
+    (tmp_path / "libkdtree_torch.torch-version").write_text(torch.__version__ + "\n")
+    monkeypatch.setattr(_native, "load", lambda: types.SimpleNamespace(_kdtree_path=str(tmp_path / "libkdtree.so")))
+    monkeypatch.delenv("KDTREE_TORCH_OPS", raising=False)
+    with pytest.warns(UserWarning, match="could not be loaded .*KDTREE_TORCH_OPS=0"):
+        assert ops._load_native() is None
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device (these tests need a GPU)")

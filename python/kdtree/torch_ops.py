@@ -36,7 +36,8 @@ only (``max_commit`` a tensor, not an int or a list). Tested on the CPU eagerly,
 **C++ kernels for CUDA tensors.** Where libkdtree's folder
 holds ``libkdtree_torch.so`` (CMake ``-DKDTREE_TORCH_OPS=ON``; ``nox -s test`` builds it)
 built for the torch that is imported, the four ``*_status`` operators' CUDA kernels are its
-C++ ones (``NATIVE`` is then its path; ``KDTREE_TORCH_OPS=0`` keeps the Python ones): the
+C++ ones (``NATIVE`` is then its path; ``KDTREE_TORCH_OPS=0`` keeps the Python ones, and a
+library that fails to load keeps them with a warning): the
 library defines the eight operators' schemas (the same as the Python definitions) and the
 CPU kernels, the raising operators' CUDA kernels and the fake kernels below are registered
 on them. A ``*_status`` call then runs no Python between ``torch.ops`` and libkdtree:
@@ -84,7 +85,7 @@ def tree_batch(fields, budget: int, depth: int) -> TreeBatch:
     """A TreeBatch over tree fields (TREE_FIELDS order): numpy views for CPU tensors (what
     kdtree's host path takes), the tensors themselves on a GPU."""
     _check_fields(fields)
-    fields = [f if f.is_cuda else f.numpy() for f in fields]
+    fields = [f if f.is_cuda else f.detach().numpy() for f in fields]
     return TreeBatch(**dict(zip(TREE_FIELDS, fields, strict=True)), budget=int(budget), depth=int(depth))
 
 
@@ -127,9 +128,9 @@ def _caps(max_commit: Tensor | None, batch: int):
 
 def _load_native() -> str | None:
     """Loads libkdtree_torch (the C++ CUDA kernels) from the loaded libkdtree's folder when it
-    was built for this torch and ``KDTREE_TORCH_OPS`` is not ``0``; returns its path, or None (the
-    Python kernels stay)."""
-    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT) == "0":
+    was built for this torch, loads, and ``KDTREE_TORCH_OPS`` is not ``0``, ``off``, ``false``
+    or ``no``; returns its path, or None (the Python kernels stay)."""
+    if os.environ.get("KDTREE_TORCH_OPS", _NATIVE_DEFAULT).strip().lower() in _OFF:
         return None
     from . import _native
 
@@ -143,13 +144,19 @@ def _load_native() -> str | None:
         warnings.warn(f"{path} was built for torch {built_for}, this is torch {torch.__version__}: the torch "
                       "operators keep their Python kernels (rebuild with -DKDTREE_TORCH_OPS=ON)", stacklevel=2)
         return None
-    torch.ops.load_library(str(path))
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as exc:
+        warnings.warn(f"{path} could not be loaded ({exc}): the torch operators keep their Python kernels "
+                      "(KDTREE_TORCH_OPS=0 skips it)", stacklevel=2)
+        return None
     return str(path)
 
 
 # Whether the C++ CUDA kernels load without KDTREE_TORCH_OPS set (KDTREE_TORCH_OPS=0 keeps
 # the Python kernels): yes since their GPU tests passed on an H100 (2026-12-05, 756e857).
 _NATIVE_DEFAULT = "1"
+_OFF = ("0", "off", "false", "no")  # KDTREE_TORCH_OPS values that keep the Python kernels
 NATIVE: str | None = _load_native()
 """The path of the loaded libkdtree_torch (the C++ CUDA kernels), or None."""
 
@@ -358,7 +365,9 @@ def _(k_layers, v_layers, prefix_lengths, accepted_nodes, accept_length, bonus_t
 def _settings(x: Tensor | None):
     """A per-request sampling setting as the function takes it: a CUDA tensor as it is
     (float32 / int64 / int32 ``[B]``, checked there), a CPU one as its numpy values."""
-    return None if x is None else (x if x.is_cuda else x.detach().numpy())
+    if x is None or x.is_cuda:
+        return x
+    return x.item() if x.dim() == 0 else x.detach().numpy()
 
 
 def _verify_sample(fields, budget, depth, target_logits, temperature, seed, offset, top_p, top_k, stop_tokens,
