@@ -481,6 +481,22 @@ def test_gpu_ops_equal_the_gpu_functions(dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_ops_read_grad_tracking_tensors_as_their_values():
+    """A target whose logits require grad (a forward outside no_grad) and trees from such
+    drafter logits: the raising operators (Python kernels on CUDA) read them detached, as
+    the *_status ones (C++) do."""
+    drafter, roots, positions, target, width, budget = _cuda(*round_inputs(13)[:4]) + [4, 9]
+    lp, ids = torch.ops.kdtree.topk_logprobs(drafter.clone().requires_grad_() * 1.0, width)
+    fields = list(torch.ops.kdtree.build_trees(lp, ids, budget, roots, positions, -1))
+    tracked = target.clone().requires_grad_() * 1.0
+    got = torch.ops.kdtree.verify_greedy_from_logits(fields, budget, 4, tracked, [], None)
+    *want, status = torch.ops.kdtree.verify_greedy_from_logits_status([f.detach() for f in fields], budget, 4,
+                                                                      target, [], None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and int(status.sum()) == 0
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_op_errors_name_the_argument_or_the_request():
     drafter, roots, positions, target, width, budget = _cuda(*round_inputs(6)[:4]) + [4, 9]
     with pytest.raises(ValueError, match="k must be in"):

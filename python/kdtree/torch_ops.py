@@ -85,7 +85,7 @@ def tree_batch(fields, budget: int, depth: int) -> TreeBatch:
     """A TreeBatch over tree fields (TREE_FIELDS order): numpy views for CPU tensors (what
     kdtree's host path takes), the tensors themselves on a GPU."""
     _check_fields(fields)
-    fields = [f if f.is_cuda else f.detach().numpy() for f in fields]
+    fields = [f.detach() if f.is_cuda else f.detach().numpy() for f in fields]
     return TreeBatch(**dict(zip(TREE_FIELDS, fields, strict=True)), budget=int(budget), depth=int(depth))
 
 
@@ -106,7 +106,7 @@ def _host(x: Tensor):
 
 
 def _arg(x: Tensor | None):
-    return None if x is None else (x if x.is_cuda else _host(x))
+    return None if x is None else (x.detach() if x.is_cuda else _host(x))
 
 
 _TO_INT64 = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32)
@@ -366,7 +366,7 @@ def _settings(x: Tensor | None):
     """A per-request sampling setting as the function takes it: a CUDA tensor as it is
     (float32 / int64 / int32 ``[B]``, checked there), a CPU one as its numpy values."""
     if x is None or x.is_cuda:
-        return x
+        return None if x is None else x.detach()
     return x.item() if x.dim() == 0 else x.detach().numpy()
 
 
